@@ -1,0 +1,130 @@
+"""One configuration for every component: defaults in code, overridden by QUART_* environment
+variables, and by command-line flags where a command offers them (see `add_arguments`)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+def _default_home() -> str:
+    return str(Path.cwd() / ".quart")
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Where runtime state lives: model shards, the password file, logs, pid files.
+    home: str = field(default_factory=_default_home)
+    redis_host: str = "127.0.0.1"
+    redis_port: int = 6390
+    redis_db: int = 0
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8080
+    gateway_user: str = "admin"
+    # Namespace reported for functions; the embedded runtime has just this one.
+    namespace: str = "openfaas-fn"
+    stack_file: str = "stack.yml"
+    # Name of this server (virtual servers on the embedded runtime get their own).
+    server: str = field(default_factory=lambda: os.uname().nodename)
+    # Data plane timing.
+    request_timeout_s: float = 120.0
+    reclaim_idle_ms: int = 5000
+    heartbeat_s: float = 1.0
+    replica_ttl_s: float = 5.0
+    block_ms: int = 500
+    records_maxlen: int = 10000
+    # Bounds on user input.
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_prompt_tokens: int = 2048
+    max_new_tokens: int = 64
+    max_batch: int = 64
+    # What a function replica serves (set per function in stack.yml): the model, and for a
+    # stage function its stage range "a" or "a-b" (b exclusive), and how the replica was started.
+    model: str = ""
+    stages: str = ""
+    started_by: str = "cold"
+    # Stage execution.
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 1
+    # How long a replica being scaled down may take to finish its work.
+    drain_timeout_s: float = 30.0
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{self.redis_host}:{self.redis_port}/{self.redis_db}"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.gateway_host}:{self.gateway_port}"
+
+    @property
+    def models_dir(self) -> Path:
+        return Path(self.home) / "models"
+
+    @property
+    def password_file(self) -> Path:
+        # OpenFaaS's own name for the admin password file.
+        return Path(self.home) / "basic-auth-password"
+
+    def model_dir(self, model: str | None = None) -> Path:
+        return self.models_dir / (model or self.model)
+
+    def stage_range(self) -> tuple[int, int]:
+        """The stage range of a stage function: "2" is [2, 3), "2-4" is [2, 4)."""
+        first, _, last = self.stages.partition("-")
+        a = int(first)
+        return a, int(last) if last else a + 1
+
+    def replace(self, **changes: object) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+def env_name(name: str) -> str:
+    return "QUART_" + name.upper()
+
+
+def _coerce(kind: type, raw: str) -> object:
+    if kind is bool:
+        return raw.lower() in ("1", "true", "yes", "on")
+    return kind(raw)
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    return {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
+
+
+def load_settings(environ: dict[str, str] | None = None, **overrides: object) -> Settings:
+    """Settings from defaults, then QUART_* variables, then explicit overrides (flags)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for f in fields(Settings):
+        raw = environ.get(env_name(f.name))
+        if raw is not None and raw != "":
+            try:
+                values[f.name] = _coerce(_field_type(f), raw)
+            except ValueError as exc:
+                raise SystemExit(f"{env_name(f.name)}={raw!r}: {exc}") from exc
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings(**values)
+
+
+def add_arguments(parser: argparse.ArgumentParser, *names: str) -> None:
+    """Adds --flag options for the named settings; `settings_from_args` applies them."""
+    for f in fields(Settings):
+        if f.name in names:
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                                type=_field_type(f), default=None,
+                                help=f"overrides {env_name(f.name)}")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    names = {f.name for f in fields(Settings)}
+    return load_settings(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """The QUART_* variables that reproduce these settings in a child process."""
+    return {env_name(f.name): str(getattr(settings, f.name)) for f in fields(Settings)}

@@ -1,0 +1,31 @@
+"""Every Redis key the components share. Nothing else in the code base spells a key."""
+from __future__ import annotations
+
+PREFIX = "quart"
+# Consumer group that every replica of a stage joins: one shared queue per stage.
+GROUP = "replicas"
+
+
+def stage_stream(model: str, stage: int) -> str:
+    """Work waiting for stage `stage` of `model` (stream IDs are arrival timestamps)."""
+    return f"{PREFIX}:work:{model}:{stage}"
+
+
+def reply_list(request_id: str) -> str:
+    """Where the last stage pushes the answer for one request."""
+    return f"{PREFIX}:reply:{request_id}"
+
+
+def records_stream(model: str, stage: int) -> str:
+    """Per-request records of one stage (queue wait, service time, replica), capped in length."""
+    return f"{PREFIX}:records:{model}:{stage}"
+
+
+def replica(replica_id: str) -> str:
+    """Hash describing one live replica; expires unless its heartbeat renews it."""
+    return f"{PREFIX}:replica:{replica_id}"
+
+
+def stage_replicas(model: str, stage: int) -> str:
+    """Set of replica ids that have registered for a stage (dead ones are filtered by expiry)."""
+    return f"{PREFIX}:replicas:{model}:{stage}"

@@ -1,0 +1,93 @@
+"""Wire format between stages: a small JSON header plus tensors as safetensors bytes.
+
+Never pickle: safetensors holds only raw tensor bytes with a JSON index, so nothing that arrives
+from the network can run code when it is read.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+# A message is one safetensors blob whose metadata carries the JSON header under this key.
+HEADER_KEY = "quart.header"
+# Field of a stream entry that holds the message.
+MESSAGE_FIELD = b"m"
+CONTENT_TYPE = "application/octet-stream"
+
+
+class BadRequest(ValueError):
+    """Input that a client must fix; answered with an HTTP 4xx and this message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class StageTiming:
+    stage: int
+    replica: str
+    queue_ms: float
+    service_ms: float
+
+
+@dataclass
+class Header:
+    request_id: str
+    model: str
+    stage: int
+    reply_to: str
+    deadline: float
+    enqueued_at: float = field(default_factory=time.time)
+    timings: list[StageTiming] = field(default_factory=list)
+    # Set by a stage that could not process the request; the entry answers with it.
+    error: str | None = None
+    status: int = 200
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Header":
+        data = json.loads(raw)
+        data["timings"] = [StageTiming(**t) for t in data.get("timings", [])]
+        return cls(**data)
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
+
+
+def decode_tensors(raw: bytes) -> dict[str, torch.Tensor]:
+    try:
+        return st_load(raw)
+    except Exception as exc:  # safetensors raises its own error types for any malformed byte
+        raise BadRequest(f"body is not valid safetensors: {exc}") from exc
+
+
+def pack(header: Header, tensors: dict[str, torch.Tensor]) -> bytes:
+    return encode_tensors(tensors, metadata={HEADER_KEY: header.to_json().decode()})
+
+
+def unpack(raw: bytes) -> tuple[Header, dict[str, torch.Tensor]]:
+    header = Header.from_json(read_metadata(raw)[HEADER_KEY])
+    return header, decode_tensors(raw)
+
+
+def read_metadata(raw: bytes) -> dict[str, str]:
+    """The metadata of a safetensors blob: an 8-byte length, then a JSON index."""
+    try:
+        size = int.from_bytes(raw[:8], "little")
+        index = json.loads(raw[8:8 + size])
+        return index.get("__metadata__") or {}
+    except (ValueError, AttributeError) as exc:
+        raise BadRequest(f"message is not valid safetensors: {exc}") from exc
+
+
+def ms_since(t0: float) -> float:
+    return round((time.time() - t0) * 1000.0, 3)

@@ -1,0 +1,80 @@
+"""The manifest of a partitioned model: which units each stage holds and where its shard lies."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from transformers import PretrainedConfig
+
+from pipeline.architectures import architecture
+
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass
+class StageInfo:
+    index: int
+    units: tuple[int, int]          # [first, last) over the manifest's units
+    layers: tuple[int, int]         # [first, last) over the transformer blocks
+    has_embed: bool
+    has_head: bool
+    params: int
+    shard: str                      # file name inside the model directory
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class Manifest:
+    model: str
+    arch: str
+    source: str
+    method: str                     # "balanced" or "uniform"
+    dtype: str
+    config: dict
+    tokenizer: str                  # directory name inside the model directory
+    units: list[dict]               # [{"name", "params"}]
+    stages: list[StageInfo]
+    directory: Path = field(default=Path("."), compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def config_object(self) -> PretrainedConfig:
+        return architecture(self.arch).config_class.from_dict(self.config)
+
+    def shard_path(self, stage: int) -> Path:
+        return self.directory / self.stages[stage].shard
+
+    def tokenizer_path(self) -> Path:
+        return self.directory / self.tokenizer
+
+    def save(self) -> Path:
+        data = asdict(self)
+        data.pop("directory")
+        path = self.directory / MANIFEST_NAME
+        path.write_text(json.dumps(data, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Manifest":
+        directory = Path(directory)
+        path = directory / MANIFEST_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no {MANIFEST_NAME} in {directory}: partition the model first "
+                                    f"(python -m pipeline.partition --help)")
+        data = json.loads(path.read_text())
+        stages = [StageInfo(**{**s, "units": tuple(s["units"]), "layers": tuple(s["layers"])})
+                  for s in data.pop("stages")]
+        return cls(stages=stages, directory=directory, **data)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

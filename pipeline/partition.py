@@ -1,0 +1,128 @@
+"""Partition a model into S pipeline stages: one safetensors shard per stage plus a manifest.
+
+    python -m pipeline.partition --model smollm2 --stages 4
+    python -m pipeline.partition --model random-llama --stages 8 \
+        --random-config '{"hidden_size": 2048, "num_hidden_layers": 24, "intermediate_size": 5632}'
+
+Stage boundaries come from DeepSpeed's `partition_balanced` over per-unit parameter counts
+(units: the embedding, each transformer block, the head), or are uniform over blocks on request.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from contracts.config import add_arguments, settings_from_args
+from pipeline.architectures import EMBED, HEAD, architecture, unit_names
+from pipeline.manifest import Manifest, StageInfo, sha256_file
+from pipeline.sources import Source, load_source
+
+
+def unit_params(source: Source) -> tuple[list[str], list[int], dict[str, dict]]:
+    """Unit names, their parameter counts, and each unit's tensors (full-model names)."""
+    arch = architecture(source.arch)
+    names = unit_names(source.model.config.num_hidden_layers)
+    tensors: dict[str, dict] = {name: {} for name in names}
+    for key, value in source.model.state_dict().items():
+        unit = arch.unit_of(key)
+        if unit is not None:
+            # Tied weights (SmolLM2's head) get their own copy: each stage owns its shard.
+            tensors[unit][key] = value.detach().clone().contiguous()
+    counts = [sum(t.numel() for t in tensors[n].values()) for n in names]
+    return names, counts, tensors
+
+
+def balanced_bounds(counts: list[int], stages: int) -> list[int]:
+    from deepspeed.runtime.utils import partition_balanced
+    return [int(b) for b in partition_balanced(counts, stages)]
+
+
+def uniform_bounds(num_units: int, stages: int) -> list[int]:
+    """Blocks split evenly; the embedding goes with the first stage and the head with the last."""
+    blocks = num_units - 2
+    bounds = [0] + [1 + (blocks * i) // stages for i in range(1, stages)] + [num_units]
+    return bounds
+
+
+def stage_bounds(counts: list[int], stages: int, method: str) -> list[int]:
+    if not 1 <= stages <= len(counts):
+        raise ValueError(f"cannot split {len(counts)} units into {stages} stages")
+    bounds = uniform_bounds(len(counts), stages) if method == "uniform" else balanced_bounds(counts, stages)
+    if any(b >= e for b, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"partition {bounds} leaves a stage empty; use fewer stages")
+    return bounds
+
+
+def partition(source: Source, stages: int, out: Path, method: str = "balanced") -> Manifest:
+    names, counts, tensors = unit_params(source)
+    bounds = stage_bounds(counts, stages, method)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    infos = []
+    for index, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        shard = f"stage-{index:02d}.safetensors"
+        units = names[a:b]
+        state = {k: v for u in units for k, v in tensors[u].items()}
+        save_file(state, str(tmp / shard))
+        blocks = [int(u.split(".")[1]) for u in units if u.startswith("layer.")]
+        first_block = blocks[0] if blocks else _blocks_before(names, a)
+        infos.append(StageInfo(
+            index=index, units=(a, b), layers=(first_block, first_block + len(blocks)),
+            has_embed=EMBED in units, has_head=HEAD in units, params=sum(counts[a:b]),
+            shard=shard, sha256=sha256_file(tmp / shard), bytes=(tmp / shard).stat().st_size))
+    _copy_tokenizer(source.tokenizer_dir, tmp / "tokenizer")
+    manifest = Manifest(
+        model=out.name, arch=source.arch, source=source.name, method=method, dtype="float32",
+        config=source.model.config.to_dict(), tokenizer="tokenizer",
+        units=[{"name": n, "params": c} for n, c in zip(names, counts)], stages=infos, directory=tmp)
+    manifest.save()
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    manifest.directory = out
+    return manifest
+
+
+def _blocks_before(names: list[str], unit: int) -> int:
+    return sum(1 for n in names[:unit] if n.startswith("layer."))
+
+
+def _copy_tokenizer(source_dir: Path, target: Path) -> None:
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(source_dir).save_pretrained(target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="smollm2, minilm, random-llama or random-bert")
+    parser.add_argument("--stages", type=int, required=True)
+    parser.add_argument("--uniform", action="store_true", help="split blocks evenly instead of by parameters")
+    parser.add_argument("--name", help="name of the partitioned model (default: --model)")
+    parser.add_argument("--out", type=Path, help="output directory (default: <home>/models/<name>)")
+    parser.add_argument("--random-config", default="{}", help="JSON config overrides for random-<arch>")
+    parser.add_argument("--seed", type=int, default=0)
+    add_arguments(parser, "home")
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args)
+    out = args.out or settings.models_dir / (args.name or args.model)
+    try:
+        source = load_source(args.model, settings.models_dir / "_sources",
+                             json.loads(args.random_config), args.seed)
+        manifest = partition(source, args.stages, out, "uniform" if args.uniform else "balanced")
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"partition: {exc}", file=sys.stderr)
+        return 2
+    for s in manifest.stages:
+        print(f"stage {s.index}: units {s.units} layers {s.layers} params {s.params:,} "
+              f"{s.bytes / 1e6:.1f} MB {s.sha256[:12]}")
+    print(f"wrote {manifest.directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

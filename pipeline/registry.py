@@ -1,0 +1,70 @@
+"""Replica registration in Redis: a hash per replica that lives only while its heartbeat renews it."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import redis
+
+from contracts import keys
+
+
+@dataclass
+class ReplicaInfo:
+    replica_id: str
+    model: str
+    stage_start: int
+    stage_end: int
+    server: str
+    pid: int
+    device: str
+    cpus: int
+    started_by: str
+    started_at: float
+
+    def stages(self) -> range:
+        return range(self.stage_start, self.stage_end)
+
+
+def register(r: redis.Redis, info: ReplicaInfo, ttl_s: float) -> None:
+    pipe = r.pipeline()
+    key = keys.replica(info.replica_id)
+    pipe.hset(key, mapping={**{k: str(v) for k, v in asdict(info).items()}, "last_seen": str(time.time())})
+    pipe.pexpire(key, int(ttl_s * 1000))
+    for stage in info.stages():
+        pipe.sadd(keys.stage_replicas(info.model, stage), info.replica_id)
+    pipe.execute()
+
+
+def heartbeat(r: redis.Redis, info: ReplicaInfo, ttl_s: float) -> None:
+    """Renews the registration; re-creates it if it expired meanwhile (a long pause)."""
+    key = keys.replica(info.replica_id)
+    if not r.pexpire(key, int(ttl_s * 1000)):
+        register(r, info, ttl_s)
+        return
+    r.hset(key, "last_seen", str(time.time()))
+
+
+def deregister(r: redis.Redis, info: ReplicaInfo) -> None:
+    pipe = r.pipeline()
+    pipe.delete(keys.replica(info.replica_id))
+    for stage in info.stages():
+        pipe.srem(keys.stage_replicas(info.model, stage), info.replica_id)
+    pipe.execute()
+
+
+def live_replicas(r: redis.Redis, model: str, stage: int) -> list[dict[str, str]]:
+    """Registered replicas of a stage whose heartbeat is current; prunes the expired ones."""
+    ids = sorted(m.decode() for m in r.smembers(keys.stage_replicas(model, stage)))
+    pipe = r.pipeline()
+    for rid in ids:
+        pipe.hgetall(keys.replica(rid))
+    live, dead = [], []
+    for rid, data in zip(ids, pipe.execute()):
+        if data:
+            live.append({k.decode(): v.decode() for k, v in data.items()})
+        else:
+            dead.append(rid)
+    if dead:
+        r.srem(keys.stage_replicas(model, stage), *dead)
+    return live

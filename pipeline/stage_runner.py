@@ -1,0 +1,65 @@
+"""Runs a contiguous range of stages [first, last) of a partitioned model in this process."""
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from contracts.wire import BadRequest
+from pipeline.architectures import StageModule, architecture
+from pipeline.manifest import Manifest, sha256_file
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}") from None
+
+
+def load_stage_module(manifest: Manifest, stage: int, verify: bool = True) -> StageModule:
+    """One stage's module with its shard's weights, on the CPU in the shard's dtype."""
+    info = manifest.stages[stage]
+    path = manifest.shard_path(stage)
+    if verify and sha256_file(path) != info.sha256:
+        raise ValueError(f"shard {path} does not match the sha256 in its manifest; re-partition")
+    cls = architecture(manifest.arch).stage_class
+    module = cls(manifest.config_object(), *info.layers, info.has_embed, info.has_head)
+    state = {module.rename(k): v for k, v in load_file(str(path)).items()}
+    module.load_state_dict(state, strict=True)
+    return module.eval()
+
+
+class StageRunner:
+    def __init__(self, manifest: Manifest, first: int, last: int, device: str = "cpu",
+                 dtype: str = "float32", verify: bool = True) -> None:
+        if not 0 <= first < last <= manifest.num_stages:
+            raise ValueError(f"stage range [{first}, {last}) outside 0..{manifest.num_stages}")
+        self.manifest, self.first, self.last = manifest, first, last
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(dtype)
+        self.modules = [load_stage_module(manifest, i, verify).to(self.device, self.dtype)
+                        for i in range(first, last)]
+
+    @property
+    def is_last(self) -> bool:
+        return self.last == self.manifest.num_stages
+
+    def validate(self, tensors: dict[str, torch.Tensor], max_batch: int) -> None:
+        self.modules[0].validate(tensors, max_batch)
+
+    @torch.inference_mode()
+    def run(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tensors = {k: v.to(self.device) for k, v in tensors.items()}
+        for module in self.modules:
+            tensors = module(tensors)
+        return {k: v.cpu() for k, v in tensors.items()}
+
+    def checked_run(self, tensors: dict[str, torch.Tensor], max_batch: int) -> dict[str, torch.Tensor]:
+        self.validate(tensors, max_batch)
+        out = self.run(tensors)
+        if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in out.values()):
+            raise BadRequest("the stage produced NaN or infinity", status=422)
+        return out

@@ -1,0 +1,160 @@
+"""Embedded runtime control.
+
+    python -m runtime up       partition the stack's models if needed, start in the background,
+                               return once every function has its replicas ready
+    python -m runtime down     drain and stop everything, leaving no process behind
+    python -m runtime status   the functions and their replicas
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from contracts.config import Settings, add_arguments, settings_environment, settings_from_args
+from pipeline.manifest import Manifest
+from runtime.client import GatewayClient
+from runtime.functions import REPO_ROOT
+from runtime.stack import read_stack, stage_counts
+
+PID_FILE = "runtime.pid"
+
+
+def ensure_partitioned(settings: Settings) -> None:
+    from pipeline.partition import partition
+    from pipeline.sources import load_source
+    for model, stages in stage_counts(read_stack(Path(settings.stack_file))).items():
+        try:
+            if Manifest.load(settings.model_dir(model)).num_stages == stages:
+                continue
+        except FileNotFoundError:
+            pass
+        print(f"partitioning {model} into {stages} stages ...", flush=True)
+        source = load_source(model, settings.models_dir / "_sources")
+        partition(source, stages, settings.model_dir(model))
+
+
+def _pid(settings: Settings) -> int | None:
+    path = Path(settings.home) / PID_FILE
+    try:
+        pid = int(path.read_text())
+        os.kill(pid, 0)
+        return pid
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+
+
+def up(settings: Settings, timeout: float) -> int:
+    if _pid(settings) is not None:
+        print(f"the runtime is already running (pid file {Path(settings.home) / PID_FILE})")
+        return 0
+    settings = settings.replace(stack_file=str(Path(settings.stack_file).resolve()))
+    ensure_partitioned(settings)
+    home = Path(settings.home)
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO_ROOT)}
+    with open(home / "logs" / "runtime.log", "ab") as log:
+        # Its own session and process group: `down` can end every replica with it.
+        proc = subprocess.Popen([sys.executable, "-m", "runtime.server"], env=env, cwd=REPO_ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    (home / PID_FILE).write_text(str(proc.pid))
+    try:
+        wait_ready(settings, proc, timeout)
+    except RuntimeError as exc:
+        print(f"up: {exc}; see {home / 'logs'}", file=sys.stderr)
+        down(settings)
+        return 1
+    print(f"ready: gateway {settings.gateway_url}, admin password in {settings.password_file}")
+    return 0
+
+
+def wait_ready(settings: Settings, proc: subprocess.Popen, timeout: float) -> None:
+    client = None
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the runtime exited with code {proc.returncode}")
+        if client is None and settings.password_file.exists() and GatewayClient(settings.gateway_url).healthy():
+            client = GatewayClient.for_settings(settings)
+        if client is not None:
+            functions = client.functions()
+            waiting = [f"{f['name']} {f['availableReplicas']}/{f['replicas']}" for f in functions
+                       if f["availableReplicas"] < f["replicas"]]
+            line = f"{len(functions) - len(waiting)}/{len(functions)} functions ready"
+            if line != last:
+                print(line + (f" (waiting: {', '.join(waiting[:4])})" if waiting else ""), flush=True)
+                last = line
+            if functions and not waiting:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"not ready within {timeout:g} s")
+
+
+def down(settings: Settings) -> int:
+    pid = _pid(settings)
+    pid_file = Path(settings.home) / PID_FILE
+    if pid is None:
+        pid_file.unlink(missing_ok=True)
+        print("the runtime is not running")
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + settings.drain_timeout_s + 15
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    # Whatever is left of the runtime's process group (replicas, redis) goes now.
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    pid_file.unlink(missing_ok=True)
+    print("stopped")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        # Reaps it if it is our child (as in tests); otherwise only checks that it exists.
+        if os.waitpid(pid, os.WNOHANG) != (0, 0):
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def status(settings: Settings) -> int:
+    client = GatewayClient.for_settings(settings)
+    if not client.healthy():
+        print("the runtime is not running")
+        return 1
+    print(f"{'function':<16} {'replicas':>8} {'ready':>6} {'invocations':>12}")
+    for f in client.functions():
+        print(f"{f['name']:<16} {f['replicas']:>8} {f['availableReplicas']:>6} {f['invocationCount']:>12}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("up", "down", "status"))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds `up` waits for readiness")
+    add_arguments(parser, "home", "gateway_port", "redis_port", "stack_file")
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args)
+    if args.command == "up":
+        return up(settings, args.timeout)
+    if args.command == "down":
+        return down(settings)
+    return status(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

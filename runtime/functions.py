@@ -1,0 +1,140 @@
+"""The embedded runtime's process manager: each function replica is a local watchdog process.
+Like a Kubernetes Deployment it keeps the desired number of replicas running, replacing ones
+that die; scaling down lets a replica finish its work before it exits."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from itertools import count
+from pathlib import Path
+
+from contracts.config import Settings, settings_environment
+
+log = logging.getLogger("quart.functions")
+_serial = count()
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ReplicaProcess:
+    proc: subprocess.Popen
+    port_file: Path
+    started: float = field(default_factory=time.time)
+    port: int | None = None
+    ready: bool = False
+    draining_since: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+@dataclass
+class FunctionState:
+    deployment: dict
+    handler: Path
+    desired: int
+    created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+    replicas: list[ReplicaProcess] = field(default_factory=list)
+    invocations: int = 0
+    _next: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.deployment["service"]
+
+    def serving(self) -> list[ReplicaProcess]:
+        return [r for r in self.replicas if r.draining_since is None]
+
+    def ready(self) -> list[ReplicaProcess]:
+        return [r for r in self.serving() if r.ready]
+
+    def pick(self) -> ReplicaProcess | None:
+        """Round robin over ready replicas."""
+        ready = self.ready()
+        if not ready:
+            return None
+        self._next = (self._next + 1) % len(ready)
+        return ready[self._next]
+
+
+class ProcessManager:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.run_dir = Path(settings.home) / "run"
+        self.log_dir = Path(settings.home) / "logs"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, fn: FunctionState) -> ReplicaProcess:
+        serial = next(_serial)
+        port_file = self.run_dir / f"{fn.name}.{os.getpid()}.{serial}.port"
+        port_file.unlink(missing_ok=True)
+        env = {**os.environ, **settings_environment(self.settings), **fn.deployment.get("envVars", {}),
+               "PYTHONPATH": str(REPO_ROOT)}
+        cmd = [sys.executable, "-m", "runtime.watchdog", "--handler", str(fn.handler),
+               "--port-file", str(port_file)]
+        with open(self.log_dir / f"{fn.name}.log", "ab") as out:
+            proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+        log.info("started %s replica pid %d", fn.name, proc.pid)
+        replica = ReplicaProcess(proc, port_file)
+        fn.replicas.append(replica)
+        return replica
+
+    def drain(self, replica: ReplicaProcess) -> None:
+        """Asks a replica to finish its work and exit (SIGTERM)."""
+        if replica.draining_since is None:
+            replica.draining_since = time.time()
+            _signal(replica, signal.SIGTERM)
+
+    def reconcile(self, fn: FunctionState) -> None:
+        """Reaps exited replicas, notices ready ones, and starts or drains to the desired count."""
+        for replica in list(fn.replicas):
+            code = replica.proc.poll()
+            if code is not None:
+                fn.replicas.remove(replica)
+                replica.port_file.unlink(missing_ok=True)
+                if replica.draining_since is None:
+                    log.warning("%s replica pid %d exited with code %s; replacing it", fn.name, replica.pid, code)
+            elif replica.draining_since is not None:
+                if time.time() - replica.draining_since > self.settings.drain_timeout_s:
+                    _signal(replica, signal.SIGKILL)
+            elif replica.port is None and replica.port_file.exists():
+                replica.port = int(replica.port_file.read_text())
+        serving = fn.serving()
+        for _ in range(fn.desired - len(serving)):
+            self.spawn(fn)
+        # Scale down: the replicas that are not ready yet go first, then the newest.
+        surplus = sorted(serving, key=lambda r: (r.ready, r.started))[: max(0, len(serving) - fn.desired)]
+        for replica in surplus:
+            self.drain(replica)
+
+    def stop_all(self, functions: list[FunctionState], timeout: float) -> None:
+        for fn in functions:
+            fn.desired = 0
+            for replica in fn.replicas:
+                self.drain(replica)
+        deadline = time.time() + timeout
+        for fn in functions:
+            for replica in fn.replicas:
+                try:
+                    replica.proc.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    _signal(replica, signal.SIGKILL)
+                    replica.proc.wait()
+                replica.port_file.unlink(missing_ok=True)
+            fn.replicas.clear()
+
+
+def _signal(replica: ReplicaProcess, sig: int) -> None:
+    try:
+        replica.proc.send_signal(sig)
+    except ProcessLookupError:
+        pass

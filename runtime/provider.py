@@ -1,0 +1,328 @@
+"""The embedded runtime's local provider: the OpenFaaS gateway REST API
+(shared/openfaas/spec.openapi.yml) over local replica processes. `/system/*` needs basic auth."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hmac
+import json
+import logging
+import os
+import platform
+import secrets
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from contracts.config import Settings
+from runtime.functions import FunctionState, ProcessManager
+from runtime.stack import NAME_RE, StackFunction
+
+log = logging.getLogger("quart.provider")
+VERSION = "0.1.0"
+SCALE_MIN_LABEL = "com.openfaas.scale.min"
+SCALE_MAX_LABEL = "com.openfaas.scale.max"
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "authorization"}
+
+
+def error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+class BadDeployment(ValueError):
+    pass
+
+
+class LocalProvider:
+    def __init__(self, settings: Settings, stack: list[StackFunction], password: str,
+                 max_replicas: int = 16) -> None:
+        self.settings = settings
+        self.password = password
+        self.max_replicas = max_replicas
+        # The local provider runs handlers, not images: an image is known by the stack entry
+        # that builds it.
+        self.handlers = {f.deployment["image"]: f.handler for f in stack}
+        self.functions: dict[str, FunctionState] = {}
+        # Deleted functions whose replicas are still finishing their work.
+        self._draining: list[FunctionState] = []
+        self.processes = ProcessManager(settings)
+        self.registry = CollectorRegistry()
+        self.invocations = Counter("gateway_function_invocation", "Function invocations",
+                                   ("function_name", "code"), registry=self.registry)
+        self.seconds = Histogram("gateway_functions_seconds", "Function invocation time",
+                                 ("function_name", "code"), registry=self.registry)
+        self._session: aiohttp.ClientSession | None = None
+        self._reconciler: asyncio.Task | None = None
+
+    # -- function lifecycle --------------------------------------------------------------------
+
+    def deploy(self, deployment: dict, update: bool = False) -> None:
+        deployment = self._validated(deployment)
+        name = deployment["service"]
+        existing = self.functions.get(name)
+        if update and existing is None:
+            raise KeyError(name)
+        if not update and existing is not None:
+            raise BadDeployment(f"function {name!r} already exists; update it with PUT")
+        desired = self._initial_replicas(deployment)
+        fn = FunctionState(deployment, self.handlers[deployment["image"]], desired)
+        if existing is not None:
+            # An update replaces every replica: new ones start, the old ones drain.
+            fn.desired, fn.created_at, fn.invocations = existing.desired, existing.created_at, existing.invocations
+            for replica in existing.replicas:
+                self.processes.drain(replica)
+            fn.replicas = existing.replicas
+        self.functions[name] = fn
+        for _ in range(fn.desired):
+            self.processes.spawn(fn)
+
+    def _validated(self, d: object) -> dict:
+        if not isinstance(d, dict):
+            raise BadDeployment("the body must be a FunctionDeployment object")
+        for key in ("service", "image"):
+            if not isinstance(d.get(key), str) or not d[key]:
+                raise BadDeployment(f"'{key}' is required and must be a string")
+        if not NAME_RE.match(d["service"]) or len(d["service"]) > 63:
+            raise BadDeployment(f"service {d['service']!r} is not a valid DNS-1123 label")
+        if d["image"] not in self.handlers:
+            raise BadDeployment(f"image {d['image']!r} is unknown to the local provider, which runs "
+                                f"the handlers of its stack file: {sorted(self.handlers)}")
+        for key in ("envVars", "labels", "annotations", "limits", "requests"):
+            value = d.get(key)
+            if value is not None and (not isinstance(value, dict)
+                                      or not all(isinstance(v, str) for v in value.values())):
+                raise BadDeployment(f"'{key}' must be an object of strings")
+        return d
+
+    def _initial_replicas(self, d: dict) -> int:
+        raw = (d.get("labels") or {}).get(SCALE_MIN_LABEL, "1")
+        try:
+            return max(1, min(int(raw), self._max_for(d)))
+        except ValueError:
+            raise BadDeployment(f"label {SCALE_MIN_LABEL}={raw!r} is not an integer") from None
+
+    def _max_for(self, d: dict) -> int:
+        raw = (d.get("labels") or {}).get(SCALE_MAX_LABEL)
+        return min(int(raw), self.max_replicas) if raw and raw.isdigit() else self.max_replicas
+
+    def scale(self, name: str, replicas: int) -> None:
+        fn = self.functions[name]
+        limit = self._max_for(fn.deployment)
+        if not 0 <= replicas <= limit:
+            raise BadDeployment(f"replicas must be in 0..{limit}, got {replicas}")
+        fn.desired = replicas
+        self.processes.reconcile(fn)
+
+    def delete(self, name: str) -> None:
+        fn = self.functions.pop(name)
+        for replica in fn.replicas:
+            self.processes.drain(replica)
+        self._draining.append(fn)
+
+    def status(self, fn: FunctionState) -> dict:
+        d = fn.deployment
+        out = {
+            "name": fn.name, "image": d["image"], "namespace": self.settings.namespace,
+            "envProcess": d.get("envProcess", ""), "envVars": d.get("envVars") or {},
+            "labels": d.get("labels") or {}, "annotations": d.get("annotations") or {},
+            "invocationCount": fn.invocations, "replicas": fn.desired,
+            "availableReplicas": len(fn.ready()), "createdAt": fn.created_at,
+        }
+        for key in ("limits", "requests", "constraints", "secrets"):
+            if d.get(key) is not None:
+                out[key] = d[key]
+        return out
+
+    # -- background work -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+            total=self.settings.request_timeout_s + 10))
+        self._reconciler = asyncio.create_task(self._reconcile_forever())
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            for fn in list(self.functions.values()) + self._draining:
+                self.processes.reconcile(fn)
+                await self._probe(fn)
+            self._draining = [fn for fn in self._draining if fn.replicas]
+            await asyncio.sleep(0.2)
+
+    async def _probe(self, fn: FunctionState) -> None:
+        for replica in fn.serving():
+            if replica.port is None:
+                continue
+            try:
+                async with self._session.get(f"http://127.0.0.1:{replica.port}/_/health",
+                                             timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    replica.ready = resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                replica.ready = False
+
+    async def stop(self) -> None:
+        if self._reconciler:
+            self._reconciler.cancel()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.processes.stop_all,
+                                   list(self.functions.values()) + self._draining,
+                                   self.settings.drain_timeout_s)
+        if self._session:
+            await self._session.close()
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=self.settings.max_body_bytes + 1)
+        r = app.router
+        r.add_get("/healthz", lambda _: web.Response(text="OK"))
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/system/info", self._info)
+        r.add_get("/system/functions", self._list)
+        r.add_post("/system/functions", self._deploy)
+        r.add_put("/system/functions", self._update)
+        r.add_delete("/system/functions", self._delete)
+        r.add_get("/system/function/{name}", self._get)
+        r.add_post("/system/scale-function/{name}", self._scale)
+        r.add_get("/system/namespaces", lambda _: web.json_response([self.settings.namespace]))
+        r.add_route("*", "/function/{name}", self._invoke)
+        r.add_route("*", "/function/{name}/{tail:.*}", self._invoke)
+        app.on_startup.append(lambda _: self.start())
+        app.on_shutdown.append(lambda _: self.stop())
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.path.startswith("/system/") and not self._authorized(request):
+            return web.json_response({"error": "unauthorized: /system/* needs basic auth"}, status=401,
+                                     headers={"WWW-Authenticate": 'Basic realm="Restricted"'})
+        return await handler(request)
+
+    def _authorized(self, request: web.Request) -> bool:
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            user, _, password = base64.b64decode(value, validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        expected = f"{self.settings.gateway_user}:{self.password}".encode()
+        return hmac.compare_digest(f"{user}:{password}".encode(), expected)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+
+    async def _info(self, _: web.Request) -> web.Response:
+        version = {"sha": "local", "release": VERSION}
+        return web.json_response({
+            "provider": {"provider": "quart-local", "orchestration": "processes", "version": version},
+            "version": version, "arch": platform.machine()})
+
+    async def _list(self, _: web.Request) -> web.Response:
+        return web.json_response([self.status(fn) for fn in self.functions.values()])
+
+    async def _get(self, request: web.Request) -> web.Response:
+        fn = self.functions.get(request.match_info["name"])
+        if fn is None:
+            return error(404, f"function {request.match_info['name']!r} not found")
+        return web.json_response(self.status(fn))
+
+    async def _body(self, request: web.Request) -> object:
+        try:
+            return json.loads(await request.read())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadDeployment(f"malformed JSON: {exc}") from exc
+
+    async def _deploy(self, request: web.Request) -> web.Response:
+        try:
+            self.deploy(await self._body(request))
+        except BadDeployment as exc:
+            return error(400, str(exc))
+        return web.Response(status=202)
+
+    async def _update(self, request: web.Request) -> web.Response:
+        try:
+            self.deploy(await self._body(request), update=True)
+        except BadDeployment as exc:
+            return error(400, str(exc))
+        except KeyError as exc:
+            return error(404, f"function {exc.args[0]!r} not found")
+        return web.Response(status=200)
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+        except BadDeployment as exc:
+            return error(400, str(exc))
+        name = body.get("functionName") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            return error(400, "'functionName' is required and must be a string")
+        if name not in self.functions:
+            return error(404, f"function {name!r} not found")
+        self.delete(name)
+        return web.Response(status=200)
+
+    async def _scale(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in self.functions:
+            return error(404, f"function {name!r} not found")
+        try:
+            body = await self._body(request)
+            replicas = body.get("replicas") if isinstance(body, dict) else None
+            if not isinstance(replicas, int) or isinstance(replicas, bool):
+                raise BadDeployment("'replicas' is required and must be an integer")
+            self.scale(name, replicas)
+        except BadDeployment as exc:
+            return error(400, str(exc))
+        return web.Response(status=202)
+
+    async def _invoke(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        name, _, namespace = name.partition(".")
+        fn = self.functions.get(name)
+        if fn is None or namespace not in ("", self.settings.namespace):
+            return error(404, f"function {request.match_info['name']!r} not found")
+        started = time.time()
+        response = await self._forward(fn, request)
+        fn.invocations += 1
+        code = str(response.status)
+        self.invocations.labels(name, code).inc()
+        self.seconds.labels(name, code).observe(time.time() - started)
+        return response
+
+    async def _forward(self, fn: FunctionState, request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        tail = request.match_info.get("tail", "")
+        # A replica that refuses the connection (it just died) is skipped for the next one.
+        for _ in range(max(1, len(fn.ready()))):
+            replica = fn.pick()
+            if replica is None:
+                break
+            url = f"http://127.0.0.1:{replica.port}/{tail}"
+            try:
+                async with self._session.request(request.method, url, data=body, headers=headers,
+                                                 params=request.query) as resp:
+                    payload = await resp.read()
+                    out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+                    return web.Response(status=resp.status, body=payload, headers=out_headers)
+            except aiohttp.ClientConnectionError:
+                replica.ready = False
+            except asyncio.TimeoutError:
+                return error(504, f"function {fn.name!r} did not answer in time")
+        return error(503, f"function {fn.name!r} has no ready replica")
+
+
+def read_or_create_password(path: Path) -> str:
+    """OpenFaaS's basic-auth-password file, created on first start and readable only by its owner."""
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password

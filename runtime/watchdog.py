@@ -1,0 +1,147 @@
+"""Runs one function replica: serves a handler of OpenFaaS's python3-http template shape,
+`handle(event, context)` returning {"statusCode", "body", "headers"}, over HTTP, like the
+template's watchdog does. It also answers the watchdog's health path and Prometheus metrics.
+
+    python -m runtime.watchdog --handler functions/stage --port-file /tmp/p
+
+Optional handler hooks: `ready()` (health), `shutdown()` (called on SIGTERM before exiting,
+so a replica being scaled down finishes its work first).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from contracts.config import load_settings
+
+HEALTH_PATH = "/_/health"
+METRICS_PATH = "/metrics"
+log = logging.getLogger("quart.watchdog")
+
+
+class Event:
+    """What python3-http's handler receives."""
+
+    def __init__(self, request: web.Request, body: bytes) -> None:
+        self.body = body
+        self.headers = request.headers
+        self.method = request.method
+        self.query = request.query
+        self.path = request.path
+
+
+class Context:
+    def __init__(self) -> None:
+        self.hostname = socket.gethostname()
+
+
+def load_handler(folder: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"handler_{folder.name}", folder / "handler.py")
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no handler.py in {folder}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _response(result: object) -> web.Response:
+    if not isinstance(result, dict):
+        result = {"body": result}
+    status = int(result.get("statusCode", 200))
+    headers = dict(result.get("headers") or {})
+    body = result.get("body", b"")
+    if isinstance(body, (dict, list)):
+        body = json.dumps(body).encode()
+        headers.setdefault("Content-Type", "application/json")
+    elif isinstance(body, str):
+        body = body.encode()
+    return web.Response(status=status, body=body, headers=headers)
+
+
+def build_app(handler: ModuleType, max_body: int) -> web.Application:
+    is_async = inspect.iscoroutinefunction(handler.handle)
+
+    async def health(_: web.Request) -> web.Response:
+        ready = getattr(handler, "ready", lambda: True)()
+        return web.Response(status=200 if ready else 503, text="OK" if ready else "starting")
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def invoke(request: web.Request) -> web.Response:
+        if request.content_length is not None and request.content_length > max_body:
+            return _too_large(max_body)
+        body = await request.content.read(max_body + 1)
+        if len(body) > max_body:
+            return _too_large(max_body)
+        event, context = Event(request, body), Context()
+        if is_async:
+            result = await handler.handle(event, context)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(None, handler.handle, event, context)
+        return _response(result)
+
+    app = web.Application(client_max_size=max_body + 1)
+    app.router.add_get(HEALTH_PATH, health)
+    app.router.add_get(METRICS_PATH, metrics)
+    app.router.add_route("*", "/{tail:.*}", invoke)
+    return app
+
+
+def _too_large(limit: int) -> web.Response:
+    return web.json_response({"error": f"body larger than {limit} bytes"}, status=413)
+
+
+async def serve(handler: ModuleType, host: str, port_file: Path | None, max_body: int) -> None:
+    runner = web.AppRunner(build_app(handler, max_body), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    if port_file is not None:
+        # Written last and atomically: its presence tells the provider the replica is listening.
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.rename(port_file)
+    log.info("listening on %s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Drain first (the handler finishes the work in hand), then stop answering HTTP.
+    shutdown = getattr(handler, "shutdown", None)
+    if shutdown is not None:
+        await loop.run_in_executor(None, shutdown)
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--handler", type=Path, required=True, help="folder holding handler.py")
+    parser.add_argument("--port-file", type=Path, help="file to write the listening port to")
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("QUART_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = load_settings()
+    handler = load_handler(args.handler.resolve())
+    asyncio.run(serve(handler, args.host, args.port_file, settings.max_body_bytes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

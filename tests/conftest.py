@@ -1,0 +1,69 @@
+"""Shared fixtures: real weights partitioned on disk, and one real embedded runtime (redis-server,
+local provider, replica processes) for the HTTP tests."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from contracts.config import Settings, load_settings
+from pipeline.manifest import Manifest
+from pipeline.partition import partition
+from pipeline.sources import Source, load_source
+
+REPO = Path(__file__).resolve().parent.parent
+# Kept between runs (ignored by git) so that a second local run skips conversion and partitioning.
+TEST_HOME = Path(os.environ.get("QUART_TEST_HOME", REPO / ".quart" / "test"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def home_settings() -> Settings:
+    return load_settings(environ={}, home=str(TEST_HOME))
+
+
+@pytest.fixture(scope="session")
+def sources(home_settings: Settings) -> dict[str, Source]:
+    cache = home_settings.models_dir / "_sources"
+    return {name: load_source(name, cache) for name in ("smollm2", "minilm")}
+
+
+@pytest.fixture(scope="session")
+def partitioned(home_settings: Settings, sources: dict[str, Source]):
+    """partitioned(model, stages) -> Manifest, partitioning once per session and layout."""
+    def get(model: str, stages: int, method: str = "balanced") -> Manifest:
+        name = model if (model, stages) in (("smollm2", 4), ("minilm", 3)) and method == "balanced" \
+            else f"{model}-{stages}-{method}"
+        out = home_settings.model_dir(name)
+        try:
+            manifest = Manifest.load(out)
+            if manifest.num_stages == stages and manifest.method == method:
+                return manifest
+        except FileNotFoundError:
+            pass
+        return partition(sources[model], stages, out, method)
+    return get
+
+
+@pytest.fixture(scope="session")
+def runtime(home_settings: Settings, partitioned):
+    """The embedded runtime on free ports, started with `python -m runtime up`, as a user would."""
+    from runtime import __main__ as control
+    partitioned("smollm2", 4)
+    partitioned("minilm", 3)
+    settings = home_settings.replace(
+        gateway_port=free_port(), redis_port=free_port(), stack_file=str(REPO / "stack.yml"),
+        request_timeout_s=30.0, reclaim_idle_ms=2000, drain_timeout_s=20.0, max_prompt_tokens=256)
+    # `up` hands these settings to the runtime, which hands them to every replica.
+    try:
+        assert control.up(settings, timeout=600) == 0, "the embedded runtime did not come up"
+        yield settings
+    finally:
+        control.down(settings)

@@ -1,0 +1,55 @@
+"""Checks requests to and responses of the local provider against the OpenFaaS gateway spec."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+from openapi_core import OpenAPI
+from openapi_core.testing import MockRequest, MockResponse
+
+from runtime.client import GatewayClient, Reply
+
+SPEC = Path(os.environ.get("QUART_OPENFAAS_SPEC",
+                           Path(__file__).resolve().parents[2] / "shared" / "openfaas" / "spec.openapi.yml"))
+# The spec's own server: requests are matched against its paths, whatever port the test uses.
+SPEC_HOST = "http://localhost:8080"
+# Answers the spec does not list: basic auth's 401, which its basicAuth security scheme implies.
+UNLISTED_ALLOWED = {401}
+
+
+@lru_cache(maxsize=1)
+def spec() -> OpenAPI:
+    if not SPEC.is_file():
+        raise FileNotFoundError(f"OpenFaaS spec not found at {SPEC}; set QUART_OPENFAAS_SPEC")
+    return OpenAPI.from_file_path(str(SPEC))
+
+
+@lru_cache(maxsize=1)
+def _raw_spec() -> dict:
+    return yaml.safe_load(SPEC.read_text())
+
+
+def _listed_statuses(method: str, pattern: str) -> set[int]:
+    operation = _raw_spec()["paths"][pattern][method.lower()]
+    return {int(code) for code in operation["responses"]}
+
+
+def checked(client: GatewayClient, method: str, path: str, pattern: str, body: bytes | dict | list | None = None,
+            auth: bool = True, content_type: str = "application/json") -> Reply:
+    """Sends a request, and asserts that it and its answer are what the spec says."""
+    import json
+    raw = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
+    reply = client.request(method, path, raw, headers={"Content-Type": content_type} if raw is not None else None,
+                           auth=auth)
+    if reply.status in UNLISTED_ALLOWED:
+        return reply
+    assert reply.status in _listed_statuses(method, pattern), \
+        f"{method} {path} answered {reply.status}, which the spec does not list for {pattern}"
+    request = MockRequest(SPEC_HOST, method, path, path_pattern=pattern, data=raw,
+                          content_type=content_type)
+    response = MockResponse(reply.body, reply.status,
+                            content_type=reply.headers.get("Content-Type", "application/json").split(";")[0])
+    spec().validate_response(request, response)
+    return reply

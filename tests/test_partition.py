@@ -1,0 +1,67 @@
+"""Partitioning: boundaries, manifests and shards."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from pipeline.manifest import Manifest, sha256_file
+from pipeline.partition import balanced_bounds, stage_bounds, uniform_bounds
+from pipeline.stage_runner import StageRunner
+
+
+def test_uniform_bounds_put_embedding_first_and_head_last():
+    assert uniform_bounds(32, 4) == [0, 8, 16, 23, 32]
+    assert uniform_bounds(8, 1) == [0, 8]
+
+
+def test_balanced_bounds_follow_deepspeed():
+    # A heavy embedding and head make the outer stages hold fewer blocks.
+    bounds = balanced_bounds([28] + [3] * 30 + [28], 4)
+    assert bounds[0] == 0 and bounds[-1] == 32 and len(bounds) == 5
+    sizes = [sum(([28] + [3] * 30 + [28])[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert max(sizes) - min(sizes) <= 28
+
+
+@pytest.mark.parametrize("stages", [0, 40])
+def test_impossible_stage_counts_are_refused(stages):
+    with pytest.raises(ValueError):
+        stage_bounds([1] * 32, stages, "balanced")
+
+
+def test_manifest_describes_its_shards(partitioned):
+    manifest = partitioned("smollm2", 4)
+    stages = manifest.stages
+    assert stages[0].has_embed and stages[-1].has_head
+    assert stages[0].units[0] == 0 and stages[-1].units[1] == len(manifest.units)
+    for a, b in zip(stages, stages[1:]):
+        assert a.units[1] == b.units[0] and a.layers[1] == b.layers[0]
+    assert stages[-1].layers[1] == manifest.config["num_hidden_layers"] == 30
+    assert sum(s.params for s in stages) == sum(u["params"] for u in manifest.units)
+    for s in stages:
+        path = manifest.shard_path(s.index)
+        assert sha256_file(path) == s.sha256 and path.stat().st_size == s.bytes
+        with safe_open(str(path), "pt") as f:
+            assert sum(_numel(f.get_slice(k).get_shape()) for k in f.keys()) == s.params
+    assert (manifest.tokenizer_path() / "tokenizer.json").is_file()
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_a_changed_shard_is_refused(partitioned, tmp_path):
+    manifest = partitioned("minilm", 3)
+    data = json.loads((manifest.directory / "manifest.json").read_text())
+    data["stages"][1]["sha256"] = "0" * 64
+    copy = tmp_path / "minilm"
+    copy.mkdir()
+    (copy / "manifest.json").write_text(json.dumps(data))
+    for s in manifest.stages:
+        (copy / s.shard).symlink_to(manifest.shard_path(s.index))
+    with pytest.raises(ValueError, match="sha256"):
+        StageRunner(Manifest.load(copy), 1, 2)

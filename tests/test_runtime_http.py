@@ -1,0 +1,302 @@
+"""End to end over HTTP through the local provider, against real replica processes and a real
+redis-server, as a user would call it."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import redis
+import torch
+from transformers import AutoTokenizer
+
+from contracts import keys
+from contracts.wire import decode_tensors, encode_tensors
+from pipeline.architectures import mean_pool_normalize
+from pipeline.registry import live_replicas
+from runtime.client import GatewayClient
+from tests.openapi_check import checked
+
+
+@pytest.fixture(scope="module")
+def client(runtime) -> GatewayClient:
+    return GatewayClient.for_settings(runtime)
+
+
+@pytest.fixture(scope="module")
+def r(runtime) -> redis.Redis:
+    return redis.Redis(host=runtime.redis_host, port=runtime.redis_port)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(partitioned):
+    return AutoTokenizer.from_pretrained(partitioned("smollm2", 4).tokenizer_path())
+
+
+def reference_greedy(sources, ids: list[int], max_new: int) -> list[int]:
+    model = sources["smollm2"].model
+    eos = model.config.eos_token_id
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(ids):].tolist()
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def available(client: GatewayClient, name: str) -> int:
+    return client.request("GET", f"/system/function/{name}").json()["availableReplicas"]
+
+
+def scale_and_wait(client: GatewayClient, r: redis.Redis, name: str, replicas: int, stage: int | None) -> None:
+    assert checked(client, "POST", f"/system/scale-function/{name}", "/system/scale-function/{functionName}",
+                   {"serviceName": name, "namespace": "openfaas-fn", "replicas": replicas}).status == 202
+    wait_until(lambda: available(client, name) == replicas, 120, f"{name} at {replicas} replicas")
+    if stage is not None:
+        model = name.rsplit("-s", 1)[0]
+        wait_until(lambda: len(live_replicas(r, model, stage)) == replicas, 30, f"{name} registry at {replicas}")
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+def test_smollm2_answers_like_the_unsplit_model(client, sources, tokenizer):
+    prompt = "The three primary colours are"
+    reply = client.invoke("smollm2", {"prompt": prompt, "max_new_tokens": 8})
+    assert reply.status == 200, reply.body
+    answer = reply.json()
+    expected = reference_greedy(sources, tokenizer(prompt)["input_ids"], 8)
+    assert answer["token_ids"] == expected
+    assert answer["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert [s["stage"] for s in answer["stages"]] == [0, 1, 2, 3]
+    assert all(s["replica"].startswith(f"smollm2-s{s['stage']}.") for s in answer["stages"])
+    assert all(s["queue_ms"] >= 0 and s["service_ms"] > 0 for s in answer["stages"])
+    assert answer["latency_ms"] > 0
+
+
+def test_chat_messages_use_the_chat_template(client, sources, tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of Italy?"}]
+    reply = client.invoke("smollm2", {"messages": messages, "max_new_tokens": 6})
+    assert reply.status == 200, reply.body
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
+    assert reply.json()["token_ids"] == reference_greedy(sources, ids, 6)
+
+
+def test_minilm_embeds_like_sentence_transformers(client, sources, partitioned):
+    texts = ["a cat sits on the mat", "stage-level autoscaling of pipelines"]
+    reply = client.invoke("minilm", {"inputs": texts})
+    assert reply.status == 200, reply.body
+    got = torch.tensor(reply.json()["embeddings"])
+    tok = AutoTokenizer.from_pretrained(partitioned("minilm", 3).tokenizer_path())
+    enc = tok(texts, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        expected = mean_pool_normalize(sources["minilm"].model(**enc).last_hidden_state, enc["attention_mask"])
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_direct_stage_invoke_matches_the_stage(client, partitioned):
+    from pipeline.stage_runner import StageRunner
+    hidden = torch.randn(1, 5, 576)
+    reply = client.invoke("smollm2-s1", encode_tensors({"hidden": hidden}))
+    assert reply.status == 200, reply.body
+    got = decode_tensors(reply.body)["hidden"]
+    expected = StageRunner(partitioned("smollm2", 4), 1, 2).run({"hidden": hidden})["hidden"]
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_prometheus_metrics_of_a_stage(client):
+    client.invoke("smollm2", {"prompt": "Hi", "max_new_tokens": 1})
+    metrics = client.request("GET", "/function/smollm2-s0/metrics", auth=False)
+    assert metrics.status == 200
+    assert b'quart_stage_requests_total{model="smollm2",outcome="ok",stage="0"}' in metrics.body
+    gateway = client.request("GET", "/metrics", auth=False)
+    assert gateway.status == 200 and b"gateway_function_invocation_total" in gateway.body
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+BAD_MODEL_REQUESTS = [
+    ("smollm2", b"{not json", 400, "malformed JSON"),
+    ("smollm2", b"[1,2]", 400, "JSON object"),
+    ("smollm2", {"prompt": 42}, 400, "must be a string"),
+    ("smollm2", {"prompt": ""}, 400, "empty"),
+    ("smollm2", {"prompt": "word " * 600}, 413, "tokens"),
+    ("smollm2", {"prompt": "x", "max_new_tokens": 100000}, 400, "max_new_tokens"),
+    ("smollm2", {"messages": [{"role": "alien", "content": "x"}]}, 400, "role"),
+    ("minilm", {"inputs": "not a list"}, 400, "inputs"),
+    ("minilm", {"inputs": [None]}, 400, "inputs[0]"),
+    ("no-such-model", {"prompt": "x"}, 404, "not found"),
+]
+
+
+@pytest.mark.parametrize("function,body,status,text", BAD_MODEL_REQUESTS)
+def test_bad_requests_get_a_clear_4xx(client, function, body, status, text):
+    reply = client.invoke(function, body)
+    assert reply.status == status, reply.body
+    assert text in reply.json()["error"]
+
+
+def test_oversized_bodies_are_refused(client, runtime):
+    reply = client.invoke("smollm2", b"x" * (runtime.max_body_bytes + 10))
+    assert reply.status == 413
+
+
+BAD_TENSORS = [
+    ({"hidden": torch.randn(1, 5, 100)}, "width"),
+    ({"hidden": torch.ones(1, 5, 576, dtype=torch.int64)}, "dtype"),
+    ({"hidden": torch.randn(5, 576)}, "dimensions"),
+    ({"hidden": torch.full((1, 3, 576), float("nan"))}, "NaN"),
+    ({"other": torch.randn(1, 5, 576)}, "missing tensor"),
+    ({"hidden": torch.randn(1, 5, 576), "attention_mask": torch.ones(1, 4, dtype=torch.long)}, "attention_mask"),
+]
+
+
+@pytest.mark.parametrize("tensors,text", BAD_TENSORS)
+def test_bad_tensors_in_a_direct_invoke(client, tensors, text):
+    reply = client.invoke("smollm2-s1", encode_tensors(tensors))
+    assert 400 <= reply.status < 500 and text in reply.json()["error"], reply.body
+
+
+def test_garbage_bytes_and_wrong_methods_in_a_direct_invoke(client):
+    reply = client.invoke("smollm2-s2", b"\x00\x01garbage")
+    assert reply.status == 400 and "safetensors" in reply.json()["error"]
+    out_of_vocab = client.invoke("smollm2-s0", encode_tensors({"input_ids": torch.tensor([[10 ** 6]])}))
+    assert out_of_vocab.status == 400 and "out of range" in out_of_vocab.json()["error"]
+    assert client.request("GET", "/function/smollm2-s1", auth=False).status == 405
+    # The replica is still serving after all of that.
+    assert client.invoke("smollm2", {"prompt": "Hello", "max_new_tokens": 1}).status == 200
+
+
+# -- the gateway API and its auth --------------------------------------------------------------
+
+def test_auth_rules(client, runtime):
+    anonymous = GatewayClient(runtime.gateway_url)
+    wrong = GatewayClient(runtime.gateway_url, "admin", "wrong")
+    for c in (anonymous, wrong):
+        reply = c.request("GET", "/system/functions")
+        assert reply.status == 401 and "Basic" in reply.headers.get("WWW-Authenticate", "")
+        assert c.scale("smollm2-s1", 3).status == 401
+    assert anonymous.request("GET", "/healthz").status == 200
+    assert client.request("GET", "/system/functions").status == 200
+    mode = runtime.password_file.stat().st_mode & 0o777
+    assert mode == 0o600
+
+
+def test_system_endpoints_follow_the_spec(client):
+    assert checked(client, "GET", "/healthz", "/healthz", auth=False).status == 200
+    assert checked(client, "GET", "/system/info", "/system/info").status == 200
+    listing = checked(client, "GET", "/system/functions", "/system/functions").json()
+    names = {f["name"] for f in listing}
+    assert {"smollm2", "minilm", "smollm2-s0", "smollm2-s3", "minilm-s2"} <= names
+    one = checked(client, "GET", "/system/function/smollm2-s0", "/system/function/{functionName}").json()
+    assert one["replicas"] == 1 and one["availableReplicas"] == 1
+    assert checked(client, "GET", "/system/function/nope", "/system/function/{functionName}").status == 404
+    existing = {"service": "smollm2-s0", "image": "quart/stage:0.1.0"}
+    assert checked(client, "POST", "/system/functions", "/system/functions", existing).status == 400
+    unknown_image = {"service": "other", "image": "docker.io/library/nginx:latest"}
+    assert checked(client, "POST", "/system/functions", "/system/functions", unknown_image).status == 400
+    assert checked(client, "POST", "/system/functions", "/system/functions", {"image": "x"}).status == 400
+    missing = {"service": "ghost", "image": "quart/stage:0.1.0"}
+    assert checked(client, "PUT", "/system/functions", "/system/functions", missing).status == 404
+    assert checked(client, "DELETE", "/system/functions", "/system/functions", {"functionName": "ghost"}).status == 404
+    path = "/system/scale-function/{functionName}"
+    assert checked(client, "POST", "/system/scale-function/ghost", path,
+                   {"serviceName": "ghost", "namespace": "openfaas-fn", "replicas": 1}).status == 404
+    assert checked(client, "POST", "/system/scale-function/smollm2-s1", path,
+                   {"serviceName": "smollm2-s1", "namespace": "openfaas-fn", "replicas": -1}).status == 400
+
+
+def test_deploy_and_delete_a_function(client, r):
+    """An extra function serving minilm's stage 2 joins that stage's queue, then leaves it."""
+    deployment = {"service": "minilm-extra", "image": "quart/stage:0.1.0",
+                  "envVars": {"QUART_MODEL": "minilm", "QUART_STAGES": "2"}, "labels": {"team": "test"}}
+    assert checked(client, "POST", "/system/functions", "/system/functions", deployment).status == 202
+    wait_until(lambda: available(client, "minilm-extra") == 1, 120, "minilm-extra to start")
+    wait_until(lambda: len(live_replicas(r, "minilm", 2)) == 2, 30, "two stage-2 replicas")
+    assert client.invoke("minilm", {"inputs": ["still answers"]}).status == 200
+    assert checked(client, "DELETE", "/system/functions", "/system/functions",
+                   {"functionName": "minilm-extra"}).status == 200
+    wait_until(lambda: len(live_replicas(r, "minilm", 2)) == 1, 60, "the extra replica to leave")
+    assert client.request("GET", "/system/function/minilm-extra").status == 404
+
+
+# -- scaling and failures ----------------------------------------------------------------------
+
+def _send_many(client: GatewayClient, count: int, results: list, gap: float) -> None:
+    for i in range(count):
+        reply = client.invoke("smollm2", {"prompt": f"Request number {i} says", "max_new_tokens": 2})
+        results.append(reply)
+        time.sleep(gap)
+
+
+def test_scaling_a_stage_while_requests_flow(client, r):
+    results: list = []
+    workers = [threading.Thread(target=_send_many, args=(client, 25, results, 0.05)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    scale_and_wait(client, r, "smollm2-s1", 3, stage=1)
+    time.sleep(2)
+    scale_and_wait(client, r, "smollm2-s1", 1, stage=1)
+    for w in workers:
+        w.join(timeout=300)
+    assert len(results) == 75
+    assert [x.status for x in results] == [200] * 75, [x.body for x in results if x.status != 200][:3]
+    ids = [x.json()["id"] for x in results]
+    assert len(set(ids)) == 75
+    # No pass was computed twice at stage 1: each appears once among its records.
+    records = r.xrange(keys.records_stream("smollm2", 1), count=100000)
+    passes = [f[b"id"].decode() for _, f in records if f[b"id"].decode().split(".")[0] in set(ids)]
+    assert len(passes) == len(set(passes)) == sum(len(x.json()["token_ids"]) for x in results)
+    served_by = {f[b"r"] for _, f in records if f[b"id"].decode().split(".")[0] in set(ids)}
+    assert len(served_by) >= 2, "the added replicas never took work"
+
+
+def _holder_of_work(r: redis.Redis, model: str, stage: int) -> int | None:
+    """The pid of a live replica that holds an unacknowledged work item of the stage."""
+    for entry in r.xpending_range(keys.stage_stream(model, stage), keys.GROUP, "-", "+", 10):
+        data = r.hgetall(keys.replica(entry["consumer"].decode()))
+        if data:
+            return int(data[b"pid"])
+    return None
+
+
+def test_kill_9_of_a_replica_holding_work_loses_nothing(client, r, sources, tokenizer):
+    prompt = "Write a short poem about the sea:"
+    result: list = []
+    sender = threading.Thread(target=lambda: result.append(
+        client.invoke("smollm2", {"prompt": prompt, "max_new_tokens": 24})))
+    sender.start()
+    pid = None
+    deadline = time.monotonic() + 60
+    while pid is None and time.monotonic() < deadline and sender.is_alive():
+        pid = _holder_of_work(r, "smollm2", 2)
+    assert pid is not None, "never caught stage 2 holding work"
+    os.kill(pid, signal.SIGKILL)
+    sender.join(timeout=120)
+    assert result and result[0].status == 200, result and result[0].body
+    answer = result[0].json()
+    assert answer["token_ids"] == reference_greedy(sources, tokenizer(prompt)["input_ids"], 24)
+    wait_until(lambda: available(client, "smollm2-s2") == 1, 120, "the provider to replace the replica")
+
+
+def test_a_request_that_cannot_finish_gets_504_naming_it(client, r, runtime):
+    scale_and_wait(client, r, "smollm2-s3", 0, stage=3)
+    try:
+        started = time.monotonic()
+        reply = client.invoke("smollm2", {"prompt": "Nobody will answer this", "max_new_tokens": 1})
+        assert reply.status == 504
+        body = reply.json()
+        assert body["id"] in body["error"]
+        assert time.monotonic() - started >= runtime.request_timeout_s - 1
+    finally:
+        scale_and_wait(client, r, "smollm2-s3", 1, stage=3)
+    assert client.invoke("smollm2", {"prompt": "Back again", "max_new_tokens": 1}).status == 200

@@ -1,0 +1,86 @@
+"""A split model computes what the unsplit transformers model computes (real weights, float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from pipeline.architectures import mean_pool_normalize
+from pipeline.stage_runner import StageRunner
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+TOLERANCE = 1e-4
+
+
+def run_chain(manifest, tensors, **kwargs):
+    """Runs every stage in turn, each in its own runner, as separate replicas would."""
+    runners = [StageRunner(manifest, i, i + 1) for i in range(manifest.num_stages)]
+    for runner in runners[:-1]:
+        tensors = runner.run(tensors)
+    with torch.inference_mode():
+        return runners[-1].modules[0](tensors, **kwargs)
+
+
+def greedy_split(manifest, ids: list[int], max_new: int, eos: int) -> list[int]:
+    runners = [StageRunner(manifest, i, i + 1) for i in range(manifest.num_stages)]
+    new: list[int] = []
+    for _ in range(max_new):
+        tensors = {"input_ids": torch.tensor([ids + new])}
+        for runner in runners:
+            tensors = runner.run(tensors)
+        new.append(int(tensors["logits"][0].argmax()))
+        if new[-1] == eos:
+            break
+    return new
+
+
+@pytest.mark.parametrize("stages", [1, 4, 8])
+def test_smollm2_logits_match(stages, sources, partitioned):
+    manifest = partitioned("smollm2", stages)
+    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())
+    reference = sources["smollm2"].model
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            expected = reference(input_ids=ids).logits
+        got = run_chain(manifest, {"input_ids": ids}, full_logits=True)["logits"]
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("stages", [4, 8])
+def test_smollm2_greedy_text_matches(stages, sources, partitioned):
+    manifest = partitioned("smollm2", stages)
+    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())
+    reference = sources["smollm2"].model
+    eos = reference.config.eos_token_id
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.inference_mode():
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                     eos_token_id=eos, pad_token_id=eos)
+        expected = out[0, len(ids):].tolist()
+        got = greedy_split(manifest, ids, 12, eos)
+        assert got == expected, (prompt, tokenizer.decode(got), tokenizer.decode(expected))
+
+
+def test_balanced_and_uniform_splits_agree(partitioned):
+    balanced, uniform = partitioned("smollm2", 4), partitioned("smollm2", 4, "uniform")
+    assert [s.units for s in balanced.stages] != [s.units for s in uniform.stages]
+    ids = torch.tensor([[1, 504, 2988, 314, 42]])
+    a = run_chain(balanced, {"input_ids": ids})["logits"]
+    b = run_chain(uniform, {"input_ids": ids})["logits"]
+    assert (a - b).abs().max().item() <= TOLERANCE
+
+
+def test_minilm_embeddings_match(sources, partitioned):
+    manifest = partitioned("minilm", 3)
+    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())
+    texts = ["hello world", "A much longer sentence about serving pipelined models on functions.", "x"]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = sources["minilm"].model(**enc).last_hidden_state
+    expected = mean_pool_normalize(hidden, enc["attention_mask"])
+    got = run_chain(manifest, dict(enc))["embeddings"]
+    assert (got - expected).abs().max().item() <= TOLERANCE
+    assert torch.allclose(got.norm(dim=1), torch.ones(len(texts)), atol=1e-5)
