@@ -103,14 +103,17 @@ def test_minilm_embeds_like_sentence_transformers(client, sources, partitioned):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
-def test_direct_stage_invoke_matches_the_stage(client, partitioned):
+def test_direct_stage_invoke_matches_the_stage(client, partitioned, tokenizer):
     from pipeline.stage_runner import StageRunner
-    hidden = torch.randn(1, 5, 576)
+    manifest = partitioned("smollm2", 4)
+    ids = tokenizer("Stage one receives what stage zero made", return_tensors="pt")["input_ids"]
+    hidden = StageRunner(manifest, 0, 1).run({"input_ids": ids})["hidden"]
     reply = client.invoke("smollm2-s1", encode_tensors({"hidden": hidden}))
     assert reply.status == 200, reply.body
     got = decode_tensors(reply.body)["hidden"]
-    expected = StageRunner(partitioned("smollm2", 4), 1, 2).run({"hidden": hidden})["hidden"]
-    assert (got - expected).abs().max().item() <= 1e-4
+    expected = StageRunner(manifest, 1, 2).run({"hidden": hidden})["hidden"]
+    # The replica runs one thread and this process several: sums are ordered differently.
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_prometheus_metrics_of_a_stage(client):
