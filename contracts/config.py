@@ -17,6 +17,8 @@ def _default_home() -> str:
 class Settings:
     # Where runtime state lives: model shards, the password file, logs, pid files.
     home: str = field(default_factory=_default_home)
+    # Partitioned models; empty means <home>/models.
+    models: str = ""
     redis_host: str = "127.0.0.1"
     redis_port: int = 6390
     redis_db: int = 0
@@ -62,7 +64,7 @@ class Settings:
 
     @property
     def models_dir(self) -> Path:
-        return Path(self.home) / "models"
+        return Path(self.models) if self.models else Path(self.home) / "models"
 
     @property
     def password_file(self) -> Path:

@@ -3,7 +3,6 @@ local provider, replica processes) for the HTTP tests."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,16 +11,11 @@ from contracts.config import Settings, load_settings
 from pipeline.manifest import Manifest
 from pipeline.partition import partition
 from pipeline.sources import Source, load_source
+from runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # Kept between runs (ignored by git) so that a second local run skips conversion and partitioning.
 TEST_HOME = Path(os.environ.get("QUART_TEST_HOME", REPO / ".quart" / "test"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

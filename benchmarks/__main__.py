@@ -1,0 +1,24 @@
+"""`make bench`: every benchmark in turn; each prints its table and writes benchmarks/results/<name>.json."""
+from __future__ import annotations
+
+import sys
+
+from benchmarks import hop, pipeline_overhead
+
+BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main}
+
+
+def main(argv: list[str]) -> int:
+    chosen = argv or list(BENCHMARKS)
+    unknown = [name for name in chosen if name not in BENCHMARKS]
+    if unknown:
+        print(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    for name in chosen:
+        print(f"\n### {name}", flush=True)
+        BENCHMARKS[name]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

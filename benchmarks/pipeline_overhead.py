@@ -1,0 +1,99 @@
+"""End-to-end latency of the 4-stage SmolLM2 pipeline on the embedded runtime against the unsplit
+model in one process, on the same ShareGPT prompts, interleaved in one run.
+
+Both sides compute with one thread (a stage replica's default), produce one token per prompt, and
+are timed from the caller: the pipeline through the gateway, the entry function, four stage
+replicas and the reply; the unsplit model as tokenise + forward + argmax."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from benchmarks.report import conditions, percentiles, table, write
+from contracts.config import load_settings
+from loadgen.sharegpt import first_prompts
+from runtime import __main__ as control
+from runtime.client import GatewayClient
+from runtime.ports import free_port
+
+STAGES = 4
+
+
+def _unsplit(settings):
+    from pipeline.sources import load_source
+    source = load_source("smollm2", settings.models_dir / "_sources")
+    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
+
+    def run(prompt: str) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            token = int(source.model(input_ids=ids).logits[0, -1].argmax())
+        return token, (time.perf_counter() - t0) * 1000.0
+    return run
+
+
+def main(count: int = 40, warmup: int = 5) -> dict:
+    base = load_settings()
+    run_home = tempfile.mkdtemp(prefix="quart-bench-")
+    # Own state and ports, so a runtime the user has up is left alone; the user's models.
+    settings = base.replace(home=run_home, models=str(base.models_dir),
+                            gateway_port=free_port(), redis_port=free_port())
+    torch.set_num_threads(1)
+    unsplit = _unsplit(settings)
+    if control.up(settings, timeout=600) != 0:
+        raise SystemExit("the embedded runtime did not come up")
+    try:
+        client = GatewayClient.for_settings(settings)
+        prompts = first_prompts(count + warmup, seed=7)
+        pipe_ms, local_ms, service_ms, queue_ms, mismatches = [], [], [], [], 0
+        for i, prompt in enumerate(prompts):
+            t0 = time.perf_counter()
+            reply = client.invoke("smollm2", {"prompt": prompt, "max_new_tokens": 1})
+            elapsed = (time.perf_counter() - t0) * 1000.0
+            assert reply.status == 200, reply.body
+            token, local = unsplit(prompt)
+            answer = reply.json()
+            if i < warmup:
+                continue
+            mismatches += answer["token_ids"] != [token]
+            pipe_ms.append(elapsed)
+            local_ms.append(local)
+            service_ms.append(sum(s["service_ms"] for s in answer["stages"]))
+            queue_ms.append(sum(s["queue_ms"] for s in answer["stages"]))
+    finally:
+        control.down(settings)
+        shutil.rmtree(run_home, ignore_errors=True)
+    pipe, local = percentiles(pipe_ms), percentiles(local_ms)
+    overhead = (pipe["p50"] - local["p50"]) / STAGES
+    non_compute = float(np.median(np.asarray(pipe_ms) - np.asarray(service_ms))) / STAGES
+    rows = [["unsplit, one process", local["p50"], local["p99"]],
+            ["4-stage pipeline over HTTP", pipe["p50"], pipe["p99"]]]
+    print(table(f"SmolLM2, one token per prompt, {len(pipe_ms)} ShareGPT prompts (ms)",
+                ["path", "p50 ms", "p99 ms"], rows))
+    print(f"p50 overhead per stage: {overhead:.3f} ms (target <= 3 ms: {'met' if overhead <= 3 else 'missed'})")
+    print(f"median (latency - summed stage compute) per stage: {non_compute:.3f} ms; "
+          f"median summed stage queue wait: {float(np.median(queue_ms)):.3f} ms; token mismatches: {mismatches}")
+    figures = [
+        {"name": "unsplit p50", "value": local["p50"], "unit": "ms"},
+        {"name": "unsplit p99", "value": local["p99"], "unit": "ms"},
+        {"name": "pipeline p50", "value": pipe["p50"], "unit": "ms"},
+        {"name": "pipeline p99", "value": pipe["p99"], "unit": "ms"},
+        {"name": "p50 overhead per stage", "value": round(overhead, 3), "unit": "ms"},
+        {"name": "median non-compute time per stage", "value": round(non_compute, 3), "unit": "ms"},
+        {"name": "median summed queue wait", "value": round(float(np.median(queue_ms)), 3), "unit": "ms"},
+        {"name": "token mismatches", "value": mismatches, "unit": "prompts"},
+    ]
+    write("pipeline_overhead", figures, conditions(
+        prompts=len(pipe_ms), warmup=warmup, max_new_tokens=1, stages=STAGES, threads_per_side=1,
+        dtype="float32", device="cpu", note="the pipeline path includes the gateway and entry function hops"))
+    return {"pipeline": pipe, "unsplit": local, "overhead_per_stage_ms": overhead}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""What every benchmark shares: percentiles, a printed table, and the JSON result file."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def percentiles(samples_ms: list[float]) -> dict[str, float]:
+    a = np.asarray(samples_ms, dtype=float)
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
+            "mean": round(float(a.mean()), 3), "n": int(a.size)}
+
+
+def conditions(**extra: object) -> dict:
+    return {"machine": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
+            "cuda": torch.cuda.is_available(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **extra}
+
+
+def table(title: str, header: list[str], rows: list[list[object]]) -> str:
+    cells = [header] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells[1:]]
+    return "\n".join(lines)
+
+
+def write(name: str, figures: list[dict], conds: dict) -> Path:
+    """figures: [{"name", "value", "unit", ...}] — every figure with its unit."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "conditions": conds, "figures": figures}, indent=1))
+    return path
