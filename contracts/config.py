@@ -51,6 +51,13 @@ class Settings:
     device: str = "cpu"
     dtype: str = "float32"
     threads: int = 1
+    # KeysManager: its port, which stages it caches at start ("all", "none", or
+    # "model:stages,..."), and the host-memory use above which it evicts zygotes (LRU).
+    keysmanager_port: int = 8091
+    cache_stages: str = "all"
+    cache_memory_threshold: float = 0.85
+    # Replicas forked from a zygote share its pages copy-on-write; false clones them first.
+    fork_cow: bool = True
     # How long a replica being scaled down may take to finish its work.
     drain_timeout_s: float = 30.0
 
@@ -117,8 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser, *names: str) -> None:
     """Adds --flag options for the named settings; `settings_from_args` applies them."""
     for f in fields(Settings):
         if f.name in names:
+            kind = _field_type(f)
             parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
-                                type=_field_type(f), default=None,
+                                type=lambda raw, kind=kind: _coerce(kind, raw), default=None,
                                 help=f"overrides {env_name(f.name)}")
 
 

@@ -29,3 +29,18 @@ def replica(replica_id: str) -> str:
 def stage_replicas(model: str, stage: int) -> str:
     """Set of replica ids that have registered for a stage (dead ones are filtered by expiry)."""
     return f"{PREFIX}:replicas:{model}:{stage}"
+
+
+def zygote(server: str, model: str, stages: str) -> str:
+    """Hash describing one KeysManager zygote (cached stage range) on a server."""
+    return f"{PREFIX}:zygote:{server}:{model}:{stages}"
+
+
+def zygotes(server: str) -> str:
+    """Set of the zygote keys a server's KeysManager holds."""
+    return f"{PREFIX}:zygotes:{server}"
+
+
+def cache_events(server: str) -> str:
+    """What a server's KeysManager did (cache, fork, evict, re-cache), capped in length."""
+    return f"{PREFIX}:cache-events:{server}"

@@ -38,12 +38,15 @@ def ensure_group(r: redis.Redis, stream: str) -> None:
 
 
 class Replica:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, runner: StageRunner | None = None) -> None:
+        """`runner`: stages already loaded (inherited from a KeysManager zygote); else loads them."""
         self.settings = settings
         first, last = settings.stage_range()
-        self.manifest = Manifest.load(settings.model_dir())
         torch.set_num_threads(max(1, settings.threads))
-        self.runner = StageRunner(self.manifest, first, last, settings.device, settings.dtype)
+        if runner is None:
+            runner = StageRunner(Manifest.load(settings.model_dir()), first, last, settings.device, settings.dtype)
+        self.runner = runner
+        self.manifest = runner.manifest
         self.model, self.first, self.last = settings.model, first, last
         self.redis = redis.Redis.from_url(settings.redis_url)
         pid = os.getpid()
@@ -58,6 +61,7 @@ class Replica:
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
         self._inflight: bytes | None = None
+        self.first_work_at: float | None = None
         self._threads: list[threading.Thread] = []
 
     @property
@@ -123,6 +127,10 @@ class Replica:
     def _process(self, msg_id: bytes, fields: dict) -> None:
         self._inflight = msg_id
         started = time.time()
+        if self.first_work_at is None:
+            # When a new replica took its first work: what scale-up latency is measured to.
+            self.first_work_at = started
+            self.redis.hset(keys.replica(self.replica_id), "first_work_at", f"{started:.6f}")
         try:
             header, tensors = unpack(fields[MESSAGE_FIELD])
         except (BadRequest, KeyError, TypeError) as exc:

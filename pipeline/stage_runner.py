@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
 from contracts.wire import BadRequest
@@ -26,9 +27,12 @@ def load_stage_module(manifest: Manifest, stage: int, verify: bool = True) -> St
     if verify and sha256_file(path) != info.sha256:
         raise ValueError(f"shard {path} does not match the sha256 in its manifest; re-partition")
     cls = architecture(manifest.arch).stage_class
-    module = cls(manifest.config_object(), *info.layers, info.has_embed, info.has_head)
+    # Parameters start empty (meta) and take the shard's tensors as they are: no random
+    # initialisation to throw away, and no kernel runs (a KeysManager zygote must not compute).
+    with init_empty_weights(include_buffers=False):
+        module = cls(manifest.config_object(), *info.layers, info.has_embed, info.has_head)
     state = {module.rename(k): v for k, v in load_file(str(path)).items()}
-    module.load_state_dict(state, strict=True)
+    module.load_state_dict(state, strict=True, assign=True)
     return module.eval()
 
 
@@ -38,10 +42,20 @@ class StageRunner:
         if not 0 <= first < last <= manifest.num_stages:
             raise ValueError(f"stage range [{first}, {last}) outside 0..{manifest.num_stages}")
         self.manifest, self.first, self.last = manifest, first, last
-        self.device = torch.device(device)
-        self.dtype = torch_dtype(dtype)
-        self.modules = [load_stage_module(manifest, i, verify).to(self.device, self.dtype)
-                        for i in range(first, last)]
+        self.modules = [load_stage_module(manifest, i, verify) for i in range(first, last)]
+        self.to(device, dtype)
+
+    def to(self, device: str, dtype: str) -> None:
+        """Moves the parameters; a no-op (no copy) where they already are in that form."""
+        self.device, self.dtype = torch.device(device), torch_dtype(dtype)
+        self.modules = [m.to(self.device, self.dtype) for m in self.modules]
+
+    def clone_parameters(self) -> None:
+        """Gives this process its own copy of every parameter (a non-COW fork's isolation)."""
+        with torch.no_grad():
+            for module in self.modules:
+                for p in module.parameters():
+                    p.data = p.data.clone()
 
     @property
     def is_last(self) -> bool:

@@ -1,4 +1,5 @@
-"""A small synchronous client of an OpenFaaS gateway (the embedded one or a real one)."""
+"""Small synchronous JSON-over-HTTP clients: of an OpenFaaS gateway (the embedded one or a real
+one), and the base that the KeysManager's client shares."""
 from __future__ import annotations
 
 import base64
@@ -20,19 +21,11 @@ class Reply:
         return json.loads(self.body)
 
 
-class GatewayClient:
-    def __init__(self, url: str, user: str | None = None, password: str | None = None,
-                 timeout: float = 180.0) -> None:
+class HttpClient:
+    def __init__(self, url: str, timeout: float = 180.0) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
-        self.auth = None
-        if user is not None and password is not None:
-            self.auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-
-    @classmethod
-    def for_settings(cls, settings: Settings) -> "GatewayClient":
-        password = settings.password_file.read_text().strip() if settings.password_file.exists() else None
-        return cls(settings.gateway_url, settings.gateway_user, password, settings.request_timeout_s + 30)
+        self.auth: str | None = None
 
     def request(self, method: str, path: str, body: bytes | dict | list | None = None,
                 headers: dict[str, str] | None = None, auth: bool = True) -> Reply:
@@ -49,6 +42,25 @@ class GatewayClient:
         except urllib.error.HTTPError as exc:
             return Reply(exc.code, exc.read(), dict(exc.headers))
 
+    def healthy(self, path: str = "/healthz") -> bool:
+        try:
+            return self.request("GET", path, auth=False).status == 200
+        except OSError:
+            return False
+
+
+class GatewayClient(HttpClient):
+    def __init__(self, url: str, user: str | None = None, password: str | None = None,
+                 timeout: float = 180.0) -> None:
+        super().__init__(url, timeout)
+        if user is not None and password is not None:
+            self.auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> "GatewayClient":
+        password = settings.password_file.read_text().strip() if settings.password_file.exists() else None
+        return cls(settings.gateway_url, settings.gateway_user, password, settings.request_timeout_s + 30)
+
     def invoke(self, function: str, body: bytes | dict) -> Reply:
         return self.request("POST", f"/function/{function}", body, auth=False)
 
@@ -61,9 +73,3 @@ class GatewayClient:
     def scale(self, function: str, replicas: int, namespace: str = "openfaas-fn") -> Reply:
         return self.request("POST", f"/system/scale-function/{function}",
                             {"serviceName": function, "namespace": namespace, "replicas": replicas})
-
-    def healthy(self) -> bool:
-        try:
-            return self.request("GET", "/healthz", auth=False).status == 200
-        except OSError:
-            return False

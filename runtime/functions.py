@@ -15,20 +15,56 @@ from itertools import count
 from pathlib import Path
 
 from contracts.config import Settings, settings_environment
+from keysmanager.client import KeysClient, KeysManagerError
 
 log = logging.getLogger("quart.functions")
 _serial = count()
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+class ForkedProcess:
+    """A replica forked by a KeysManager zygote: not our child, so it is watched by pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _running(self.pid):
+            self.returncode = -1  # its parent (the zygote) reaped it; the code is not ours to see
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # A zombie has exited; it only waits for its parent to reap it.
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 @dataclass
 class ReplicaProcess:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     port_file: Path
+    started_by: str = "cold"
     started: float = field(default_factory=time.time)
     port: int | None = None
     ready: bool = False
     draining_since: float | None = None
+    probed_at: float = 0.0
 
     @property
     def pid(self) -> int:
@@ -65,16 +101,36 @@ class FunctionState:
 
 
 class ProcessManager:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, keys: KeysClient | None = None) -> None:
         self.settings = settings
+        self.keys = keys
         self.run_dir = Path(settings.home) / "run"
         self.log_dir = Path(settings.home) / "logs"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     def spawn(self, fn: FunctionState) -> ReplicaProcess:
-        serial = next(_serial)
-        port_file = self.run_dir / f"{fn.name}.{os.getpid()}.{serial}.port"
+        """A new replica: forked from a KeysManager zygote where one holds its stages, else cold."""
+        replica = self._fork(fn) or self._cold(fn)
+        fn.replicas.append(replica)
+        log.info("started %s replica pid %d (%s)", fn.name, replica.pid, replica.started_by)
+        return replica
+
+    def _fork(self, fn: FunctionState) -> ReplicaProcess | None:
+        env = fn.deployment.get("envVars") or {}
+        model, stages = env.get("QUART_MODEL"), env.get("QUART_STAGES")
+        if self.keys is None or not model or not stages:
+            return None
+        try:
+            answer = self.keys.fork(model, stages, fn.name, {k: v for k, v in env.items() if k.startswith("QUART_")},
+                                    cow=self.settings.fork_cow)
+        except (KeysManagerError, OSError) as exc:
+            log.info("no fork for %s (%s); cold start", fn.name, exc)
+            return None
+        return ReplicaProcess(ForkedProcess(answer["pid"]), Path(answer["port_file"]), answer["started_by"])
+
+    def _cold(self, fn: FunctionState) -> ReplicaProcess:
+        port_file = self.run_dir / f"{fn.name}.{os.getpid()}.{next(_serial)}.port"
         port_file.unlink(missing_ok=True)
         env = {**os.environ, **settings_environment(self.settings), **fn.deployment.get("envVars", {}),
                "PYTHONPATH": str(REPO_ROOT)}
@@ -83,10 +139,7 @@ class ProcessManager:
         with open(self.log_dir / f"{fn.name}.log", "ab") as out:
             proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
-        log.info("started %s replica pid %d", fn.name, proc.pid)
-        replica = ReplicaProcess(proc, port_file)
-        fn.replicas.append(replica)
-        return replica
+        return ReplicaProcess(proc, port_file)
 
     def drain(self, replica: ReplicaProcess) -> None:
         """Asks a replica to finish its work and exit (SIGTERM)."""
@@ -112,7 +165,7 @@ class ProcessManager:
         for _ in range(fn.desired - len(serving)):
             self.spawn(fn)
         # Scale down: the replicas that are not ready yet go first, then the newest.
-        surplus = sorted(serving, key=lambda r: (r.ready, r.started))[: max(0, len(serving) - fn.desired)]
+        surplus = sorted(serving, key=lambda r: (r.ready, -r.started))[: max(0, len(serving) - fn.desired)]
         for replica in surplus:
             self.drain(replica)
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from contracts.config import Settings
+from keysmanager.client import KeysClient
 from runtime.functions import FunctionState, ProcessManager
 from runtime.stack import NAME_RE, StackFunction
 
@@ -26,6 +27,7 @@ log = logging.getLogger("quart.provider")
 VERSION = "0.1.0"
 SCALE_MIN_LABEL = "com.openfaas.scale.min"
 SCALE_MAX_LABEL = "com.openfaas.scale.max"
+PROBE_PERIOD_S = 2.0
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "authorization"}
 
 
@@ -39,7 +41,7 @@ class BadDeployment(ValueError):
 
 class LocalProvider:
     def __init__(self, settings: Settings, stack: list[StackFunction], password: str,
-                 max_replicas: int = 16) -> None:
+                 keys: KeysClient | None = None, max_replicas: int = 16) -> None:
         self.settings = settings
         self.password = password
         self.max_replicas = max_replicas
@@ -49,7 +51,8 @@ class LocalProvider:
         self.functions: dict[str, FunctionState] = {}
         # Deleted functions whose replicas are still finishing their work.
         self._draining: list[FunctionState] = []
-        self.processes = ProcessManager(settings)
+        # Scale-ups fork from this server's KeysManager where it caches the stage.
+        self.processes = ProcessManager(settings, keys)
         self.registry = CollectorRegistry()
         self.invocations = Counter("gateway_function_invocation", "Function invocations",
                                    ("function_name", "code"), registry=self.registry)
@@ -119,6 +122,7 @@ class LocalProvider:
 
     def delete(self, name: str) -> None:
         fn = self.functions.pop(name)
+        fn.desired = 0
         for replica in fn.replicas:
             self.processes.drain(replica)
         self._draining.append(fn)
@@ -153,9 +157,12 @@ class LocalProvider:
             await asyncio.sleep(0.2)
 
     async def _probe(self, fn: FunctionState) -> None:
+        """Health checks: starting replicas every tick, ready ones every PROBE_PERIOD_S."""
+        now = time.monotonic()
         for replica in fn.serving():
-            if replica.port is None:
+            if replica.port is None or (replica.ready and now - replica.probed_at < PROBE_PERIOD_S):
                 continue
+            replica.probed_at = now
             try:
                 async with self._session.get(f"http://127.0.0.1:{replica.port}/_/health",
                                              timeout=aiohttp.ClientTimeout(total=2)) as resp:

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -218,8 +219,10 @@ def test_system_endpoints_follow_the_spec(client):
                    {"serviceName": "smollm2-s1", "namespace": "openfaas-fn", "replicas": -1}).status == 400
 
 
-def test_deploy_and_delete_a_function(client, r):
+def test_deploy_and_delete_a_function(client, r, runtime):
     """An extra function serving minilm's stage 2 joins that stage's queue, then leaves it."""
+    log_path = Path(runtime.home) / "logs" / "runtime.log"
+    log_start = log_path.stat().st_size
     deployment = {"service": "minilm-extra", "image": "quart/stage:0.1.0",
                   "envVars": {"QUART_MODEL": "minilm", "QUART_STAGES": "2"}, "labels": {"team": "test"}}
     assert checked(client, "POST", "/system/functions", "/system/functions", deployment).status == 202
@@ -230,6 +233,12 @@ def test_deploy_and_delete_a_function(client, r):
                    {"functionName": "minilm-extra"}).status == 200
     wait_until(lambda: len(live_replicas(r, "minilm", 2)) == 1, 60, "the extra replica to leave")
     assert client.request("GET", "/system/function/minilm-extra").status == 404
+    # Its replica exits, and the reconciler does not bring a new one back.
+    time.sleep(3)
+    assert len(live_replicas(r, "minilm", 2)) == 1
+    with open(log_path) as f:
+        f.seek(log_start)
+        assert f.read().count("started minilm-extra replica") == 1
 
 
 # -- scaling and failures ----------------------------------------------------------------------
@@ -263,16 +272,16 @@ def test_scaling_a_stage_while_requests_flow(client, r):
     assert len(served_by) >= 2, "the added replicas never took work"
 
 
-def _holder_of_work(r: redis.Redis, model: str, stage: int) -> int | None:
+def _holder_of_work(r: redis.Redis, model: str, stage: int, forked: bool | None) -> int | None:
     """The pid of a live replica that holds an unacknowledged work item of the stage."""
     for entry in r.xpending_range(keys.stage_stream(model, stage), keys.GROUP, "-", "+", 10):
         data = r.hgetall(keys.replica(entry["consumer"].decode()))
-        if data:
+        if data and (forked is None or data[b"started_by"].startswith(b"fork") == forked):
             return int(data[b"pid"])
     return None
 
 
-def test_kill_9_of_a_replica_holding_work_loses_nothing(client, r, sources, tokenizer):
+def kill_holder_during_a_request(client, r, sources, tokenizer, stage: int, forked: bool | None) -> None:
     prompt = "Write a short poem about the sea:"
     result: list = []
     sender = threading.Thread(target=lambda: result.append(
@@ -281,13 +290,17 @@ def test_kill_9_of_a_replica_holding_work_loses_nothing(client, r, sources, toke
     pid = None
     deadline = time.monotonic() + 60
     while pid is None and time.monotonic() < deadline and sender.is_alive():
-        pid = _holder_of_work(r, "smollm2", 2)
-    assert pid is not None, "never caught stage 2 holding work"
+        pid = _holder_of_work(r, "smollm2", stage, forked)
+    assert pid is not None, f"never caught stage {stage} holding work"
     os.kill(pid, signal.SIGKILL)
     sender.join(timeout=120)
     assert result and result[0].status == 200, result and result[0].body
     answer = result[0].json()
     assert answer["token_ids"] == reference_greedy(sources, tokenizer(prompt)["input_ids"], 24)
+
+
+def test_kill_9_of_a_replica_holding_work_loses_nothing(client, r, sources, tokenizer):
+    kill_holder_during_a_request(client, r, sources, tokenizer, stage=2, forked=None)
     wait_until(lambda: available(client, "smollm2-s2") == 1, 120, "the provider to replace the replica")
 
 
@@ -303,3 +316,32 @@ def test_a_request_that_cannot_finish_gets_504_naming_it(client, r, runtime):
     finally:
         scale_and_wait(client, r, "smollm2-s3", 1, stage=3)
     assert client.invoke("smollm2", {"prompt": "Back again", "max_new_tokens": 1}).status == 200
+
+
+# -- scale-ups fork from the KeysManager ---------------------------------------------------------
+
+def test_scale_ups_fork_from_the_cache_repeatedly_under_load(client, r, runtime):
+    from keysmanager.client import KeysClient
+    keys_client = KeysClient(f"http://127.0.0.1:{runtime.keysmanager_port}", timeout=300)
+    wait_until(lambda: any(z["model"] == "smollm2" and z["stages"] == "1" for z in keys_client.zygotes()),
+               300, "smollm2 stage 1 to be cached")
+    results: list = []
+    sender = threading.Thread(target=_send_many, args=(client, 40, results, 0.1))
+    sender.start()
+    for _ in range(3):
+        before = {x["replica_id"] for x in live_replicas(r, "smollm2", 1)}
+        scale_and_wait(client, r, "smollm2-s1", 2, stage=1)
+        new = [x for x in live_replicas(r, "smollm2", 1) if x["replica_id"] not in before]
+        assert len(new) == 1 and new[0]["started_by"] == "fork-cow"
+        wait_until(lambda: r.hget(keys.replica(new[0]["replica_id"]), "first_work_at"), 60,
+                   "the forked replica to take work")
+        scale_and_wait(client, r, "smollm2-s1", 1, stage=1)
+    sender.join(timeout=300)
+    assert [x.status for x in results] == [200] * 40
+
+
+def test_kill_9_of_a_forked_replica_holding_work_loses_nothing(client, r, sources, tokenizer):
+    scale_and_wait(client, r, "smollm2-s1", 3, stage=1)
+    assert any(x["started_by"] == "fork-cow" for x in live_replicas(r, "smollm2", 1))
+    kill_holder_during_a_request(client, r, sources, tokenizer, stage=1, forked=True)
+    scale_and_wait(client, r, "smollm2-s1", 1, stage=1)

@@ -84,3 +84,53 @@ def test_minilm_embeddings_match(sources, partitioned):
     got = run_chain(manifest, dict(enc))["embeddings"]
     assert (got - expected).abs().max().item() <= TOLERANCE
     assert torch.allclose(got.norm(dim=1), torch.ones(len(texts)), atol=1e-5)
+
+
+RANDOM_CONFIGS = {
+    "random-llama": {"hidden_size": 128, "num_hidden_layers": 5, "intermediate_size": 256,
+                     "num_attention_heads": 4, "num_key_value_heads": 2},
+    "random-bert": {"hidden_size": 96, "num_hidden_layers": 4, "intermediate_size": 192, "num_attention_heads": 4},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_CONFIGS))
+def test_random_weight_models_of_any_size_split_exactly(name, home_settings, tmp_path):
+    from pipeline.partition import partition
+    from pipeline.sources import load_source
+    source = load_source(name, home_settings.models_dir / "_sources", RANDOM_CONFIGS[name], seed=3)
+    assert source.model.config.hidden_size == RANDOM_CONFIGS[name]["hidden_size"]
+    manifest = partition(source, 3, tmp_path / name)
+    ids = torch.tensor([[5, 17, 300, 42, 7, 99]])
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        if name == "random-llama":
+            expected = source.model(input_ids=ids).logits
+            got = run_chain(manifest, {"input_ids": ids}, full_logits=True)["logits"]
+        else:
+            expected = mean_pool_normalize(source.model(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+            got = run_chain(manifest, {"input_ids": ids, "attention_mask": mask})["embeddings"]
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def test_bf16_stages_on_request(partitioned):
+    """bf16 is an approximation: the same greedy token as float32 on a clear-cut prompt."""
+    manifest = partitioned("smollm2", 4)
+    ids = torch.tensor([[504, 3575, 282, 4649, 314]])  # "The capital of France is"
+    tensors32, tensors16 = {"input_ids": ids}, {"input_ids": ids}
+    for i in range(manifest.num_stages):
+        tensors32 = StageRunner(manifest, i, i + 1).run(tensors32)
+        runner = StageRunner(manifest, i, i + 1, dtype="bfloat16")
+        assert all(p.dtype == torch.bfloat16 for p in runner.modules[0].parameters())
+        tensors16 = runner.run(tensors16)
+        if "hidden" in tensors16:
+            assert tensors16["hidden"].dtype == torch.bfloat16
+    assert int(tensors16["logits"].argmax()) == int(tensors32["logits"].argmax())
+
+
+def test_consolidated_replica_runs_a_stage_range(partitioned):
+    """One runner over stages [1, 3) equals stages 1 and 2 run one after the other."""
+    manifest = partitioned("smollm2", 4)
+    hidden = StageRunner(manifest, 0, 1).run({"input_ids": torch.tensor([[1, 2, 3, 4]])})
+    both = StageRunner(manifest, 1, 3).run(hidden)
+    step = StageRunner(manifest, 2, 3).run(StageRunner(manifest, 1, 2).run(hidden))
+    assert torch.equal(both["hidden"], step["hidden"])

@@ -1,12 +1,15 @@
 """Stage function (python3-http template shape). One replica serves the stage range in
 QUART_STAGES of the model in QUART_MODEL: in the background it pulls work from the stage's
 Redis Stream; over HTTP it answers a direct single-stage invoke (safetensors in, safetensors out).
+A replica forked by a KeysManager zygote uses the parameters it inherited instead of loading them.
 """
 from contracts.config import load_settings
 from contracts.wire import CONTENT_TYPE, BadRequest
+from keysmanager.zygote import inherited_runner
 from pipeline.replica import Replica
 
-REPLICA = Replica(load_settings())
+SETTINGS = load_settings()
+REPLICA = Replica(SETTINGS, runner=inherited_runner(SETTINGS.model, *SETTINGS.stage_range()))
 REPLICA.start()
 
 

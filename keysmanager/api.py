@@ -1,0 +1,135 @@
+"""The KeysManager's HTTP API, on loopback (the autoscaler, the scheduler and the local provider
+call it). JSON in, JSON out; bad requests get a 4xx naming the problem.
+
+    GET  /healthz
+    GET  /zygotes                      what is cached
+    GET  /stats                        memory use, threshold, counts
+    POST /cache   {"model", "stages"}  cache a stage range (waits until its zygote is ready)
+    POST /fork    {"model", "stages", "function", "cow": true, "env": {"QUART_...": ...}}
+                  -> {"pid", "port_file", "started_by"}; 404 not cached, 409 shard changed
+    POST /evict   {"model", "stages"}
+    PUT  /config  {"memory_threshold": 0.85}
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from aiohttp import web
+
+from keysmanager.manager import KeysManager, NotCached, StaleShard
+
+STAGES_RE = re.compile(r"^\d+(-\d+)?$")
+NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class Invalid(ValueError):
+    pass
+
+
+async def _json(request: web.Request) -> dict:
+    try:
+        body = json.loads(await request.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Invalid(f"malformed JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise Invalid("the body must be a JSON object")
+    return body
+
+
+def _stage_range(body: dict) -> tuple[str, str]:
+    model, stages = body.get("model"), body.get("stages")
+    if not isinstance(model, str) or not NAME_RE.match(model):
+        raise Invalid("'model' must be a model name")
+    if isinstance(stages, int) and not isinstance(stages, bool):
+        stages = str(stages)
+    if not isinstance(stages, str) or not STAGES_RE.match(stages):
+        raise Invalid("'stages' must be a stage index or a range 'a-b'")
+    return model, stages
+
+
+def _env(body: dict) -> dict[str, str]:
+    env = body.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise Invalid("'env' must be an object of strings")
+    # Only configuration reaches a child: nothing that changes what code it runs.
+    bad = sorted(k for k in env if not k.startswith("QUART_"))
+    if bad:
+        raise Invalid(f"only QUART_* variables may be passed to a replica, not {bad}")
+    return env
+
+
+def build_app(manager: KeysManager, watch_period_s: float = 1.0) -> web.Application:
+    def run(fn, *args):
+        return asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def cache(request: web.Request) -> web.Response:
+        model, stages = _stage_range(await _json(request))
+        z = await run(manager.cache, model, stages)
+        return web.json_response(z.describe())
+
+    async def fork(request: web.Request) -> web.Response:
+        body = await _json(request)
+        model, stages = _stage_range(body)
+        function = body.get("function", f"{model}-s{stages}")
+        if not isinstance(function, str) or not NAME_RE.match(function):
+            raise Invalid("'function' must be a function name")
+        cow = body.get("cow", True)
+        if not isinstance(cow, bool):
+            raise Invalid("'cow' must be true or false")
+        try:
+            return web.json_response(await run(manager.fork, model, stages, function, _env(body), cow))
+        except NotCached:
+            return web.json_response({"error": f"{model} stages {stages} are not cached here"}, status=404)
+        except StaleShard as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+
+    async def evict(request: web.Request) -> web.Response:
+        model, stages = _stage_range(await _json(request))
+        try:
+            await run(manager.evict, model, stages)
+        except NotCached:
+            return web.json_response({"error": f"{model} stages {stages} are not cached here"}, status=404)
+        return web.json_response({"evicted": f"{model}:{stages}"})
+
+    async def config(request: web.Request) -> web.Response:
+        threshold = (await _json(request)).get("memory_threshold")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+            raise Invalid("'memory_threshold' must be a number in 0..1")
+        manager.threshold = float(threshold)
+        return web.json_response(manager.stats())
+
+    @web.middleware
+    async def errors(request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except Invalid as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except FileNotFoundError as exc:
+            return web.json_response({"error": str(exc)}, status=404)
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+
+    async def watch(app: web.Application) -> None:
+        async def loop() -> None:
+            while True:
+                await run(manager.watch_once)
+                await asyncio.sleep(watch_period_s)
+        app["watcher"] = asyncio.create_task(loop())
+
+    async def stop(app: web.Application) -> None:
+        app["watcher"].cancel()
+        await run(manager.shutdown)
+
+    app = web.Application(middlewares=[errors])
+    app.router.add_get("/healthz", lambda _: web.Response(text="OK"))
+    app.router.add_get("/zygotes", lambda _: web.json_response(manager.list()))
+    app.router.add_get("/stats", lambda _: web.json_response(manager.stats()))
+    app.router.add_post("/cache", cache)
+    app.router.add_post("/fork", fork)
+    app.router.add_post("/evict", evict)
+    app.router.add_put("/config", config)
+    app.on_startup.append(watch)
+    app.on_shutdown.append(stop)
+    return app

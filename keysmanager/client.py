@@ -1,0 +1,42 @@
+"""Client of a server's KeysManager API (see keysmanager/api.py)."""
+from __future__ import annotations
+
+from runtime.client import HttpClient
+
+
+class KeysManagerError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class KeysClient(HttpClient):
+    def _call(self, method: str, path: str, body: dict | None = None) -> object:
+        reply = self.request(method, path, body)
+        if reply.status != 200:
+            try:
+                message = reply.json().get("error", "")
+            except ValueError:
+                message = reply.body[:200].decode(errors="replace")
+            raise KeysManagerError(reply.status, f"{method} {path}: {reply.status} {message}")
+        return reply.json()
+
+    def cache(self, model: str, stages: str) -> dict:
+        return self._call("POST", "/cache", {"model": model, "stages": stages})
+
+    def fork(self, model: str, stages: str, function: str, env: dict[str, str] | None = None,
+             cow: bool = True) -> dict:
+        return self._call("POST", "/fork", {"model": model, "stages": stages, "function": function,
+                                            "env": env or {}, "cow": cow})
+
+    def evict(self, model: str, stages: str) -> dict:
+        return self._call("POST", "/evict", {"model": model, "stages": stages})
+
+    def zygotes(self) -> list[dict]:
+        return self._call("GET", "/zygotes")
+
+    def stats(self) -> dict:
+        return self._call("GET", "/stats")
+
+    def set_threshold(self, fraction: float) -> dict:
+        return self._call("PUT", "/config", {"memory_threshold": fraction})

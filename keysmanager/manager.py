@@ -1,0 +1,258 @@
+"""KeysManager: one per server. Keeps key stages' parameters in host memory, each stage range in
+its own zygote process, and forks replicas from them; evicts the least recently used zygotes
+when host memory use passes a threshold; drops a zygote whose shard changed on disk."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import redis
+
+from contracts import keys
+from contracts.config import Settings, settings_environment
+from pipeline.manifest import Manifest
+
+log = logging.getLogger("quart.keysmanager")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STAGE_HANDLER = REPO_ROOT / "functions" / "stage"
+ZYGOTE_START_TIMEOUT_S = 300.0
+
+
+class NotCached(KeyError):
+    pass
+
+
+class StaleShard(RuntimeError):
+    pass
+
+
+@dataclass
+class Zygote:
+    model: str
+    stages: str
+    proc: subprocess.Popen
+    socket: Path
+    sha256: list[str]
+    bytes: int
+    started_at: float = field(default_factory=time.time)
+    last_use: float = field(default_factory=time.time)
+    forks: int = 0
+    forking: int = 0
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}:{self.stages}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def describe(self) -> dict:
+        return {"model": self.model, "stages": self.stages, "pid": self.proc.pid, "sha256": self.sha256,
+                "bytes": self.bytes, "started_at": self.started_at, "last_use": self.last_use,
+                "forks": self.forks}
+
+
+def zygote_call(path: Path, request: dict, timeout: float = 30.0) -> dict:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(json.dumps(request).encode() + b"\n")
+        answer = json.loads(s.makefile("rb").readline() or b"{}")
+    if "error" in answer:
+        raise RuntimeError(f"zygote: {answer['error']}")
+    return answer
+
+
+class KeysManager:
+    def __init__(self, settings: Settings, r: redis.Redis) -> None:
+        self.settings = settings
+        self.redis = r
+        self.server = settings.server
+        self.threshold = settings.cache_memory_threshold
+        self.run_dir = Path(settings.home) / "run" / f"keysmanager-{self.server}"
+        self.log_dir = Path(settings.home) / "logs"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.zygotes: dict[str, Zygote] = {}
+        self._lock = threading.RLock()
+        self._starting: dict[str, threading.Event] = {}
+
+    # -- cache ---------------------------------------------------------------------------------
+
+    def shards(self, model: str, stages: str) -> tuple[list[str], int]:
+        """The sha256 and total size of the shards a stage range needs, as the manifest says now."""
+        manifest = Manifest.load(self.settings.model_dir(model))
+        first, last = self.settings.replace(stages=stages).stage_range()
+        if not 0 <= first < last <= manifest.num_stages:
+            raise ValueError(f"{model} has stages 0..{manifest.num_stages - 1}; got {stages!r}")
+        infos = manifest.stages[first:last]
+        return [s.sha256 for s in infos], sum(s.bytes for s in infos)
+
+    def cache(self, model: str, stages: str) -> Zygote:
+        """Starts a zygote for the stage range unless a live, current one exists."""
+        key = f"{model}:{stages}"
+        shas, size = self.shards(model, stages)
+        while True:
+            with self._lock:
+                z = self.zygotes.get(key)
+                if z is not None and z.alive() and z.sha256 == shas:
+                    z.last_use = time.time()
+                    return z
+                if z is not None:
+                    self._evict_locked(z, "stale shard" if z.alive() else "zygote died")
+                waiting = self._starting.get(key)
+                if waiting is None:
+                    self._starting[key] = threading.Event()
+                    break
+            waiting.wait(ZYGOTE_START_TIMEOUT_S)
+        try:
+            z = self._start(model, stages, shas, size)
+            with self._lock:
+                self.zygotes[key] = z
+            self._publish(z)
+            self._event("cache", z)
+            return z
+        finally:
+            with self._lock:
+                self._starting.pop(key).set()
+
+    def _start(self, model: str, stages: str, shas: list[str], size: int) -> Zygote:
+        path = self.run_dir / f"{model}.{stages}.{uuid.uuid4().hex[:8]}.sock"
+        env = {**os.environ, **settings_environment(self.settings), "PYTHONPATH": str(REPO_ROOT)}
+        with open(self.log_dir / f"zygote-{model}-{stages}.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "keysmanager.zygote", "--model", model,
+                                     "--stages", stages, "--socket", str(path)],
+                                    env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + ZYGOTE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"zygote for {model} {stages} exited with {proc.returncode}; "
+                                   f"see zygote-{model}-{stages}.log")
+            if path.exists():
+                try:
+                    zygote_call(path, {"op": "ping"}, timeout=5)
+                    log.info("cached %s stages %s in zygote pid %d", model, stages, proc.pid)
+                    return Zygote(model, stages, proc, path, shas, size)
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        proc.kill()
+        raise TimeoutError(f"zygote for {model} {stages} not ready in {ZYGOTE_START_TIMEOUT_S} s")
+
+    # -- fork ----------------------------------------------------------------------------------
+
+    def fork(self, model: str, stages: str, function: str, env: dict[str, str], cow: bool = True) -> dict:
+        """Forks a stage replica from the zygote; never from parameters older than the shard."""
+        key = f"{model}:{stages}"
+        with self._lock:
+            z = self.zygotes.get(key)
+            if z is None or not z.alive():
+                raise NotCached(key)
+            if self.shards(model, stages)[0] != z.sha256:
+                self._evict_locked(z, "stale shard")
+                raise StaleShard(f"the shard of {key} changed; its cache was dropped")
+            z.forking += 1
+        port_file = self.run_dir / f"{function}.{uuid.uuid4().hex[:8]}.port"
+        request = {"op": "fork", "cow": cow, "handler": str(STAGE_HANDLER), "port_file": str(port_file),
+                   "log_file": str(self.log_dir / f"{function}.log"),
+                   "env": {**settings_environment(self.settings), **env,
+                           "QUART_MODEL": model, "QUART_STAGES": stages}}
+        try:
+            pid = zygote_call(z.socket, request)["pid"]
+        finally:
+            with self._lock:
+                z.forking -= 1
+        z.last_use, z.forks = time.time(), z.forks + 1
+        self._publish(z)
+        self._event("fork", z, pid=pid, cow=cow)
+        return {"pid": pid, "port_file": str(port_file), "started_by": "fork-cow" if cow else "fork-copy"}
+
+    # -- evict and watch -----------------------------------------------------------------------
+
+    def evict(self, model: str, stages: str, reason: str = "requested") -> None:
+        with self._lock:
+            z = self.zygotes.get(f"{model}:{stages}")
+            if z is None:
+                raise NotCached(f"{model}:{stages}")
+            self._evict_locked(z, reason)
+
+    def _evict_locked(self, z: Zygote, reason: str) -> None:
+        self.zygotes.pop(z.key, None)
+        if z.alive():
+            z.proc.terminate()
+            try:
+                z.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                z.proc.kill()
+                z.proc.wait()
+        z.socket.unlink(missing_ok=True)
+        self.redis.delete(keys.zygote(self.server, z.model, z.stages))
+        self.redis.srem(keys.zygotes(self.server), z.key)
+        self._event("evict", z, reason=reason)
+        log.info("evicted %s (%s)", z.key, reason)
+
+    def memory_used(self) -> float:
+        vm = psutil.virtual_memory()
+        return 1.0 - vm.available / vm.total
+
+    def watch_once(self) -> None:
+        """Re-caches crashed zygotes and evicts least recently used ones over the memory threshold."""
+        with self._lock:
+            crashed = [z for z in self.zygotes.values() if not z.alive()]
+        for z in crashed:
+            log.warning("zygote %s (pid %d) died with %s; re-caching", z.key, z.proc.pid, z.proc.returncode)
+            self._event("crash", z, code=z.proc.returncode)
+            try:
+                self.cache(z.model, z.stages)
+            except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
+                log.error("re-caching %s failed: %s", z.key, exc)
+        while self.memory_used() > self.threshold:
+            with self._lock:
+                # Never the zygote a replica is being forked from right now.
+                idle = sorted((z for z in self.zygotes.values() if z.forking == 0), key=lambda z: z.last_use)
+                if not idle:
+                    break
+                self._evict_locked(idle[0], f"memory use {self.memory_used():.0%} over {self.threshold:.0%}")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for z in list(self.zygotes.values()):
+                self._evict_locked(z, "shutdown")
+
+    def list(self) -> list[dict]:
+        with self._lock:
+            return [z.describe() for z in sorted(self.zygotes.values(), key=lambda z: z.key)]
+
+    def stats(self) -> dict:
+        zs = self.list()
+        return {"server": self.server, "memory_used": round(self.memory_used(), 4),
+                "memory_threshold": self.threshold, "zygotes": len(zs),
+                "cached_bytes": sum(z["bytes"] for z in zs), "forks": sum(z["forks"] for z in zs)}
+
+    # -- Redis ---------------------------------------------------------------------------------
+
+    def _publish(self, z: Zygote) -> None:
+        d = z.describe()
+        pipe = self.redis.pipeline()
+        pipe.hset(keys.zygote(self.server, z.model, z.stages),
+                  mapping={**{k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in d.items()},
+                           "server": self.server})
+        pipe.sadd(keys.zygotes(self.server), z.key)
+        pipe.execute()
+
+    def _event(self, what: str, z: Zygote, **extra: object) -> None:
+        fields = {"event": what, "zygote": z.key, "pid": str(z.proc.pid), "t": f"{time.time():.6f}",
+                  **{k: str(v) for k, v in extra.items()}}
+        self.redis.xadd(keys.cache_events(self.server), fields, maxlen=self.settings.records_maxlen,
+                        approximate=True)

@@ -1,0 +1,136 @@
+"""A zygote: one process that holds a stage range's parameters in host memory and forks stage
+replicas from them.
+
+It only loads and holds tensors: it never computes and never initialises CUDA, because a process
+that has run multi-threaded torch kernels can hang its forked children (DESIGN.md §6). A child sets
+its own threads, dtype and device after the fork. Copy-on-write children share the parent's pages;
+a non-COW child clones the parameters first, for isolation.
+
+Control is a Unix socket that takes one JSON line per connection:
+    {"op": "fork", "cow": true, "env": {...}, "handler": "...", "port_file": "...", "log_file": "..."}
+    {"op": "ping"}
+and answers one JSON line ({"pid": ...} or {"ok": true, ...}, or {"error": ...}).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+# Everything a replica needs, imported before any fork so that a child starts warm.
+import aiohttp  # noqa: F401
+import redis  # noqa: F401
+import torch
+
+from contracts.config import load_settings
+from pipeline import replica as _replica  # noqa: F401
+from pipeline.manifest import Manifest
+from pipeline.stage_runner import StageRunner
+from runtime import watchdog
+
+# Set in a forked child: the runner it inherited, for the stage handler to use.
+_INHERITED: StageRunner | None = None
+
+
+def inherited_runner(model: str, first: int, last: int) -> StageRunner | None:
+    """The runner a forked replica inherited from its zygote, if it holds these stages."""
+    r = _INHERITED
+    if r is not None and (r.manifest.model, r.first, r.last) == (model, first, last):
+        return r
+    return None
+
+
+def _reap(*_: object) -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def _become_replica(runner: StageRunner, request: dict, server: socket.socket, conn: socket.socket) -> None:
+    """Runs in the child: turns the inherited parameters into a serving stage replica."""
+    global _INHERITED
+    server.close()
+    conn.close()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    log = os.open(request["log_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(request.get("env") or {})
+    os.environ["QUART_STARTED_BY"] = "fork-cow" if request.get("cow", True) else "fork-copy"
+    settings = load_settings()
+    if not request.get("cow", True):
+        runner.clone_parameters()
+    runner.to(settings.device, settings.dtype)
+    _INHERITED = runner
+    watchdog.main(["--handler", request["handler"], "--port-file", request["port_file"]])
+
+
+def _fork(runner: StageRunner, request: dict, server: socket.socket, conn: socket.socket) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _become_replica(runner, request, server, conn)
+        except BaseException:  # the child must never return into the zygote's loop
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    return pid
+
+
+def serve(runner: StageRunner, socket_path: Path) -> None:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    socket_path.unlink(missing_ok=True)
+    server.bind(str(socket_path))
+    server.listen(16)
+    signal.signal(signal.SIGCHLD, _reap)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Objects that exist now are never collected: the collector would otherwise touch (and so
+    # copy) their pages in every child.
+    gc.collect()
+    gc.freeze()
+    while True:
+        try:
+            conn, _ = server.accept()
+        except InterruptedError:
+            continue
+        with conn:
+            try:
+                request = json.loads(conn.makefile("rb").readline())
+                if request.get("op") == "fork":
+                    answer = {"pid": _fork(runner, request, server, conn)}
+                else:
+                    answer = {"ok": True, "pid": os.getpid()}
+            except (ValueError, KeyError, OSError) as exc:
+                answer = {"error": str(exc)}
+            try:
+                conn.sendall(json.dumps(answer).encode() + b"\n")
+            except OSError:
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--stages", required=True, help='"a" or "a-b" (b exclusive)')
+    parser.add_argument("--socket", type=Path, required=True)
+    args = parser.parse_args(argv)
+    settings = load_settings().replace(model=args.model, stages=args.stages)
+    first, last = settings.stage_range()
+    runner = StageRunner(Manifest.load(settings.model_dir()), first, last, device="cpu", dtype="float32")
+    assert not torch.cuda.is_initialized()
+    serve(runner, args.socket)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The KeysManager with real zygote processes, real forks, a real redis-server and real weights."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from contracts import keys
+from contracts.config import Settings, settings_environment
+from contracts.wire import decode_tensors, encode_tensors
+from keysmanager.client import KeysClient, KeysManagerError
+from pipeline.partition import partition
+from pipeline.registry import live_replicas
+from pipeline.stage_runner import StageRunner
+from runtime.client import HttpClient
+from runtime.ports import free_port
+from runtime.redis_server import start_redis
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def km(home_settings: Settings, partitioned, tmp_path_factory):
+    """A redis-server and a KeysManager process of their own, over the test models."""
+    partitioned("smollm2", 4)
+    partitioned("minilm", 3)
+    home = tmp_path_factory.mktemp("km")
+    settings = home_settings.replace(home=str(home), models=str(home_settings.models_dir),
+                                     redis_port=free_port(), keysmanager_port=free_port(), server="km-test")
+    (home / "logs").mkdir()
+    redis_proc = start_redis("127.0.0.1", settings.redis_port, home / "redis", home / "logs" / "redis.log")
+    env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
+                            stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
+    client = KeysClient(f"http://127.0.0.1:{settings.keysmanager_port}", timeout=300)
+    wait_until(client.healthy, 60, "the KeysManager")
+    children: list[int] = []
+    try:
+        yield settings, client, redis.Redis(port=settings.redis_port), children
+    finally:
+        for pid in children:
+            _kill(pid)
+        proc.terminate()
+        proc.wait(timeout=60)
+        redis_proc.terminate()
+        redis_proc.wait()
+
+
+def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def start_forked(client: KeysClient, children: list, model: str, stages: str, cow: bool = True) -> tuple[int, int]:
+    answer = client.fork(model, stages, f"{model}-s{stages}", cow=cow)
+    children.append(answer["pid"])
+    port_file = Path(answer["port_file"])
+    wait_until(port_file.exists, 60, "the forked replica to listen")
+    return answer["pid"], int(port_file.read_text())
+
+
+def start_cold(settings: Settings, children: list, model: str, stages: str) -> int:
+    port_file = Path(settings.home) / "run" / f"cold-{model}-{stages}.port"
+    port_file.parent.mkdir(parents=True, exist_ok=True)
+    port_file.unlink(missing_ok=True)
+    env = {**os.environ, **settings_environment(settings), "QUART_MODEL": model, "QUART_STAGES": stages,
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.watchdog", "--handler", str(REPO / "functions" / "stage"),
+                             "--port-file", str(port_file)], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children.append(proc.pid)
+    wait_until(port_file.exists, 120, "the cold replica to listen")
+    return int(port_file.read_text())
+
+
+def invoke(port: int, tensors: dict) -> dict:
+    reply = HttpClient(f"http://127.0.0.1:{port}").request("POST", "/", encode_tensors(tensors))
+    assert reply.status == 200, reply.body
+    return decode_tensors(reply.body)
+
+
+def pss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Pss line")
+
+
+def test_forked_replicas_compute_exactly_what_a_cold_one_does(km, partitioned):
+    settings, client, r, children = km
+    client.cache("smollm2", "1")
+    manifest = partitioned("smollm2", 4)
+    hidden = StageRunner(manifest, 0, 1).run({"input_ids": torch.tensor([[504, 3575, 282, 4649, 314]])})
+    _, cow_port = start_forked(client, children, "smollm2", "1", cow=True)
+    _, copy_port = start_forked(client, children, "smollm2", "1", cow=False)
+    cold_port = start_cold(settings, children, "smollm2", "1")
+    cold = invoke(cold_port, hidden)["hidden"]
+    assert torch.equal(invoke(cow_port, hidden)["hidden"], cold)
+    assert torch.equal(invoke(copy_port, hidden)["hidden"], cold)
+    started = sorted(x["started_by"] for x in live_replicas(r, "smollm2", 1))
+    assert started == ["cold", "fork-copy", "fork-cow"]
+
+
+def test_cow_children_share_the_zygote_pages(km):
+    settings, client, r, children = km
+    zygote = client.cache("smollm2", "2")
+    start_cold(settings, children, "smollm2", "2")
+    cold_pid = children[-1]
+    pids = [start_forked(client, children, "smollm2", "2")[0] for _ in range(4)]
+    forked_total = sum(pss_bytes(p) for p in pids) + pss_bytes(zygote["pid"])
+    # Four cold replicas would hold four private copies; the zygote and its four children
+    # together hold far less, and each child adds less than one copy of its parameters.
+    assert forked_total < 0.5 * 4 * pss_bytes(cold_pid), (forked_total, pss_bytes(cold_pid))
+    assert (forked_total - zygote["bytes"]) / 4 < zygote["bytes"]
+    for pid in pids + [cold_pid]:
+        _kill(pid, signal.SIGTERM)
+
+
+def test_eviction_under_a_lowered_threshold_is_lru_and_spares_children(km):
+    settings, client, r, children = km
+    for stages in ("0", "1", "2"):
+        client.cache("minilm", stages)
+    _, child_port = start_forked(client, children, "minilm", "0")  # minilm:0 is now the most recent
+    since = r.xrevrange(keys.cache_events(settings.server), count=1)[0][0]
+    client.set_threshold(0.0)
+    try:
+        wait_until(lambda: not any(z["model"] == "minilm" for z in client.zygotes()), 60, "eviction")
+    finally:
+        client.set_threshold(0.85)
+    evicted = [f[b"zygote"].decode() for _, f in r.xrange(keys.cache_events(settings.server), min=since)
+               if f[b"event"] == b"evict" and f[b"zygote"].startswith(b"minilm:")]
+    assert evicted == ["minilm:1", "minilm:2", "minilm:0"]
+    # The child of an evicted zygote still serves.
+    out = invoke(child_port, {"input_ids": torch.tensor([[101, 7592, 102]])})
+    assert out["hidden"].shape == (1, 3, 384)
+
+
+def test_a_crashed_zygote_is_noticed_and_cached_again(km):
+    settings, client, r, children = km
+    before = client.cache("minilm", "2")
+    os.kill(before["pid"], signal.SIGKILL)
+    after = wait_until(lambda: next((z for z in client.zygotes()
+                                     if z["model"] == "minilm" and z["stages"] == "2" and z["pid"] != before["pid"]),
+                                    None), 120, "the zygote to be cached again")
+    assert after["sha256"] == before["sha256"]
+    events = [f[b"event"] for _, f in r.xrange(keys.cache_events(settings.server))]
+    assert b"crash" in events
+
+
+def test_a_changed_shard_is_never_served_from_the_stale_cache(km, sources, home_settings):
+    settings, client, r, children = km
+    out = home_settings.model_dir("minilm-swap")
+    partition(sources["minilm"], 3, out, "balanced")
+    old = client.cache("minilm-swap", "1")
+    partition(sources["minilm"], 3, out, "uniform")  # stage 1 now holds other layers
+    with pytest.raises(KeysManagerError) as info:
+        client.fork("minilm-swap", "1", "minilm-swap-s1")
+    assert info.value.status == 409
+    assert not any(z["model"] == "minilm-swap" for z in client.zygotes())
+    new = client.cache("minilm-swap", "1")
+    assert new["sha256"] != old["sha256"]
+    _, port = start_forked(client, children, "minilm-swap", "1")
+    from pipeline.manifest import Manifest
+    manifest = Manifest.load(out)
+    hidden = StageRunner(manifest, 0, 1).run({"input_ids": torch.tensor([[101, 7592, 2088, 102]])})
+    torch.testing.assert_close(invoke(port, hidden)["hidden"], StageRunner(manifest, 1, 2).run(hidden)["hidden"],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"model": "smollm2"}, 400), ({"model": "../etc", "stages": "1"}, 400), ({"model": "smollm2", "stages": "9"}, 400),
+    ({"model": "nope", "stages": "1"}, 404),
+])
+def test_bad_cache_requests(km, body, status):
+    _, client, _, _ = km
+    assert client.request("POST", "/cache", body).status == status
+
+
+def test_bad_fork_requests(km):
+    _, client, _, _ = km
+    assert client.request("POST", "/fork", {"model": "smollm2", "stages": "3"}).status == 404  # not cached
+    client.cache("smollm2", "1")
+    bad_env = {"model": "smollm2", "stages": "1", "env": {"LD_PRELOAD": "/tmp/x.so"}}
+    assert client.request("POST", "/fork", bad_env).status == 400
+    assert client.request("POST", "/fork", b"{oops").status == 400
+    assert client.request("PUT", "/config", {"memory_threshold": 2}).status == 400
