@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks import hop, pipeline_overhead
+from benchmarks import hop, pipeline_overhead, scaleup
 
-BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main}
+BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main}
 
 
 def main(argv: list[str]) -> int:

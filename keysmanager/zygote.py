@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -29,22 +30,11 @@ import redis  # noqa: F401
 import torch
 
 from contracts.config import load_settings
+from keysmanager import inherited
 from pipeline import replica as _replica  # noqa: F401
 from pipeline.manifest import Manifest
 from pipeline.stage_runner import StageRunner
 from runtime import watchdog
-
-# Set in a forked child: the runner it inherited, for the stage handler to use.
-_INHERITED: StageRunner | None = None
-
-
-def inherited_runner(model: str, first: int, last: int) -> StageRunner | None:
-    """The runner a forked replica inherited from its zygote, if it holds these stages."""
-    r = _INHERITED
-    if r is not None and (r.manifest.model, r.first, r.last) == (model, first, last):
-        return r
-    return None
-
 
 def _reap(*_: object) -> None:
     try:
@@ -56,7 +46,6 @@ def _reap(*_: object) -> None:
 
 def _become_replica(runner: StageRunner, request: dict, server: socket.socket, conn: socket.socket) -> None:
     """Runs in the child: turns the inherited parameters into a serving stage replica."""
-    global _INHERITED
     server.close()
     conn.close()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -67,10 +56,13 @@ def _become_replica(runner: StageRunner, request: dict, server: socket.socket, c
     os.environ.update(request.get("env") or {})
     os.environ["QUART_STARTED_BY"] = "fork-cow" if request.get("cow", True) else "fork-copy"
     settings = load_settings()
+    t0 = time.perf_counter()
     if not request.get("cow", True):
         runner.clone_parameters()
     runner.to(settings.device, settings.dtype)
-    _INHERITED = runner
+    print(f"forked: parameters ready in {(time.perf_counter() - t0) * 1000:.1f} ms "
+          f"({'shared' if request.get('cow', True) else 'cloned'})", file=sys.stderr, flush=True)
+    inherited.RUNNER = runner
     watchdog.main(["--handler", request["handler"], "--port-file", request["port_file"]])
 
 

@@ -43,8 +43,10 @@ class Replica:
         self.settings = settings
         first, last = settings.stage_range()
         torch.set_num_threads(max(1, settings.threads))
+        started_by = settings.started_by
         if runner is None:
             runner = StageRunner(Manifest.load(settings.model_dir()), first, last, settings.device, settings.dtype)
+            started_by = "cold"  # whatever started this process, it loaded the shard itself
         self.runner = runner
         self.manifest = runner.manifest
         self.model, self.first, self.last = settings.model, first, last
@@ -54,7 +56,7 @@ class Replica:
             replica_id=f"{self.model}-s{first}.{settings.server}.{pid}", model=self.model,
             stage_start=first, stage_end=last, server=settings.server, pid=pid,
             device=settings.device, cpus=len(os.sched_getaffinity(0)),
-            started_by=settings.started_by, started_at=time.time())
+            started_by=started_by, started_at=time.time())
         self.stream = keys.stage_stream(self.model, first)
         self.next_stream = None if self.runner.is_last else keys.stage_stream(self.model, last)
         self._labels = {"model": self.model, "stage": str(first)}

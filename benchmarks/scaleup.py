@@ -1,0 +1,197 @@
+"""Scale-up latency of a stage replica, from the request to add it until it has taken its first
+work item, for a cold start (new process, imports, shard load), a copy-on-write fork from a
+KeysManager zygote, and a non-COW fork (parameters cloned); for a SmolLM2 stage shard and a
+random-weight stage of about 1 GB. Interleaved, side by side in one run. Then the proportional
+set size (PSS) of 1, 4 and 8 COW children against one cold replica.
+
+A work item waits in the stage's stream before each start, so "first work" is the replica's first
+XREADGROUP that returns it; the replica records that moment in its registration."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+import torch
+
+from benchmarks.report import conditions, table, write
+from contracts import keys
+from contracts.config import Settings, load_settings, settings_environment
+from contracts.wire import MESSAGE_FIELD, Header, pack
+from keysmanager.client import KeysClient
+from pipeline.manifest import Manifest
+from pipeline.registry import live_replicas
+from runtime.ports import free_port
+from runtime.redis_server import start_redis
+
+REPO = Path(__file__).resolve().parent.parent
+RANDOM_1G = {"hidden_size": 2048, "num_hidden_layers": 15, "intermediate_size": 5632,
+             "num_attention_heads": 16, "num_key_value_heads": 16}
+CASES = [("smollm2", "1"), ("random-1g", "1")]
+MODES = ("cold", "fork-cow", "fork-copy")
+
+
+def ensure_models(settings: Settings) -> None:
+    from pipeline.partition import partition
+    from pipeline.sources import load_source
+    cache = settings.models_dir / "_sources"
+    for name, method, stages, source, config in (("smollm2", "balanced", 4, "smollm2", None),
+                                                  ("random-1g", "uniform", 3, "random-llama", RANDOM_1G)):
+        try:
+            if Manifest.load(settings.model_dir(name)).num_stages == stages:
+                continue
+        except FileNotFoundError:
+            pass
+        print(f"partitioning {name} ...", flush=True)
+        partition(load_source(source, cache, config), stages, settings.model_dir(name), method)
+
+
+def enqueue_work(r: redis.Redis, manifest: Manifest, stage: int) -> None:
+    width = manifest.config["hidden_size"]
+    header = Header(request_id=f"bench-{time.time_ns()}", model=manifest.model, stage=stage,
+                    reply_to="quart:bench:replies", deadline=time.time() + 600)
+    r.xadd(keys.stage_stream(manifest.model, stage), {MESSAGE_FIELD: pack(header, {"hidden": torch.randn(1, 8, width)})})
+
+
+def start_cold(settings: Settings, model: str, stages: str, log: Path) -> int:
+    env = {**os.environ, **settings_environment(settings), "QUART_MODEL": model, "QUART_STAGES": stages,
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.watchdog", "--handler", str(REPO / "functions" / "stage")],
+                            env=env, cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    return proc.pid
+
+
+def first_work_latency(r: redis.Redis, model: str, stage: int, known: set[str], t0: float) -> tuple[str, float]:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for rep in live_replicas(r, model, stage):
+            if rep["replica_id"] not in known and "first_work_at" in rep:
+                return rep["replica_id"], float(rep["first_work_at"]) - t0
+        time.sleep(0.002)
+    raise TimeoutError(f"no new replica of {model} stage {stage} took work")
+
+
+def stop(r: redis.Redis, model: str, stage: int, pid: int) -> None:
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(int(x["pid"]) == pid for x in live_replicas(r, model, stage)):
+        time.sleep(0.05)
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def one_start(settings: Settings, client: KeysClient, r: redis.Redis, manifest: Manifest, stages: str,
+              mode: str, log: Path) -> float:
+    stage = int(stages)
+    enqueue_work(r, manifest, stage)
+    known = {x["replica_id"] for x in live_replicas(r, manifest.model, stage)}
+    t0 = time.time()
+    if mode == "cold":
+        pid = start_cold(settings, manifest.model, stages, log)
+    else:
+        pid = client.fork(manifest.model, stages, f"{manifest.model}-s{stages}", cow=mode == "fork-cow")["pid"]
+    _, latency = first_work_latency(r, manifest.model, stage, known, t0)
+    stop(r, manifest.model, stage, pid)
+    return latency * 1000.0
+
+
+def pss(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+
+
+def measure_pss(settings: Settings, client: KeysClient, r: redis.Redis, model: str, stages: str, log: Path) -> dict:
+    stage = int(stages)
+    zygote = client.cache(model, stages)
+    out: dict[str, float] = {}
+    cold_pid = start_cold(settings, model, stages, log)
+    wait_registered(r, model, stage, 1)
+    out["cold replica"] = pss(cold_pid) / 1e6
+    stop(r, model, stage, cold_pid)
+    for n in (1, 4, 8):
+        pids = [client.fork(model, stages, f"{model}-s{stages}")["pid"] for _ in range(n)]
+        wait_registered(r, model, stage, n)
+        out[f"{n} COW children + zygote"] = (sum(pss(p) for p in pids) + pss(zygote["pid"])) / 1e6
+        for pid in pids:
+            stop(r, model, stage, pid)
+    return out
+
+
+def wait_registered(r: redis.Redis, model: str, stage: int, n: int) -> None:
+    deadline = time.monotonic() + 300
+    while len(live_replicas(r, model, stage)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError("replicas did not register")
+        time.sleep(0.05)
+
+
+def main(repeats: int = 5) -> dict:
+    base = load_settings()
+    ensure_models(base)
+    home = Path(tempfile.mkdtemp(prefix="quart-scaleup-"))
+    settings = base.replace(home=str(home), models=str(base.models_dir), redis_port=free_port(),
+                            keysmanager_port=free_port(), server="bench", threads=1)
+    (home / "logs").mkdir()
+    log = home / "logs" / "replicas.log"
+    redis_proc = start_redis("127.0.0.1", settings.redis_port, home / "redis", home / "logs" / "redis.log")
+    env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO)}
+    km = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
+                          stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
+    client = KeysClient(f"http://127.0.0.1:{settings.keysmanager_port}", timeout=600)
+    r = redis.Redis(port=settings.redis_port)
+    try:
+        while not client.healthy():
+            time.sleep(0.1)
+        samples: dict[tuple[str, str], list[float]] = {}
+        for model, stages in CASES:
+            manifest = Manifest.load(settings.model_dir(model))
+            client.cache(model, stages)
+            for i in range(repeats):
+                for mode in MODES:
+                    samples.setdefault((model, mode), []).append(
+                        one_start(settings, client, r, manifest, stages, mode, log))
+                print(f"{model}: repetition {i + 1}/{repeats} done", flush=True)
+        memory = measure_pss(settings, client, r, "smollm2", "1", log)
+    finally:
+        km.terminate()
+        km.wait(timeout=60)
+        redis_proc.terminate()
+        redis_proc.wait()
+        shutil.rmtree(home, ignore_errors=True)
+    return report(settings, samples, memory, repeats)
+
+
+def report(settings: Settings, samples: dict, memory: dict, repeats: int) -> dict:
+    rows, figures = [], []
+    for model, stages in CASES:
+        shard = Manifest.load(settings.model_dir(model)).stages[int(stages)].bytes / 1e6
+        cold = float(np.median(samples[(model, "cold")]))
+        for mode in MODES:
+            med = float(np.median(samples[(model, mode)]))
+            rows.append([f"{model} s{stages} ({shard:.0f} MB)", mode, round(med, 1),
+                         round(min(samples[(model, mode)]), 1), round(cold / med, 1)])
+            figures.append({"name": f"scale-up {model} stage {stages} {mode} median", "value": round(med, 2),
+                            "unit": "ms", "shard_mb": round(shard, 1)})
+            figures.append({"name": f"speed-up over cold {model} stage {stages} {mode}",
+                            "value": round(cold / med, 2), "unit": "x"})
+    print(table(f"Scale-up: request to first work item, median of {repeats} (ms)",
+                ["stage", "start", "median ms", "min ms", "x faster than cold"], rows))
+    print(table("PSS of smollm2 stage 1 replicas (MB)", ["what", "PSS MB"],
+                [[k, round(v, 1)] for k, v in memory.items()]))
+    figures += [{"name": f"PSS {k}", "value": round(v, 1), "unit": "MB"} for k, v in memory.items()]
+    write("scaleup", figures, conditions(repeats=repeats, device="cpu", threads=1,
+                                         shard_files="in the page cache (a cold start from disk is slower)"))
+    return {"samples": {f"{m}/{k}": v for (m, k), v in samples.items()}, "pss_mb": memory}
+
+
+if __name__ == "__main__":
+    main()
