@@ -36,6 +36,8 @@ RANDOM_1G = {"hidden_size": 2048, "num_hidden_layers": 15, "intermediate_size": 
              "num_attention_heads": 16, "num_key_value_heads": 16}
 CASES = [("smollm2", "1"), ("random-1g", "1")]
 MODES = ("cold", "fork-cow", "fork-copy")
+# Replicas allocate a little while they start (threads, the HTTP app): measured once settled.
+SETTLE_S = 2.0
 
 
 def ensure_models(settings: Settings) -> None:
@@ -115,12 +117,16 @@ def measure_pss(settings: Settings, client: KeysClient, r: redis.Redis, model: s
     out: dict[str, float] = {}
     cold_pid = start_cold(settings, model, stages, log)
     wait_registered(r, model, stage, 1)
+    time.sleep(SETTLE_S)
     out["cold replica"] = pss(cold_pid) / 1e6
     stop(r, model, stage, cold_pid)
     for n in (1, 4, 8):
         pids = [client.fork(model, stages, f"{model}-s{stages}")["pid"] for _ in range(n)]
         wait_registered(r, model, stage, n)
-        out[f"{n} COW children + zygote"] = (sum(pss(p) for p in pids) + pss(zygote["pid"])) / 1e6
+        time.sleep(SETTLE_S)
+        total = (sum(pss(p) for p in pids) + pss(zygote["pid"])) / 1e6
+        out[f"{n} COW children + zygote"] = total
+        out[f"{n} COW children: added per child beyond one cold replica"] = (total - out["cold replica"]) / n
         for pid in pids:
             stop(r, model, stage, pid)
     return out

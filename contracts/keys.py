@@ -44,3 +44,12 @@ def zygotes(server: str) -> str:
 def cache_events(server: str) -> str:
     """What a server's KeysManager did (cache, fork, evict, re-cache), capped in length."""
     return f"{PREFIX}:cache-events:{server}"
+
+
+def key_stages(model: str) -> str:
+    """The autoscaler's current key stages of a model: a set of stage ranges ("2", "1-3").
+    Every KeysManager caches the key stages it does not hold yet."""
+    return f"{PREFIX}:key-stages:{model}"
+
+
+KEY_STAGES_PATTERN = f"{PREFIX}:key-stages:*"

@@ -206,8 +206,25 @@ class KeysManager:
         vm = psutil.virtual_memory()
         return 1.0 - vm.available / vm.total
 
+    def key_stages(self) -> list[tuple[str, str]]:
+        """Stage ranges the autoscaler marked as key stages, in every model."""
+        wanted = []
+        for key in self.redis.scan_iter(match=keys.KEY_STAGES_PATTERN, count=100):
+            model = key.decode().rsplit(":", 1)[1]
+            wanted += [(model, stages.decode()) for stages in self.redis.smembers(key)]
+        return sorted(wanted)
+
     def watch_once(self) -> None:
-        """Re-caches crashed zygotes and evicts least recently used ones over the memory threshold."""
+        """Caches new key stages, re-caches crashed zygotes, and evicts least recently used ones
+        over the memory threshold."""
+        with self._lock:
+            held = set(self.zygotes) | set(self._starting)
+        for model, stages in self.key_stages():
+            if f"{model}:{stages}" not in held and self.memory_used() < self.threshold:
+                try:
+                    self.cache(model, stages)
+                except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
+                    log.error("caching key stage %s %s failed: %s", model, stages, exc)
         with self._lock:
             crashed = [z for z in self.zygotes.values() if not z.alive()]
         for z in crashed:

@@ -205,3 +205,14 @@ def test_bad_fork_requests(km):
     assert client.request("POST", "/fork", bad_env).status == 400
     assert client.request("POST", "/fork", b"{oops").status == 400
     assert client.request("PUT", "/config", {"memory_threshold": 2}).status == 400
+
+
+def test_key_stages_published_by_the_autoscaler_get_cached(km):
+    settings, client, r, children = km
+    assert not any(z["model"] == "minilm" and z["stages"] == "1" for z in client.zygotes())
+    r.sadd(keys.key_stages("minilm"), "1")
+    try:
+        wait_until(lambda: any(z["model"] == "minilm" and z["stages"] == "1" for z in client.zygotes()),
+                   120, "the key stage to be cached")
+    finally:
+        r.delete(keys.key_stages("minilm"))
