@@ -1,0 +1,162 @@
+"""Baseline scaling policies behind the same interface as QUART's: `decide(state, memory)`
+returns `(Decision, memory)`, pure. Each follows the published rule of the system it stands for.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autoscaler.state import Decision, PipelineState, StageDecision, StageState
+
+
+def _decision(state: PipelineState, name: str, replicas: list[int], reasons: list[dict]) -> Decision:
+    return Decision(state.model, name, tuple(
+        StageDecision(s.stage, r, s.cpus, False, why) for s, r, why in zip(state.stages, replicas, reasons)))
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(high, value))
+
+
+@dataclass(frozen=True)
+class Static:
+    """Fixed replicas per stage, whatever the load."""
+    replicas: int = 1
+    name: str = "static"
+
+    def decide(self, state: PipelineState, memory: object = None) -> tuple[Decision, object]:
+        n = len(state.stages)
+        return _decision(state, self.name, [self.replicas] * n, [{"static": self.replicas}] * n), memory
+
+
+@dataclass(frozen=True)
+class UniformQPS:
+    """Whole-pipeline scaling on QPS, as INFless and Cocktail scale a model: every stage gets the
+    same count, enough for the slowest stage to run at the target utilisation."""
+    target_utilization: float = 0.8
+    r_min: int = 1
+    r_max: int = 64
+    name: str = "uniform-qps"
+
+    def decide(self, state: PipelineState, memory: object = None) -> tuple[Decision, object]:
+        bottleneck = max(s.service_time_s for s in state.stages)
+        wanted = math.ceil(state.entry_rate * bottleneck / self.target_utilization)
+        r = _clamp(wanted, self.r_min, self.r_max)
+        why = {"qps": round(state.entry_rate, 4), "bottleneck_service_s": bottleneck}
+        return _decision(state, self.name, [r] * len(state.stages), [why] * len(state.stages)), memory
+
+
+@dataclass(frozen=True)
+class OpenFaaSPro:
+    """OpenFaaS Pro's autoscaler in rps mode, per function (stage):
+    replicas = ceil(current rps / (target rps per replica × target proportion))."""
+    target_rps: float = 5.0
+    target_proportion: float = 0.9
+    r_min: int = 1
+    r_max: int = 64
+    name: str = "openfaas-pro-rps"
+
+    def decide(self, state: PipelineState, memory: object = None) -> tuple[Decision, object]:
+        replicas = [_clamp(math.ceil(s.arrival_rate / (self.target_rps * self.target_proportion)),
+                           self.r_min, self.r_max) for s in state.stages]
+        reasons = [{"rps": round(s.arrival_rate, 4), "target_rps": self.target_rps} for s in state.stages]
+        return _decision(state, self.name, replicas, reasons), memory
+
+
+@dataclass(frozen=True)
+class KPAMemory:
+    samples: tuple[tuple[tuple[float, float], ...], ...] = ()  # per stage: (time, concurrency)
+    panic_since: tuple[float | None, ...] = ()
+    panic_peak: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KnativeKPA:
+    """Knative's KPA: concurrency averaged over a 60 s stable and a 6 s panic window; panic when
+    the panic-window want reaches 200 % of the ready replicas; in panic it never scales down, and
+    it leaves panic after a stable window without the condition. Scale rates bounded."""
+    target_concurrency: float = 1.0
+    stable_window_s: float = 60.0
+    panic_window_s: float = 6.0
+    panic_threshold: float = 2.0
+    max_scale_up_rate: float = 1000.0
+    max_scale_down_rate: float = 2.0
+    r_min: int = 1
+    r_max: int = 64
+    name: str = "knative-kpa"
+
+    def decide(self, state: PipelineState, memory: KPAMemory | None = None) -> tuple[Decision, KPAMemory]:
+        n = len(state.stages)
+        if memory is None or len(memory.samples) != n:
+            memory = KPAMemory(((),) * n, (None,) * n, (0,) * n)
+        samples, panic_since, peaks, replicas, reasons = [], [], [], [], []
+        for i, s in enumerate(state.stages):
+            window = tuple((t, c) for t, c in memory.samples[i] if t > state.now - self.stable_window_s)
+            window += ((state.now, float(s.concurrency)),)
+            r, since, peak, why = self._stage(s, window, state.now, memory.panic_since[i], memory.panic_peak[i])
+            samples.append(window)
+            panic_since.append(since)
+            peaks.append(peak)
+            replicas.append(r)
+            reasons.append(why)
+        return _decision(state, self.name, replicas, reasons), KPAMemory(tuple(samples), tuple(panic_since), tuple(peaks))
+
+    def _stage(self, s: StageState, window: tuple, now: float, since: float | None,
+               peak: int) -> tuple[int, float | None, int, dict]:
+        ready = max(1, s.replicas)
+        stable = sum(c for _, c in window) / len(window)
+        recent = [c for t, c in window if t > now - self.panic_window_s]
+        panic = sum(recent) / len(recent)
+        up_limit = math.ceil(self.max_scale_up_rate * ready)
+        down_limit = math.floor(ready / self.max_scale_down_rate)
+        want_stable = _clamp(math.ceil(stable / self.target_concurrency), down_limit, up_limit)
+        want_panic = _clamp(math.ceil(panic / self.target_concurrency), down_limit, up_limit)
+        over = want_panic / ready >= self.panic_threshold
+        if over:
+            since = now
+        elif since is not None and now - since >= self.stable_window_s:
+            since, peak = None, 0
+        if since is not None:
+            peak = max(peak, want_panic, s.replicas)
+            desired = peak  # in panic: never scale down
+        else:
+            desired = want_stable
+        why = {"stable_concurrency": round(stable, 3), "panic_concurrency": round(panic, 3),
+               "panic": since is not None}
+        return _clamp(desired, self.r_min, self.r_max), since, peak, why
+
+
+@dataclass(frozen=True)
+class RayServe:
+    """Ray Serve's default policy: replicas = ceil(ongoing requests / target per replica), applied
+    only after the want has held for the upscale (30 s) or downscale (600 s) delay."""
+    target_ongoing_requests: float = 2.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    period_s: float = 1.0
+    r_min: int = 1
+    r_max: int = 64
+    name: str = "ray-serve"
+
+    def decide(self, state: PipelineState, memory: tuple[int, ...] | None = None) -> tuple[Decision, tuple[int, ...]]:
+        counters = list(memory) if memory and len(memory) == len(state.stages) else [0] * len(state.stages)
+        replicas, reasons = [], []
+        for i, s in enumerate(state.stages):
+            want = _clamp(math.ceil(s.concurrency / self.target_ongoing_requests), self.r_min, self.r_max)
+            new = s.replicas
+            if want > s.replicas:
+                counters[i] = max(counters[i], 0) + 1
+                if counters[i] * self.period_s >= self.upscale_delay_s:
+                    new, counters[i] = want, 0
+            elif want < s.replicas:
+                counters[i] = min(counters[i], 0) - 1
+                if -counters[i] * self.period_s >= self.downscale_delay_s:
+                    new, counters[i] = want, 0
+            else:
+                counters[i] = 0
+            replicas.append(new)
+            reasons.append({"ongoing": s.concurrency, "want": want, "counter": counters[i]})
+        return _decision(state, self.name, replicas, reasons), tuple(counters)
+
+
+BASELINES = {p.name: p for p in (Static(), UniformQPS(), OpenFaaSPro(), KnativeKPA(), RayServe())}

@@ -1,0 +1,71 @@
+"""What a scaling policy sees and what it decides. Plain values: a policy is a pure function
+from (observed state, its own memory) to (decision, new memory), with no I/O, so the live loop,
+the simulator and the tests drive the same code."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StageState:
+    """One stage over the last observation window."""
+    stage: int
+    arrival_rate: float          # λ, work items per second
+    service_time_s: float        # mean compute time of one item on one replica (1/μ)
+    replicas: int
+    arrival_cv: float = 1.0      # coefficient of variation of inter-arrival times
+    service_cv: float = 1.0      # coefficient of variation of service times
+    cpus: float = 1.0            # CPUs per replica
+    queue_length: int = 0        # items waiting, not yet taken by a replica
+    in_flight: int = 0           # items being computed
+    wait_s: float = 0.0          # measured mean queue wait
+    latency_s: float = 0.0       # measured mean sojourn (wait + service)
+
+    @property
+    def service_rate(self) -> float:
+        return 1.0 / self.service_time_s if self.service_time_s > 0 else float("inf")
+
+    @property
+    def concurrency(self) -> int:
+        """Items in the stage: what Knative and Ray Serve scale on."""
+        return self.queue_length + self.in_flight
+
+
+@dataclass(frozen=True)
+class PipelineState:
+    model: str
+    stages: tuple[StageState, ...]
+    slo_s: float                 # end-to-end latency objective
+    entry_rate: float            # requests per second arriving at the model
+    now: float = 0.0             # seconds; policies with windows use it
+    # Edges (from, to) of the stage graph; None means a chain 0 -> 1 -> ... -> S-1.
+    edges: tuple[tuple[int, int], ...] | None = None
+
+    def graph(self) -> tuple[tuple[int, int], ...]:
+        if self.edges is not None:
+            return self.edges
+        return tuple((i, i + 1) for i in range(len(self.stages) - 1))
+
+
+@dataclass(frozen=True)
+class StageDecision:
+    stage: int
+    replicas: int
+    cpus: float
+    key: bool = False
+    # Why: the figures the decision came from (λ, μ, predicted delay, PID terms, ...).
+    reason: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Decision:
+    model: str
+    policy: str
+    stages: tuple[StageDecision, ...]
+
+    @property
+    def key_stages(self) -> tuple[int, ...]:
+        return tuple(s.stage for s in self.stages if s.key)
+
+    def replicas(self) -> list[int]:
+        return [s.replicas for s in self.stages]

@@ -1,0 +1,82 @@
+"""Each baseline against hand-worked cases."""
+from __future__ import annotations
+
+from autoscaler.baselines import BASELINES, KnativeKPA, OpenFaaSPro, RayServe, Static, UniformQPS
+from autoscaler.state import PipelineState, StageState
+
+
+def pipeline(*stages: StageState, rate: float = 10.0, now: float = 0.0) -> PipelineState:
+    return PipelineState("m", stages, slo_s=2.0, entry_rate=rate, now=now)
+
+
+def st(i=0, lam=10.0, s=0.1, r=1, q=0, inflight=0) -> StageState:
+    return StageState(stage=i, arrival_rate=lam, service_time_s=s, replicas=r, queue_length=q, in_flight=inflight)
+
+
+def test_static_ignores_load():
+    d, _ = Static(3).decide(pipeline(st(lam=1000, q=500), st(1)))
+    assert d.replicas() == [3, 3]
+
+
+def test_uniform_qps_sizes_every_stage_for_the_bottleneck():
+    # 10 rps, slowest stage 0.4 s, 80 % utilisation: ceil(10 * 0.4 / 0.8) = 5 everywhere.
+    d, _ = UniformQPS().decide(pipeline(st(0, s=0.1), st(1, s=0.4), st(2, s=0.2)))
+    assert d.replicas() == [5, 5, 5]
+
+
+def test_openfaas_pro_rps_formula_per_stage():
+    # ceil(rps / (5 * 0.9)): 10 -> 3, 4 -> 1, 23 -> 6
+    d, _ = OpenFaaSPro().decide(pipeline(st(0, lam=10), st(1, lam=4), st(2, lam=23)))
+    assert d.replicas() == [3, 1, 6]
+
+
+def test_ray_serve_waits_for_the_upscale_delay():
+    policy = RayServe(target_ongoing_requests=2, upscale_delay_s=3, downscale_delay_s=5)
+    memory, seen = None, []
+    for t in range(4):
+        d, memory = policy.decide(pipeline(st(r=1, q=7, inflight=1), now=t), memory)
+        seen.append(d.replicas()[0])
+    assert seen == [1, 1, 4, 1]  # ceil(8 / 2) = 4 after 3 periods; the caller has not applied it yet
+    memory, seen = None, []
+    for t in range(6):
+        d, memory = policy.decide(pipeline(st(r=4, q=0, inflight=1), now=t), memory)
+        seen.append(d.replicas()[0])
+    assert seen == [4, 4, 4, 4, 1, 4]
+
+
+def test_knative_kpa_stable_mode_averages_the_window():
+    kpa = KnativeKPA(target_concurrency=1.0)
+    memory = None
+    for t in range(10):
+        d, memory = kpa.decide(pipeline(st(r=2, inflight=2), now=t), memory)
+    assert d.replicas() == [2] and not d.stages[0].reason["panic"]
+
+
+def test_knative_kpa_panics_at_double_and_never_scales_down_in_panic():
+    kpa = KnativeKPA(target_concurrency=1.0, stable_window_s=60, panic_window_s=6)
+    memory = None
+    for t in range(10):
+        d, memory = kpa.decide(pipeline(st(r=2, inflight=2), now=t), memory)
+    # A burst: 10 in the stage on 2 replicas -> the 6 s window wants >= 4 = 200 % of 2: panic.
+    d, memory = kpa.decide(pipeline(st(r=2, q=8, inflight=2), now=10), memory)
+    assert d.stages[0].reason["panic"]
+    up = d.replicas()[0]
+    assert up >= 4
+    # The burst is gone, but panic holds the count for a stable window.
+    d, memory = kpa.decide(pipeline(st(r=up, inflight=0), now=20), memory)
+    assert d.replicas()[0] == up and d.stages[0].reason["panic"]
+    d, memory = kpa.decide(pipeline(st(r=up, inflight=0), now=71), memory)
+    assert not d.stages[0].reason["panic"] and d.replicas()[0] < up
+
+
+def test_knative_scale_down_rate_is_bounded():
+    kpa = KnativeKPA(target_concurrency=1.0, max_scale_down_rate=2.0)
+    d, _ = kpa.decide(pipeline(st(r=10, inflight=0), now=0))
+    assert d.replicas() == [5]  # at most halved in one step
+
+
+def test_every_baseline_runs_on_a_dag_and_keeps_stage_ids():
+    state = PipelineState("m", (st(0), st(1), st(2)), slo_s=2.0, entry_rate=10, edges=((0, 1), (0, 2)))
+    for policy in BASELINES.values():
+        d, _ = policy.decide(state, None)
+        assert [s.stage for s in d.stages] == [0, 1, 2] and all(r >= 1 for r in d.replicas())
