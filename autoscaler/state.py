@@ -20,6 +20,7 @@ class StageState:
     in_flight: int = 0           # items being computed
     wait_s: float = 0.0          # measured mean queue wait
     latency_s: float = 0.0       # measured mean sojourn (wait + service)
+    payload: float = 0.0         # mean payload per item (tokens), for the CPU compensator
 
     @property
     def service_rate(self) -> float:

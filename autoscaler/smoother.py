@@ -1,0 +1,129 @@
+"""QUART's smoother (§5.2): predict each stage's arrival CV with a CV-propagation attention model
+over the pipeline graph (Eq. 4–6), then reclaim replicas where bursts have been smoothed out,
+blending each stage's need with its neighbours' (Eq. 7). It never adds replicas.
+
+Eq. 4 as printed adds θ·CV_i to every logit of node i's softmax, where it cancels out (a softmax
+does not change when the same constant is added to all its inputs), so θ could never be learned.
+The term here is θ·CV_j, the neighbour's observed CV: how bursty each upstream stage is decides
+how much attention its features get.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autoscaler.corrector import stage_targets
+from autoscaler.queueing import min_servers
+from autoscaler.state import Decision, PipelineState, StageDecision, StageState
+
+FEATURES = 5
+
+
+def stage_features(s: StageState) -> list[float]:
+    """What the attention model sees of a stage: how bursty its arrivals are, and what its
+    service does to them (utilisation per replica, service CV, replicas, rate)."""
+    utilisation = s.arrival_rate * s.service_time_s / max(1, s.replicas)
+    return [s.arrival_cv, min(utilisation, 2.0), s.service_cv, math.log1p(s.replicas), math.log1p(s.arrival_rate)]
+
+
+def predecessors(num_stages: int, edges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """mask[i, j]: stage j feeds stage i. A stage's own arrivals are what is predicted, so its
+    own observations are not among its inputs."""
+    mask = torch.zeros(num_stages, num_stages, dtype=torch.bool)
+    for a, b in edges:
+        mask[b, a] = True
+    return mask
+
+
+class CVAttention(nn.Module):
+    """One graph-attention layer (Eq. 4–5) and a head that reads the CV off it (Eq. 6).
+    A stage without predecessors (the entry stage) keeps its observed CV."""
+
+    def __init__(self, features: int = FEATURES, hidden: int = 16) -> None:
+        super().__init__()
+        self.w = nn.Linear(features, hidden, bias=False)
+        self.a = nn.Linear(2 * hidden, 1, bias=False)
+        self.theta = nn.Parameter(torch.zeros(()))
+        self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x: [N, F] stage features (column 0 the observed CV), mask: [N, N] -> [N] CV."""
+        h = self.w(x)
+        n = h.shape[0]
+        pairs = torch.cat([h.unsqueeze(1).expand(n, n, -1), h.unsqueeze(0).expand(n, n, -1)], dim=-1)
+        logits = nn.functional.leaky_relu(self.a(pairs).squeeze(-1), 0.2) + self.theta * x[:, 0].unsqueeze(0)
+        has_pred = mask.any(dim=1)
+        alpha = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=1)
+        alpha = torch.where(has_pred.unsqueeze(1), alpha, torch.zeros_like(alpha))
+        predicted = nn.functional.softplus(self.head(alpha @ h).squeeze(-1))
+        return torch.where(has_pred, predicted, x[:, 0])
+
+    def save(self, path: Path) -> None:
+        torch.save({"state": self.state_dict(), "hidden": self.w.out_features}, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "CVAttention":
+        data = torch.load(path, weights_only=True)  # tensors only: nothing here runs code
+        model = cls(hidden=data["hidden"])
+        model.load_state_dict(data["state"])
+        return model.eval()
+
+
+def predict_cvs(model: CVAttention | None, state: PipelineState) -> list[float]:
+    """Each stage's predicted arrival CV; without a trained model, the observed CV."""
+    observed = [s.arrival_cv for s in state.stages]
+    if model is None:
+        return observed
+    x = torch.tensor([stage_features(s) for s in state.stages], dtype=torch.float32)
+    with torch.no_grad():
+        out = model(x, predecessors(len(observed), state.graph()))
+    return [float(v) for v in out]
+
+
+def neighbours(num_stages: int, edges: tuple[tuple[int, int], ...]) -> list[list[int]]:
+    """N(i) of Eq. 7: the stages next to i in the graph, either way."""
+    n: list[list[int]] = [[] for _ in range(num_stages)]
+    for a, b in edges:
+        n[a].append(b)
+        n[b].append(a)
+    return n
+
+
+def beta(cv: float) -> float:
+    """Eq. 7's weight of a stage's own need: near 1 for bursty stages (keep their buffer), lower
+    where traffic is smooth (share the neighbours' lower need)."""
+    return cv * cv / (1.0 + cv * cv)
+
+
+@dataclass(frozen=True)
+class Smoother:
+    model: CVAttention | None = field(default=None, compare=False)
+    r_min: int = 1
+    name: str = "quart-smoother"
+
+    def smooth(self, state: PipelineState, proposed: Decision) -> Decision:
+        """Reclaims replicas from `proposed` (the corrector's decision); never adds any."""
+        cvs = predict_cvs(self.model, state)
+        targets = stage_targets(state)
+        needs = []
+        for s, cv, target in zip(state.stages, cvs, targets):
+            wait_budget = max(1e-6, target - s.service_time_s)
+            needs.append(min_servers(s.arrival_rate, s.service_rate, wait_budget, cv * cv, s.service_cv ** 2))
+        groups = neighbours(len(state.stages), state.graph())
+        out = []
+        for i, (s, d) in enumerate(zip(state.stages, proposed.stages)):
+            if d.key:
+                # A key stage is still congested: what the corrector gave it stays.
+                out.append(d)
+                continue
+            others = [needs[j] for j in groups[i]] or [needs[i]]
+            blended = beta(cvs[i]) * needs[i] + (1 - beta(cvs[i])) * sum(others) / len(others)
+            floor = max(self.r_min, math.floor(s.arrival_rate * s.service_time_s) + 1 if s.arrival_rate else 0)
+            replicas = min(d.replicas, max(floor, math.ceil(blended)))
+            out.append(StageDecision(d.stage, replicas, d.cpus, d.key, {
+                **d.reason, "predicted_cv": round(cvs[i], 4), "need": needs[i], "smoothed": replicas}))
+        return Decision(proposed.model, proposed.policy, tuple(out))
