@@ -21,14 +21,14 @@ MAX_ERROR = 10.0
 
 @dataclass(frozen=True)
 class PIDConfig:
-    kp: float = 1.0
-    ki: float = 0.2
-    kd: float = 0.2
+    kp: float = 0.5
+    ki: float = 0.1
+    kd: float = 0.1
     period_s: float = 1.0            # the controller's fixed period
     integral_limit: float = 5.0      # anti-windup: |∫e| never exceeds this
     r_min: int = 1
     r_max: int = 64
-    max_up: int = 16                 # replicas added in one tick at most
+    max_up: int = 4                  # replicas added in one tick at most
     max_down: int = 1                # replicas removed in one tick at most
     down_band: float = 0.3           # scale down only when the delay is this far under target
     down_ticks: int = 5              # ... for this many consecutive ticks
@@ -110,7 +110,13 @@ class Corrector:
         longest_queue = max(range(len(state.stages)), key=lambda i: state.stages[i].queue_length)
         decisions, new_mems = [], []
         for s, target, delay, mem in zip(state.stages, targets, delays, mems):
-            replicas, mem, terms = pid_step(self.config, mem, delay, target, s.replicas)
+            replicas, new_mem, terms = pid_step(self.config, mem, delay, target, s.replicas)
+            if s.scaling_up and replicas > s.replicas:
+                # The last scale-up has not taken effect yet: wait for it instead of piling more
+                # on, and do not let the integral wind up meanwhile.
+                replicas, new_mem = s.replicas, PIDMemory(mem.integral, new_mem.last_delay, 0)
+                terms["waiting_for_replicas"] = s.replicas - (s.ready_replicas or 0)
+            mem = new_mem
             # Fast scale-up: an unstable stage gets the replicas that make it stable at once.
             replicas = min(self.config.r_max, max(replicas, _stability_floor(s)))
             key = delay > target or (s.queue_length > 0 and s.stage == state.stages[longest_queue].stage)

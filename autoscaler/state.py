@@ -21,6 +21,12 @@ class StageState:
     wait_s: float = 0.0          # measured mean queue wait
     latency_s: float = 0.0       # measured mean sojourn (wait + service)
     payload: float = 0.0         # mean payload per item (tokens), for the CPU compensator
+    ready_replicas: int | None = None  # registered and serving; None: all of `replicas`
+
+    @property
+    def scaling_up(self) -> bool:
+        """Replicas asked for are still starting."""
+        return self.ready_replicas is not None and self.ready_replicas < self.replicas
 
     @property
     def service_rate(self) -> float:

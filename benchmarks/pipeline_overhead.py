@@ -43,7 +43,8 @@ def main(count: int = 40, warmup: int = 5) -> dict:
     run_home = tempfile.mkdtemp(prefix="quart-bench-")
     # Own state and ports, so a runtime the user has up is left alone; the user's models.
     settings = base.replace(home=run_home, models=str(base.models_dir),
-                            gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port())
+                            gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
+                            policy="none")
     torch.set_num_threads(1)
     unsplit = _unsplit(settings)
     if control.up(settings, timeout=600) != 0:

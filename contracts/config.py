@@ -47,6 +47,8 @@ class Settings:
     model: str = ""
     stages: str = ""
     started_by: str = "cold"
+    # Emulated compute: a profile name from pipeline/emulated.py, or empty for real weights.
+    emulate: str = ""
     # Stage execution.
     device: str = "cpu"
     dtype: str = "float32"
@@ -58,6 +60,13 @@ class Settings:
     cache_memory_threshold: float = 0.85
     # Replicas forked from a zygote share its pages copy-on-write; false clones them first.
     fork_cow: bool = True
+    # Autoscaler: policy ("quart" or a baseline's name), tick, end-to-end SLO, observation window.
+    policy: str = "quart"
+    tick_s: float = 1.0
+    slo_s: float = 2.0
+    window_s: float = 10.0
+    r_max: int = 16
+    cpu_max: int = 2
     # How long a replica being scaled down may take to finish its work.
     drain_timeout_s: float = 30.0
 

@@ -53,3 +53,13 @@ def key_stages(model: str) -> str:
 
 
 KEY_STAGES_PATTERN = f"{PREFIX}:key-stages:*"
+
+
+def stage_cpus(model: str, stage: int) -> str:
+    """CPUs each replica of a stage should use; replicas apply a change between work items."""
+    return f"{PREFIX}:cpus:{model}:{stage}"
+
+
+def decisions(model: str) -> str:
+    """The autoscaler's decisions for a model, each with its reason, capped in length."""
+    return f"{PREFIX}:decisions:{model}"

@@ -20,6 +20,7 @@ import redis
 
 from contracts import keys
 from contracts.config import Settings, settings_environment
+from pipeline.emulated import PROFILES as EMULATION_PROFILES
 from pipeline.manifest import Manifest
 
 log = logging.getLogger("quart.keysmanager")
@@ -89,8 +90,18 @@ class KeysManager:
 
     # -- cache ---------------------------------------------------------------------------------
 
+    def emulated(self, model: str) -> bool:
+        """An emulated model (pipeline/emulated.py) has no shards: its zygote holds only the
+        imports, which is what makes a forked replica start fast."""
+        return model in EMULATION_PROFILES and not (self.settings.model_dir(model) / "manifest.json").exists()
+
     def shards(self, model: str, stages: str) -> tuple[list[str], int]:
         """The sha256 and total size of the shards a stage range needs, as the manifest says now."""
+        if self.emulated(model):
+            first, last = self.settings.replace(stages=stages).stage_range()
+            if not 0 <= first < last <= EMULATION_PROFILES[model].num_stages:
+                raise ValueError(f"{model} has stages 0..{EMULATION_PROFILES[model].num_stages - 1}; got {stages!r}")
+            return [], 0
         manifest = Manifest.load(self.settings.model_dir(model))
         first, last = self.settings.replace(stages=stages).stage_range()
         if not 0 <= first < last <= manifest.num_stages:
@@ -130,8 +141,9 @@ class KeysManager:
         path = self.run_dir / f"{model}.{stages}.{uuid.uuid4().hex[:8]}.sock"
         env = {**os.environ, **settings_environment(self.settings), "PYTHONPATH": str(REPO_ROOT)}
         with open(self.log_dir / f"zygote-{model}-{stages}.log", "ab") as out:
+            emulate = ["--emulate", model] if self.emulated(model) else []
             proc = subprocess.Popen([sys.executable, "-m", "keysmanager.zygote", "--model", model,
-                                     "--stages", stages, "--socket", str(path)],
+                                     "--stages", stages, "--socket", str(path), *emulate],
                                     env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + ZYGOTE_START_TIMEOUT_S
@@ -220,6 +232,8 @@ class KeysManager:
         with self._lock:
             held = set(self.zygotes) | set(self._starting)
         for model, stages in self.key_stages():
+            if not (self.settings.model_dir(model) / "manifest.json").exists() and not self.emulated(model):
+                continue  # not partitioned here
             if f"{model}:{stages}" not in held and self.memory_used() < self.threshold:
                 try:
                     self.cache(model, stages)

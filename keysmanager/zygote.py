@@ -32,6 +32,8 @@ import torch
 from contracts.config import load_settings
 from keysmanager import inherited
 from pipeline import replica as _replica  # noqa: F401
+from pipeline.emulated import EmulatedRunner
+from pipeline.emulated import profile as emulation_profile
 from pipeline.manifest import Manifest
 from pipeline.stage_runner import StageRunner
 from runtime import watchdog
@@ -44,7 +46,7 @@ def _reap(*_: object) -> None:
         pass
 
 
-def _become_replica(runner: StageRunner, request: dict, server: socket.socket, conn: socket.socket) -> None:
+def _become_replica(runner: StageRunner | EmulatedRunner, request: dict, server: socket.socket, conn: socket.socket) -> None:
     """Runs in the child: turns the inherited parameters into a serving stage replica."""
     server.close()
     conn.close()
@@ -57,9 +59,12 @@ def _become_replica(runner: StageRunner, request: dict, server: socket.socket, c
     os.environ["QUART_STARTED_BY"] = "fork-cow" if request.get("cow", True) else "fork-copy"
     settings = load_settings()
     t0 = time.perf_counter()
-    if not request.get("cow", True):
-        runner.clone_parameters()
-    runner.to(settings.device, settings.dtype)
+    if isinstance(runner, StageRunner):
+        if not request.get("cow", True):
+            runner.clone_parameters()
+        runner.to(settings.device, settings.dtype)
+    else:
+        runner.reseed()
     print(f"forked: parameters ready in {(time.perf_counter() - t0) * 1000:.1f} ms "
           f"({'shared' if request.get('cow', True) else 'cloned'})", file=sys.stderr, flush=True)
     inherited.RUNNER = runner
@@ -115,10 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--stages", required=True, help='"a" or "a-b" (b exclusive)')
     parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--emulate", default="", help="an emulation profile: no shard to hold")
     args = parser.parse_args(argv)
-    settings = load_settings().replace(model=args.model, stages=args.stages)
+    settings = load_settings().replace(model=args.model, stages=args.stages, emulate=args.emulate)
     first, last = settings.stage_range()
-    runner = StageRunner(Manifest.load(settings.model_dir()), first, last, device="cpu", dtype="float32")
+    if settings.emulate:
+        runner = EmulatedRunner(emulation_profile(settings.emulate), settings.model, first, last)
+    else:
+        runner = StageRunner(Manifest.load(settings.model_dir()), first, last, device="cpu", dtype="float32")
     assert not torch.cuda.is_initialized()
     serve(runner, args.socket)
     return 0

@@ -16,8 +16,10 @@ from transformers import AutoTokenizer
 from contracts import keys
 from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
+from pipeline.emulated import WIDTH as EMULATED_WIDTH
+from pipeline.emulated import profile as emulation_profile
 from pipeline.entry_requests import (EMBED_MAX_TOKENS, check_prompt_length, parse_embed,
-                                     parse_generate, parse_json)
+                                     parse_emulated, parse_generate, parse_json)
 from pipeline.manifest import Manifest
 
 log = logging.getLogger("quart.entry")
@@ -32,10 +34,15 @@ class StageFailed(Exception):
 class Entry:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.manifest = Manifest.load(settings.model_dir())
-        self.config = self.manifest.config_object()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.manifest.tokenizer_path())
         self.model = settings.model
+        if settings.emulate:
+            self.arch = "emulated"
+            emulation_profile(settings.emulate)  # an unknown profile fails at start, not per request
+        else:
+            self.manifest = Manifest.load(settings.model_dir())
+            self.arch = self.manifest.arch
+            self.config = self.manifest.config_object()
+            self.tokenizer = AutoTokenizer.from_pretrained(self.manifest.tokenizer_path())
         self.entry_id = f"{self.model}.{settings.server}.{os.getpid()}"
         self.reply_key = keys.reply_list(self.entry_id)
         self.first_stream = keys.stage_stream(self.model, 0)
@@ -49,10 +56,8 @@ class Entry:
         started = time.time()
         try:
             data = parse_json(body)
-            if self.manifest.arch == "llama":
-                answer = await self._generate(data, request_id, started)
-            else:
-                answer = await self._embed(data, request_id, started)
+            handler = {"llama": self._generate, "bert": self._embed, "emulated": self._emulated}[self.arch]
+            answer = await handler(data, request_id, started)
         except BadRequest as exc:
             return exc.status, {"error": str(exc)}
         except StageFailed as exc:
@@ -97,6 +102,12 @@ class Entry:
         header, out = await self._round_trip(f"{request_id}.0", dict(enc),
                                              started + self.settings.request_timeout_s)
         return {"embeddings": out["embeddings"].tolist(), "stages": _sum_timings([header.timings])}
+
+    async def _emulated(self, data: dict, request_id: str, started: float) -> dict:
+        tokens = parse_emulated(data, self.settings.max_prompt_tokens)
+        header, _ = await self._round_trip(f"{request_id}.0", {"hidden": torch.zeros(1, tokens, EMULATED_WIDTH)},
+                                           started + self.settings.request_timeout_s)
+        return {"emulated": True, "tokens": tokens, "stages": _sum_timings([header.timings])}
 
     # -- talking to the pipeline ---------------------------------------------------------------
 

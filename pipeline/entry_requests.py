@@ -90,3 +90,12 @@ def check_prompt_length(num_tokens: int, max_new: int, max_prompt: int, max_posi
         raise BadRequest(f"prompt of {num_tokens} tokens plus {max_new} new ones exceeds the "
                          f"model's {max_positions} positions", status=413)
 
+
+
+def parse_emulated(data: dict, max_tokens: int) -> int:
+    """An emulated model takes {"tokens": n} (default 16): the size of the activation it passes on."""
+    _reject_unknown(data, {"tokens"})
+    tokens = data.get("tokens", 16)
+    if not _is_int(tokens) or not 1 <= tokens <= max_tokens:
+        raise BadRequest(f"'tokens' must be an integer in 1..{max_tokens}, got {tokens!r}")
+    return tokens

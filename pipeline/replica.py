@@ -15,6 +15,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from contracts import keys
 from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
+from pipeline.emulated import EmulatedRunner
+from pipeline.emulated import profile as emulation_profile
 from pipeline.manifest import Manifest
 from pipeline.registry import ReplicaInfo, deregister, heartbeat, register
 from pipeline.stage_runner import StageRunner
@@ -44,6 +46,8 @@ class Replica:
         first, last = settings.stage_range()
         torch.set_num_threads(max(1, settings.threads))
         started_by = settings.started_by
+        if runner is None and settings.emulate:
+            runner = EmulatedRunner(emulation_profile(settings.emulate), settings.model, first, last)
         if runner is None:
             runner = StageRunner(Manifest.load(settings.model_dir()), first, last, settings.device, settings.dtype)
             started_by = "cold"  # whatever started this process, it loaded the shard itself
@@ -55,7 +59,7 @@ class Replica:
         self.info = ReplicaInfo(
             replica_id=f"{self.model}-s{first}.{settings.server}.{pid}", model=self.model,
             stage_start=first, stage_end=last, server=settings.server, pid=pid,
-            device=settings.device, cpus=len(os.sched_getaffinity(0)),
+            device="emulated" if settings.emulate else settings.device, cpus=max(1, settings.threads),
             started_by=started_by, started_at=time.time())
         self.stream = keys.stage_stream(self.model, first)
         self.next_stream = None if self.runner.is_last else keys.stage_stream(self.model, last)
@@ -64,6 +68,9 @@ class Replica:
         self._compute_lock = threading.Lock()
         self._inflight: bytes | None = None
         self.first_work_at: float | None = None
+        self._allowed_cpus = sorted(os.sched_getaffinity(0))
+        self.cpus = max(1, settings.threads)
+        self._wanted_cpus = self.cpus
         self._threads: list[threading.Thread] = []
 
     @property
@@ -95,6 +102,8 @@ class Replica:
         next_reclaim = 0.0
         while not self._stop.is_set():
             try:
+                if self._wanted_cpus != self.cpus:
+                    self._apply_cpus(self._wanted_cpus)
                 entry = None
                 if time.monotonic() >= next_reclaim:
                     entry = self._claim_abandoned()
@@ -190,12 +199,33 @@ class Replica:
         pipe.execute()
         self._inflight = None
 
+    # -- CPUs ----------------------------------------------------------------------------------
+
+    def _apply_cpus(self, cpus: int) -> None:
+        """Changes this replica's CPUs while it runs: the affinity of every thread of the process
+        and torch's thread count (emulated stages scale their service time instead)."""
+        cores = self._allowed_cpus[: max(1, min(cpus, len(self._allowed_cpus)))]
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except (ProcessLookupError, PermissionError):
+                pass
+        torch.set_num_threads(len(cores))
+        if hasattr(self.runner, "cpus"):
+            self.runner.cpus = cpus
+        self.cpus = cpus
+        self.redis.hset(keys.replica(self.replica_id), "cpus", str(cpus))
+        log.info("%s now uses %d CPUs (cores %s)", self.replica_id, cpus, cores)
+
     # -- liveness ------------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
             try:
                 heartbeat(self.redis, self.info, self.settings.replica_ttl_s)
+                wanted = self.redis.get(keys.stage_cpus(self.model, self.first))
+                if wanted is not None and wanted.isdigit() and int(wanted) > 0:
+                    self._wanted_cpus = int(wanted)
                 msg_id = self._inflight
                 if msg_id is not None:
                     # Resets the item's idle time, so that long work is not reclaimed from a

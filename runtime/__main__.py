@@ -27,7 +27,11 @@ PID_FILE = "runtime.pid"
 def ensure_partitioned(settings: Settings) -> None:
     from pipeline.partition import partition
     from pipeline.sources import load_source
-    for model, stages in stage_counts(read_stack(Path(settings.stack_file))).items():
+    stack = read_stack(Path(settings.stack_file))
+    emulated = {f.deployment["envVars"].get("QUART_MODEL") for f in stack if f.deployment["envVars"].get("QUART_EMULATE")}
+    for model, stages in stage_counts(stack).items():
+        if model in emulated:
+            continue  # no weights to partition
         try:
             if Manifest.load(settings.model_dir(model)).num_stages == stages:
                 continue
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("up", "down", "status"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds `up` waits for readiness")
-    add_arguments(parser, "home", "gateway_port", "redis_port", "stack_file")
+    add_arguments(parser, "home", "gateway_port", "redis_port", "stack_file", "policy")
     args = parser.parse_args(argv)
     settings = settings_from_args(args)
     if args.command == "up":

@@ -65,6 +65,7 @@ class ReplicaProcess:
     ready: bool = False
     draining_since: float | None = None
     probed_at: float = 0.0
+    failed_probes: int = 0
 
     @property
     def pid(self) -> int:

@@ -28,6 +28,7 @@ VERSION = "0.1.0"
 SCALE_MIN_LABEL = "com.openfaas.scale.min"
 SCALE_MAX_LABEL = "com.openfaas.scale.max"
 PROBE_PERIOD_S = 2.0
+FAILURE_THRESHOLD = 3
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "authorization"}
 
 
@@ -166,8 +167,15 @@ class LocalProvider:
             try:
                 async with self._session.get(f"http://127.0.0.1:{replica.port}/_/health",
                                              timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                    replica.ready = resp.status == 200
+                    healthy = resp.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError):
+                healthy = False
+            # Like a Kubernetes readiness probe: one slow answer on a busy machine does not take
+            # a ready replica out of service; FAILURE_THRESHOLD in a row do.
+            replica.failed_probes = 0 if healthy else replica.failed_probes + 1
+            if healthy:
+                replica.ready = True
+            elif not replica.ready or replica.failed_probes >= FAILURE_THRESHOLD:
                 replica.ready = False
 
     async def stop(self) -> None:

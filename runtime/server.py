@@ -1,5 +1,6 @@
 """The embedded runtime in the foreground: a redis-server, this server's KeysManager, the local
-provider on the gateway port, and every function of the stack file deployed. SIGTERM drains all
+provider on the gateway port, every function of the stack file deployed, and the autoscaler
+(QUART_POLICY; `none` runs none). SIGTERM drains all
 replicas and stops. `python -m runtime up` runs this in the background; use that."""
 from __future__ import annotations
 
@@ -23,11 +24,16 @@ log = logging.getLogger("quart.server")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_keysmanager(settings: Settings) -> tuple[subprocess.Popen, KeysClient]:
+def _start(settings: Settings, module: str, *args: str) -> subprocess.Popen:
+    """A component of the runtime as a child process (in the runtime's process group)."""
     env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO_ROOT)}
-    with open(Path(settings.home) / "logs" / "keysmanager.log", "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO_ROOT,
+    with open(Path(settings.home) / "logs" / f"{module}.log", "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=REPO_ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def start_keysmanager(settings: Settings) -> tuple[subprocess.Popen, KeysClient]:
+    proc = _start(settings, "keysmanager")
     client = KeysClient(f"http://127.0.0.1:{settings.keysmanager_port}", timeout=600)
     deadline = time.monotonic() + 60
     while not client.healthy():
@@ -67,7 +73,7 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("QUART_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     redis_proc = start_redis(settings.redis_host, settings.redis_port, home / "redis", home / "logs" / "redis.log")
-    keys_proc = None
+    keys_proc = autoscaler_proc = None
     try:
         stack = read_stack(Path(settings.stack_file))
         keys_proc, keys = start_keysmanager(settings)
@@ -75,11 +81,20 @@ def main() -> int:
         for fn in stack:
             provider.deploy(fn.deployment)
         cache_in_background(keys, stages_to_cache(settings, stack))
-        web.run_app(provider.app(), host=settings.gateway_host, port=settings.gateway_port,
+        app = provider.app()
+        if settings.policy != "none":
+            autoscaler_proc = _start(settings, "autoscaler", "run")
+
+            async def stop_autoscaler(_: web.Application) -> None:
+                # Before the provider drains: nothing may scale what is being stopped.
+                autoscaler_proc.terminate()
+                autoscaler_proc.wait(timeout=30)
+            app.on_shutdown.insert(0, stop_autoscaler)
+        web.run_app(app, host=settings.gateway_host, port=settings.gateway_port,
                     print=None, access_log=None, shutdown_timeout=5)
     finally:
-        for proc in (keys_proc, redis_proc):
-            if proc is not None:
+        for proc in (autoscaler_proc, keys_proc, redis_proc):
+            if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=30)
     return 0

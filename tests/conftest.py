@@ -54,7 +54,7 @@ def runtime(home_settings: Settings, partitioned):
     partitioned("minilm", 3)
     settings = home_settings.replace(
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-        stack_file=str(REPO / "stack.yml"),
+        stack_file=str(REPO / "stack.yml"), policy="none",  # these tests scale by hand
         request_timeout_s=30.0, reclaim_idle_ms=2000, drain_timeout_s=20.0, max_prompt_tokens=256)
     # `up` hands these settings to the runtime, which hands them to every replica.
     try:

@@ -1,0 +1,85 @@
+"""The stage-level autoscaler.
+
+    python -m autoscaler run [--policy quart|static|uniform-qps|openfaas-pro-rps|knative-kpa|ray-serve]
+    python -m autoscaler status      a live table per stage, from the latest decisions
+
+`make up` starts `run` with the QUART policy (QUART_POLICY, or `up --policy`, picks another;
+`none` runs no autoscaler)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from autoscaler.backends import LocalBackend
+from autoscaler.loop import ControlLoop
+from contracts import keys
+from contracts.config import Settings, add_arguments, settings_from_args
+from runtime.client import GatewayClient
+from runtime.stack import read_stack, stage_counts
+
+
+def run(settings: Settings) -> int:
+    logging.basicConfig(level=os.environ.get("QUART_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    r = redis.Redis.from_url(settings.redis_url)
+    models = stage_counts(read_stack(Path(settings.stack_file)))
+    loop = ControlLoop(settings, LocalBackend(GatewayClient.for_settings(settings), r), r, models)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    logging.getLogger("quart.autoscaler").info("policy %s every %.1f s over %s", settings.policy,
+                                               settings.tick_s, models)
+    loop.run(lambda: bool(stopping))
+    return 0
+
+
+def status(settings: Settings, watch: bool) -> int:
+    r = redis.Redis.from_url(settings.redis_url)
+    models = stage_counts(read_stack(Path(settings.stack_file)))
+    while True:
+        lines = []
+        for model in models:
+            last = r.xrevrange(keys.decisions(model), count=1)
+            if not last:
+                lines.append(f"{model}: no decision yet")
+                continue
+            fields = last[0][1]
+            lines.append(f"{model} ({fields[b'policy'].decode()}, {time.time() - float(fields[b't']):.1f} s ago)")
+            lines.append(f"  {'stage':>5} {'λ/s':>7} {'μ/s':>7} {'queue':>6} {'repl':>5} {'→':>3} {'cpus':>5} "
+                         f"{'delay s':>8} {'target s':>8} {'cv':>5} key")
+            for s in json.loads(fields[b"stages"]):
+                lines.append(f"  {s['stage']:>5} {s.get('lambda', 0):>7.2f} {s.get('mu', 0):>7.2f} {s['queue']:>6} "
+                             f"{s.get('observed_replicas', ''):>5} {s['replicas']:>3} {s['cpus']:>5.1f} "
+                             f"{str(s.get('predicted_delay_s', '')):>8.8} {s.get('target_s', 0):>8.3f} "
+                             f"{_cv(s):>5} {'*' if s['key'] else ''}")
+        print("\n".join(lines), flush=True)
+        if not watch:
+            return 0
+        time.sleep(settings.tick_s)
+        print()
+
+
+def _cv(stage: dict) -> str:
+    cv = stage.get("predicted_cv")
+    return "-" if cv is None else f"{cv:.2f}"  # key stages are not smoothed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("run", "status"))
+    parser.add_argument("--watch", action="store_true", help="with status: refresh every tick")
+    add_arguments(parser, "policy", "tick_s", "slo_s", "window_s", "home", "redis_port", "gateway_port", "stack_file")
+    args = parser.parse_args(argv)
+    settings = settings_from_args(args)
+    return run(settings) if args.command == "run" else status(settings, args.watch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The live control loop: every tick, observe each model's stages in Redis, run the policy, apply
+what changed through the backend, publish the key stages (the KeysManagers cache them), and log
+every decision with its reason to a Redis stream and to the log."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from autoscaler.backends import Backend
+from autoscaler.baselines import BASELINES
+from autoscaler.compensator import Compensator, load_fits
+from autoscaler.corrector import Corrector, PIDConfig
+from autoscaler.observe import Observer
+from autoscaler.quart import Quart
+from autoscaler.smoother import CVAttention, Smoother
+from autoscaler.state import Decision
+from contracts import keys
+from contracts.config import Settings
+
+log = logging.getLogger("quart.autoscaler")
+CV_MODEL_FILE = "cv_attention.pt"
+CPU_FITS_FILE = "cpu_fits.json"
+
+
+def make_policy(settings: Settings, model: str) -> object:
+    """The configured policy. QUART uses a trained CV model and CPU fits where they exist in
+    QUART_HOME (cv_attention.pt, cpu_fits.json); without them it smooths on observed CVs and
+    leaves CPUs alone."""
+    if settings.policy in BASELINES:
+        return BASELINES[settings.policy]
+    if settings.policy != "quart":
+        raise ValueError(f"unknown policy {settings.policy!r}; choose quart or one of {sorted(BASELINES)}")
+    home = Path(settings.home)
+    cv_model = CVAttention.load(home / CV_MODEL_FILE) if (home / CV_MODEL_FILE).exists() else None
+    fits_path = home / f"{model}.{CPU_FITS_FILE}"
+    compensator = Compensator(load_fits(fits_path), cpu_max=settings.cpu_max, r_max=settings.r_max) \
+        if fits_path.exists() else None
+    return Quart(Corrector(PIDConfig(period_s=settings.tick_s, r_max=settings.r_max)),
+                 Smoother(cv_model), compensator)
+
+
+@dataclass
+class ControlLoop:
+    settings: Settings
+    backend: Backend
+    r: redis.Redis
+    models: dict[str, int]                     # model -> number of stages
+    policies: dict[str, object] = field(default_factory=dict)
+    memory: dict[str, object] = field(default_factory=dict)
+    observers: dict[str, Observer] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for model, stages in self.models.items():
+            self.policies[model] = make_policy(self.settings, model)
+            self.observers[model] = Observer(self.r, model, stages, self.settings.window_s)
+
+    def tick(self, now: float | None = None) -> list[Decision]:
+        now = time.time() if now is None else now
+        decisions = []
+        for model, stages in self.models.items():
+            desired = self.backend.desired_replicas(model, stages)
+            state = self.observers[model].observe(now, desired, self.settings.slo_s)
+            decision, self.memory[model] = self.policies[model].decide(state, self.memory.get(model))
+            self._apply(model, state, decision)
+            decisions.append(decision)
+        return decisions
+
+    def _apply(self, model: str, state, decision: Decision) -> None:
+        for s, d in zip(state.stages, decision.stages):
+            if d.replicas != s.replicas:
+                self.backend.set_replicas(model, d.stage, d.replicas)
+            if round(d.cpus) != round(s.cpus) and d.cpus >= 1:
+                self.backend.set_cpus(model, d.stage, int(round(d.cpus)))
+        pipe = self.r.pipeline()
+        pipe.delete(keys.key_stages(model))
+        if decision.key_stages:
+            pipe.sadd(keys.key_stages(model), *[str(i) for i in decision.key_stages])
+        pipe.xadd(keys.decisions(model), {
+            "t": f"{state.now:.3f}", "policy": decision.policy,
+            "replicas": json.dumps([s.replicas for s in state.stages]),
+            "decided": json.dumps(decision.replicas()), "key": json.dumps(decision.key_stages),
+            "stages": json.dumps([{"stage": d.stage, "observed_replicas": s.replicas, "replicas": d.replicas, "cpus": d.cpus, "key": d.key,
+                                   "queue": s.queue_length, **d.reason} for s, d in zip(state.stages, decision.stages)])},
+            maxlen=self.settings.records_maxlen, approximate=True)
+        pipe.execute()
+        changed = [(d.stage, s.replicas, d.replicas) for s, d in zip(state.stages, decision.stages) if s.replicas != d.replicas]
+        if changed:
+            log.info("%s %s: %s; key stages %s", model, decision.policy,
+                     ", ".join(f"s{i} {a}->{b}" for i, a, b in changed), list(decision.key_stages))
+
+    def run(self, stop) -> None:
+        """Ticks at the configured period until `stop()` is true."""
+        while not stop():
+            started = time.monotonic()
+            try:
+                self.tick()
+            except (redis.ConnectionError, RuntimeError, OSError) as exc:
+                log.warning("tick failed: %s", exc)
+            time.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - started)))

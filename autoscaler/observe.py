@@ -1,0 +1,64 @@
+"""Builds a policy's observed state from what the data plane leaves in Redis: each stage's records
+(arrival time at the stage, queue wait, service time, replica), its stream (items still waiting:
+stream IDs are arrival times), and the replica registry."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+
+from autoscaler.state import PipelineState, StageState
+from contracts import keys
+from pipeline.registry import live_replicas
+
+
+def _cv(times: np.ndarray) -> float:
+    gaps = np.diff(np.sort(times))
+    return float(gaps.std() / gaps.mean()) if len(gaps) >= 2 and gaps.mean() > 0 else 1.0
+
+
+@dataclass
+class Observer:
+    """Reads one model's stages. Remembers each stage's last known service time, so that a stage
+    with no traffic in the window still has one."""
+    r: redis.Redis
+    model: str
+    num_stages: int
+    window_s: float
+    service_s: dict[int, float] = field(default_factory=dict)
+
+    def stage(self, stage: int, now: float, replicas: int) -> StageState:
+        since_ms = int((now - self.window_s) * 1000)
+        done = self.r.xrange(keys.records_stream(self.model, stage), min=f"{since_ms}-0")
+        stream = keys.stage_stream(self.model, stage)
+        waiting = self.r.xrange(stream, min=f"{since_ms}-0")
+        pending = self._pending(stream)
+        arrivals = [float(f[b"t"]) for _, f in done if float(f[b"t"]) >= now - self.window_s]
+        arrivals += [int(i.split(b"-")[0]) / 1000.0 for i, _ in waiting]
+        service = np.array([float(f[b"s"]) for _, f in done]) / 1000.0
+        wait = np.array([float(f[b"q"]) for _, f in done]) / 1000.0
+        if len(service):
+            self.service_s[stage] = float(service.mean())
+        mean_service = self.service_s.get(stage, 0.0)
+        live = live_replicas(self.r, self.model, stage)
+        cpus = [float(x.get("cpus", 1)) for x in live]
+        return StageState(
+            stage=stage, arrival_rate=len(arrivals) / self.window_s,
+            arrival_cv=_cv(np.array(arrivals)) if len(arrivals) > 2 else 1.0,
+            service_time_s=mean_service,
+            service_cv=float(service.std() / service.mean()) if len(service) > 1 and service.mean() > 0 else 1.0,
+            replicas=replicas, ready_replicas=len(live), cpus=float(np.mean(cpus)) if cpus else 1.0,
+            queue_length=max(0, self.r.xlen(stream) - pending), in_flight=pending,
+            wait_s=float(wait.mean()) if len(wait) else 0.0,
+            latency_s=float((wait + service).mean()) if len(service) else 0.0)
+
+    def _pending(self, stream: str) -> int:
+        try:
+            return int(self.r.xpending(stream, keys.GROUP)["pending"])
+        except redis.ResponseError:  # no group yet: nothing has been delivered
+            return 0
+
+    def observe(self, now: float, replicas: list[int], slo_s: float) -> PipelineState:
+        stages = tuple(self.stage(i, now, replicas[i]) for i in range(self.num_stages))
+        return PipelineState(self.model, stages, slo_s=slo_s, entry_rate=stages[0].arrival_rate, now=now)

@@ -1,0 +1,125 @@
+"""The autoscaler in a closed loop on the embedded runtime, with emulated stages (QUART Table 1's
+LLaMA-7B profile over 8 stages, stage 3 the heaviest): a burst makes stage 3 the key stage, it is
+scaled up within a few ticks, its queue drains, the surplus goes after the burst, and no request
+is lost while replicas come and go. CPU changes take effect in running replicas."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import redis
+
+from contracts import keys
+from pipeline.registry import live_replicas
+from runtime.ports import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "llama-7b"
+
+
+@pytest.fixture(scope="module")
+def emulated(home_settings, tmp_path_factory):
+    from runtime import __main__ as control
+    home = tmp_path_factory.mktemp("emulated")
+    settings = home_settings.replace(
+        home=str(home), models=str(home_settings.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
+        gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
+        policy="quart", slo_s=1.0, window_s=5.0, tick_s=1.0)
+    try:
+        assert control.up(settings, timeout=600) == 0
+        yield settings, redis.Redis(port=settings.redis_port)
+    finally:
+        control.down(settings)
+
+
+def burst(url: str, rate: float, seconds: float) -> list[int]:
+    """Open loop: each request leaves at its time, whatever the others are doing."""
+    def send() -> int:
+        req = urllib.request.Request(url, data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                resp.read()
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+    start, futures = time.monotonic(), []
+    with ThreadPoolExecutor(256) as pool:
+        for i in range(int(rate * seconds)):
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))
+            futures.append(pool.submit(send))
+    return [f.result() for f in futures]
+
+
+def decisions(r: redis.Redis, since: float) -> list[dict]:
+    out = []
+    for _, f in r.xrange(keys.decisions(MODEL)):
+        if float(f[b"t"]) >= since:
+            out.append({"t": float(f[b"t"]), "decided": json.loads(f[b"decided"]),
+                        "key": json.loads(f[b"key"]), "stages": json.loads(f[b"stages"])})
+    return out
+
+
+def test_a_burst_scales_the_key_stage_and_the_surplus_goes_after(emulated):
+    settings, r = emulated
+    started = time.time()
+    statuses = burst(f"{settings.gateway_url}/function/{MODEL}", rate=25, seconds=20)
+    burst_end = time.time()
+    assert statuses == [200] * len(statuses), {s: statuses.count(s) for s in set(statuses)}
+
+    during = [d for d in decisions(r, started) if d["t"] <= burst_end]
+    first_key = next(d for d in during if 3 in d["key"])
+    assert first_key["t"] - started < 10, "stage 3 was not marked key within a few ticks"
+    scaled = next(d for d in during if d["decided"][3] > 1)
+    assert scaled["t"] - first_key["t"] <= 3
+    reason = next(s for s in scaled["stages"] if s["stage"] == 3)
+    assert {"lambda", "mu", "predicted_delay_s", "target_s", "p", "i", "d"} <= set(reason)
+    # Stages that were never congested kept a single replica through the burst.
+    assert all(d["decided"][7] == 1 for d in during)
+
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        if r.xlen(keys.stage_stream(MODEL, 3)) == 0 and all(
+                len(live_replicas(r, MODEL, i)) == 1 for i in range(8)):
+            break
+        time.sleep(1)
+    assert r.xlen(keys.stage_stream(MODEL, 3)) == 0, "stage 3's queue did not drain"
+    assert [len(live_replicas(r, MODEL, i)) for i in range(8)] == [1] * 8, "surplus replicas were not reclaimed"
+    forked = r.xrange(keys.cache_events(settings.server))
+    assert any(f[b"event"] == b"fork" and f[b"zygote"] == b"llama-7b:3" for _, f in forked)
+
+
+def _allowed_cpus(pid: int) -> set[int]:
+    cpus = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        cpus |= os.sched_getaffinity(int(tid))
+    return cpus
+
+
+def test_cpu_changes_take_effect_in_running_replicas(emulated):
+    settings, r = emulated
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    replica = live_replicas(r, MODEL, 5)[0]
+    pid = int(replica["pid"])
+    r.set(keys.stage_cpus(MODEL, 5), "2")
+    try:
+        # A change is applied between work items: give the replica one.
+        burst(f"{settings.gateway_url}/function/{MODEL}", rate=5, seconds=2)
+        deadline = time.time() + 30
+        while time.time() < deadline and r.hget(keys.replica(replica["replica_id"]), "cpus") != b"2":
+            time.sleep(0.2)
+        assert r.hget(keys.replica(replica["replica_id"]), "cpus") == b"2"
+        assert len(_allowed_cpus(pid)) == 2
+        r.set(keys.stage_cpus(MODEL, 5), "1")
+        burst(f"{settings.gateway_url}/function/{MODEL}", rate=5, seconds=2)
+        deadline = time.time() + 30
+        while time.time() < deadline and r.hget(keys.replica(replica["replica_id"]), "cpus") != b"1":
+            time.sleep(0.2)
+        assert all(len(os.sched_getaffinity(int(t))) == 1 for t in os.listdir(f"/proc/{pid}/task"))
+    finally:
+        r.delete(keys.stage_cpus(MODEL, 5))
