@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from autoscaler.corrector import stage_targets
-from autoscaler.queueing import allen_cunneen_wait
+from autoscaler.queueing import allen_cunneen_wait, min_servers
 from autoscaler.state import Decision, PipelineState, StageDecision, StageState
 
 
@@ -59,21 +59,34 @@ class Compensator:
         out = []
         for s, d, target in zip(state.stages, decision.stages, targets):
             fit = self.fits.get(s.stage)
-            if fit is None:
+            # Algorithm 1 compensates where replicas were reclaimed: fewer replicas carry the
+            # stage's traffic, so each may need more CPUs.
+            if fit is None or d.replicas >= s.replicas:
                 out.append(d)
                 continue
             cpus, replicas, met = self._cpus_for(s, fit, d.replicas, target)
             out.append(StageDecision(d.stage, replicas, float(cpus), d.key, {
-                **d.reason, "cpus": cpus, "cpu_delay_s": round(sojourn(s, fit.predict(cpus, s.payload), replicas), 6),
+                **d.reason, "cpus": cpus, "cpu_delay_s": sojourn(s, fit.predict(cpus, s.payload), replicas),
                 "cpu_target_met": met}))
         return Decision(decision.model, decision.policy, tuple(out))
 
     def _cpus_for(self, s: StageState, fit: CPUFit, replicas: int, target: float) -> tuple[int, int, bool]:
-        for cpus in range(1, self.cpu_max + 1):
-            if sojourn(s, fit.predict(cpus, s.payload), replicas) <= target:
-                return cpus, replicas, True
-        # Even CPU_max misses the target: add replicas back until it is met (or r_max).
+        # More CPUs never slow a stage down on the fit, so the fewest that meet the target is
+        # found by bisection.
+        if sojourn(s, fit.predict(self.cpu_max, s.payload), replicas) <= target:
+            low, high = 1, self.cpu_max
+            while low < high:
+                mid = (low + high) // 2
+                if sojourn(s, fit.predict(mid, s.payload), replicas) <= target:
+                    high = mid
+                else:
+                    low = mid + 1
+            return low, replicas, True
+        # Even CPU_max misses the target: hand replicas back until it is met (or r_max).
         fastest = fit.predict(self.cpu_max, s.payload)
-        while replicas < self.r_max and sojourn(s, fastest, replicas) > target:
-            replicas += 1
+        if fastest >= target:
+            return self.cpu_max, self.r_max if s.arrival_rate > 0 else replicas, False
+        needed = min_servers(s.arrival_rate, 1.0 / fastest, target - fastest, s.arrival_cv ** 2,
+                             s.service_cv ** 2, limit=self.r_max)
+        replicas = max(replicas, needed)
         return self.cpu_max, replicas, sojourn(s, fastest, replicas) <= target

@@ -34,7 +34,7 @@ class PIDConfig:
     down_ticks: int = 5              # ... for this many consecutive ticks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PIDMemory:
     integral: float = 0.0
     last_delay: float | None = None
@@ -48,9 +48,10 @@ class CorrectorMemory:
 
 def stage_targets(state: PipelineState) -> list[float]:
     """Each stage's delay target: the SLO split in proportion to the stages' service times."""
-    total = sum(s.service_time_s for s in state.stages)
-    if total <= 0:
+    if any(s.service_time_s <= 0 for s in state.stages):
+        # A stage that has not served anything yet has no known service time: split evenly.
         return [state.slo_s / len(state.stages)] * len(state.stages)
+    total = sum(s.service_time_s for s in state.stages)
     return [state.slo_s * s.service_time_s / total for s in state.stages]
 
 
@@ -87,8 +88,8 @@ def pid_step(cfg: PIDConfig, mem: PIDMemory, delay: float, target: float,
     else:
         new = replicas
     new = max(cfg.r_min, min(cfg.r_max, new))
-    terms = {"error": round(error, 4), "p": round(cfg.kp * error, 4), "i": round(cfg.ki * integral, 4),
-             "d": round(cfg.kd * derivative, 4), "below_ticks": below}
+    terms = {"error": error, "p": cfg.kp * error, "i": cfg.ki * integral, "d": cfg.kd * derivative,
+             "below_ticks": below}
     return new, PIDMemory(integral, measured, below), terms
 
 
@@ -121,9 +122,8 @@ class Corrector:
             replicas = min(self.config.r_max, max(replicas, _stability_floor(s)))
             key = delay > target or (s.queue_length > 0 and s.stage == state.stages[longest_queue].stage)
             decisions.append(StageDecision(s.stage, replicas, s.cpus, key, {
-                "lambda": round(s.arrival_rate, 4), "mu": round(s.service_rate, 4),
-                "predicted_delay_s": round(delay, 6) if math.isfinite(delay) else "inf",
-                "target_s": round(target, 6), **terms}))
+                "lambda": s.arrival_rate, "mu": s.service_rate, "predicted_delay_s": delay,
+                "target_s": target, **terms}))
             new_mems.append(mem)
         return Decision(state.model, self.name, tuple(decisions)), CorrectorMemory(tuple(new_mems))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,13 @@ def make_policy(settings: Settings, model: str) -> object:
         if fits_path.exists() else None
     return Quart(Corrector(PIDConfig(period_s=settings.tick_s, r_max=settings.r_max)),
                  Smoother(cv_model), compensator)
+
+
+def _readable(value: object) -> object:
+    """Reasons as a person reads them: rounded, and infinity spelled out (JSON has none)."""
+    if isinstance(value, float):
+        return round(value, 4) if math.isfinite(value) else "inf"
+    return value
 
 
 @dataclass
@@ -84,8 +92,10 @@ class ControlLoop:
             "t": f"{state.now:.3f}", "policy": decision.policy,
             "replicas": json.dumps([s.replicas for s in state.stages]),
             "decided": json.dumps(decision.replicas()), "key": json.dumps(decision.key_stages),
-            "stages": json.dumps([{"stage": d.stage, "observed_replicas": s.replicas, "replicas": d.replicas, "cpus": d.cpus, "key": d.key,
-                                   "queue": s.queue_length, **d.reason} for s, d in zip(state.stages, decision.stages)])},
+            "stages": json.dumps([{"stage": d.stage, "observed_replicas": s.replicas, "replicas": d.replicas,
+                                   "cpus": d.cpus, "key": d.key, "queue": s.queue_length,
+                                   **{k: _readable(v) for k, v in d.reason.items()}}
+                                  for s, d in zip(state.stages, decision.stages)])},
             maxlen=self.settings.records_maxlen, approximate=True)
         pipe.execute()
         changed = [(d.stage, s.replicas, d.replicas) for s, d in zip(state.stages, decision.stages) if s.replicas != d.replicas]
@@ -101,4 +111,6 @@ class ControlLoop:
                 self.tick()
             except (redis.ConnectionError, RuntimeError, OSError) as exc:
                 log.warning("tick failed: %s", exc)
+            except Exception:  # a policy bug must not stop the loop that keeps the service up
+                log.exception("tick failed")
             time.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - started)))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from autoscaler.compensator import Compensator
 from autoscaler.corrector import Corrector, CorrectorMemory
-from autoscaler.smoother import Smoother
+from autoscaler.smoother import Smoother, predict_cvs
 from autoscaler.state import Decision, PipelineState
 
 
@@ -18,8 +18,17 @@ class Quart:
     name: str = "quart"
 
     def decide(self, state: PipelineState, memory: CorrectorMemory | None = None) -> tuple[Decision, CorrectorMemory]:
-        decision, memory = self.corrector.decide(state, memory)
-        decision = self.smoother.smooth(state, decision)
-        if self.compensator is not None:
-            decision = self.compensator.allocate(state, decision)
-        return Decision(decision.model, self.name, decision.stages), memory
+        return self.decide_many([state], [memory])[0]
+
+    def decide_many(self, states: list[PipelineState], memories: list[CorrectorMemory | None]
+                    ) -> list[tuple[Decision, CorrectorMemory]]:
+        """One tick for many pipelines: the same as `decide` on each, with the CV prediction batched."""
+        all_cvs = predict_cvs(self.smoother.model, states)
+        out = []
+        for state, memory, cvs in zip(states, memories, all_cvs):
+            decision, memory = self.corrector.decide(state, memory)
+            decision = self.smoother.smooth(state, decision, cvs)
+            if self.compensator is not None:
+                decision = self.compensator.allocate(state, decision)
+            out.append((Decision(decision.model, self.name, decision.stages), memory))
+        return out

@@ -60,10 +60,19 @@ def allen_cunneen_wait(arrival_rate: float, service_rate: float, servers: int, c
 
 def min_servers(arrival_rate: float, service_rate: float, target_wait: float, ca2: float = 1.0,
                 cs2: float = 1.0, limit: int = 1000) -> int:
-    """The fewest servers whose Allen–Cunneen wait is at most `target_wait` (at most `limit`)."""
+    """The fewest servers whose Allen–Cunneen wait is at most `target_wait` (at most `limit`).
+    Steps the Erlang B recursion one server at a time, so the search costs O(c), not O(c²)."""
     if arrival_rate <= 0:
         return 0
-    c = max(1, math.floor(arrival_rate / service_rate) + 1)
-    while c < limit and allen_cunneen_wait(arrival_rate, service_rate, c, ca2, cs2) > target_wait:
+    load = arrival_rate / service_rate
+    c = max(1, math.floor(load) + 1)
+    b = erlang_b(c, load)
+    scale = (ca2 + cs2) / 2.0
+    while c < limit:
+        rho = load / c
+        wait = b / (1.0 - rho * (1.0 - b)) / (c * service_rate - arrival_rate) * scale
+        if wait <= target_wait:
+            return c
         c += 1
-    return c
+        b = load * b / (c + load * b)
+    return limit

@@ -51,16 +51,19 @@ class CVAttention(nn.Module):
         self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x: [N, F] stage features (column 0 the observed CV), mask: [N, N] -> [N] CV."""
+        """x: [..., N, F] stage features (feature 0 the observed CV), mask: [N, N] -> [..., N] CV.
+        Leading dimensions batch pipelines of the same graph."""
         h = self.w(x)
-        n = h.shape[0]
-        pairs = torch.cat([h.unsqueeze(1).expand(n, n, -1), h.unsqueeze(0).expand(n, n, -1)], dim=-1)
-        logits = nn.functional.leaky_relu(self.a(pairs).squeeze(-1), 0.2) + self.theta * x[:, 0].unsqueeze(0)
+        n = h.shape[-2]
+        rows = h.unsqueeze(-2).expand(*h.shape[:-2], n, n, h.shape[-1])   # [..., i, j, H] = h_i
+        cols = h.unsqueeze(-3).expand(*h.shape[:-2], n, n, h.shape[-1])   # [..., i, j, H] = h_j
+        logits = nn.functional.leaky_relu(self.a(torch.cat([rows, cols], dim=-1)).squeeze(-1), 0.2)
+        logits = logits + self.theta * x[..., 0].unsqueeze(-2)
         has_pred = mask.any(dim=1)
-        alpha = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=1)
+        alpha = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
         alpha = torch.where(has_pred.unsqueeze(1), alpha, torch.zeros_like(alpha))
         predicted = nn.functional.softplus(self.head(alpha @ h).squeeze(-1))
-        return torch.where(has_pred, predicted, x[:, 0])
+        return torch.where(has_pred, predicted, x[..., 0])
 
     def save(self, path: Path) -> None:
         torch.save({"state": self.state_dict(), "hidden": self.w.out_features}, path)
@@ -73,15 +76,22 @@ class CVAttention(nn.Module):
         return model.eval()
 
 
-def predict_cvs(model: CVAttention | None, state: PipelineState) -> list[float]:
-    """Each stage's predicted arrival CV; without a trained model, the observed CV."""
-    observed = [s.arrival_cv for s in state.stages]
+def predict_cvs(model: CVAttention | None, states: list[PipelineState]) -> list[list[float]]:
+    """Each stage's predicted arrival CV, for many pipelines at once (one batched forward per
+    graph shape); without a trained model, the observed CVs."""
+    out = [[s.arrival_cv for s in state.stages] for state in states]
     if model is None:
-        return observed
-    x = torch.tensor([stage_features(s) for s in state.stages], dtype=torch.float32)
-    with torch.no_grad():
-        out = model(x, predecessors(len(observed), state.graph()))
-    return [float(v) for v in out]
+        return out
+    groups: dict[tuple, list[int]] = {}
+    for k, state in enumerate(states):
+        groups.setdefault((len(state.stages), state.graph()), []).append(k)
+    for (n, edges), members in groups.items():
+        x = torch.tensor([[stage_features(s) for s in states[k].stages] for k in members], dtype=torch.float32)
+        with torch.no_grad():
+            predicted = model(x, predecessors(n, edges)).tolist()
+        for k, cvs in zip(members, predicted):
+            out[k] = cvs
+    return out
 
 
 def neighbours(num_stages: int, edges: tuple[tuple[int, int], ...]) -> list[list[int]]:
@@ -105,9 +115,10 @@ class Smoother:
     r_min: int = 1
     name: str = "quart-smoother"
 
-    def smooth(self, state: PipelineState, proposed: Decision) -> Decision:
-        """Reclaims replicas from `proposed` (the corrector's decision); never adds any."""
-        cvs = predict_cvs(self.model, state)
+    def smooth(self, state: PipelineState, proposed: Decision, cvs: list[float] | None = None) -> Decision:
+        """Reclaims replicas from `proposed` (the corrector's decision); never adds any.
+        `cvs`: the predicted CVs where the caller batched the prediction."""
+        cvs = predict_cvs(self.model, [state])[0] if cvs is None else cvs
         targets = stage_targets(state)
         needs = []
         for s, cv, target in zip(state.stages, cvs, targets):
@@ -125,5 +136,5 @@ class Smoother:
             floor = max(self.r_min, math.floor(s.arrival_rate * s.service_time_s) + 1 if s.arrival_rate else 0)
             replicas = min(d.replicas, max(floor, math.ceil(blended)))
             out.append(StageDecision(d.stage, replicas, d.cpus, d.key, {
-                **d.reason, "predicted_cv": round(cvs[i], 4), "need": needs[i], "smoothed": replicas}))
+                **d.reason, "predicted_cv": cvs[i], "need": needs[i], "smoothed": replicas}))
         return Decision(proposed.model, proposed.policy, tuple(out))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StageState:
     """One stage over the last observation window."""
     stage: int
@@ -54,7 +54,7 @@ class PipelineState:
         return tuple((i, i + 1) for i in range(len(self.stages) - 1))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StageDecision:
     stage: int
     replicas: int

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks import hop, pipeline_overhead, scaleup
+from benchmarks import autoscaler_tick, hop, pipeline_overhead, policies_burst, scaleup
 
-BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main}
+BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main,
+              "autoscaler_tick": autoscaler_tick.main, "policies_burst": policies_burst.main}
 
 
 def main(argv: list[str]) -> int:

@@ -104,3 +104,10 @@ def test_surplus_is_removed_slowly_after_the_burst():
     assert replicas[:4] == [8, 8, 8, 8]               # hysteresis: nothing for down_ticks - 1 ticks
     assert all(a - b <= 1 for a, b in zip(replicas, replicas[1:]))  # one at a time
     assert replicas[-1] < 8
+
+
+def test_a_stage_with_no_service_time_yet_gets_an_even_share():
+    state = PipelineState("m", (stage(0, 0, 0.0, 1), stage(1, 1, 0.3, 1)), slo_s=2.0, entry_rate=0)
+    assert stage_targets(state) == [1.0, 1.0]
+    decision, _ = Corrector().decide(state)
+    assert decision.replicas() == [1, 1]

@@ -83,9 +83,9 @@ def test_cpu_fit_recovers_a_known_profile(tmp_path):
 
 def test_compensator_choice_meets_the_target_on_its_own_fit():
     fit = CPUFit(0.005, 0.3, 0.0)
-    stage = StageState(stage=0, arrival_rate=4.0, service_time_s=0.305, replicas=2)
+    stage = StageState(stage=0, arrival_rate=4.0, service_time_s=0.305, replicas=3)
     state = PipelineState("m", (stage,), slo_s=0.5, entry_rate=4.0)
-    d = Compensator({0: fit}, cpu_max=8).allocate(state, proposed(state, [2]))
+    d = Compensator({0: fit}, cpu_max=8).allocate(state, proposed(state, [2]))  # one reclaimed
     cpus, target = int(d.stages[0].cpus), stage_targets(state)[0]
     assert sojourn(stage, fit.predict(cpus, 0), 2) <= target
     assert cpus == 1 or sojourn(stage, fit.predict(cpus - 1, 0), 2) > target  # the fewest
@@ -94,10 +94,17 @@ def test_compensator_choice_meets_the_target_on_its_own_fit():
 
 def test_compensator_hands_back_replicas_when_cpus_are_not_enough():
     fit = CPUFit(0.2, 0.1, 0.0)  # a floor of 0.2 s that no CPU count removes
-    stage = StageState(stage=0, arrival_rate=20.0, service_time_s=0.3, replicas=2)
+    stage = StageState(stage=0, arrival_rate=20.0, service_time_s=0.3, replicas=3)
     state = PipelineState("m", (stage,), slo_s=0.35, entry_rate=20.0)
     d = Compensator({0: fit}, cpu_max=4).allocate(state, proposed(state, [2]))
     assert d.stages[0].cpus == 4 and d.replicas()[0] > 2
+
+
+def test_compensator_leaves_stages_that_kept_their_replicas():
+    stage = StageState(stage=0, arrival_rate=4.0, service_time_s=0.3, replicas=2, cpus=1.0)
+    state = PipelineState("m", (stage,), slo_s=0.5, entry_rate=4.0)
+    d = Compensator({0: CPUFit(0.0, 0.3, 0.0)}).allocate(state, proposed(state, [2]))
+    assert d.stages[0] == proposed(state, [2]).stages[0]
 
 
 def test_quart_policy_runs_corrector_smoother_compensator():
