@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import redis
@@ -32,8 +32,9 @@ def make_policy(settings: Settings, model: str) -> object:
     """The configured policy. QUART uses a trained CV model and CPU fits where they exist in
     QUART_HOME (cv_attention.pt, cpu_fits.json); without them it smooths on observed CVs and
     leaves CPUs alone."""
+    params = json.loads(settings.policy_params) if settings.policy_params else {}
     if settings.policy in BASELINES:
-        return BASELINES[settings.policy]
+        return replace(BASELINES[settings.policy], **params)
     if settings.policy != "quart":
         raise ValueError(f"unknown policy {settings.policy!r}; choose quart or one of {sorted(BASELINES)}")
     home = Path(settings.home)
@@ -41,7 +42,8 @@ def make_policy(settings: Settings, model: str) -> object:
     fits_path = home / f"{model}.{CPU_FITS_FILE}"
     compensator = Compensator(load_fits(fits_path), cpu_max=settings.cpu_max, r_max=settings.r_max) \
         if fits_path.exists() else None
-    return Quart(Corrector(PIDConfig(period_s=settings.tick_s, r_max=settings.r_max)),
+    pid = PIDConfig(**{"period_s": settings.tick_s, "r_max": settings.r_max, **params})
+    return Quart(Corrector(pid),
                  Smoother(cv_model), compensator)
 
 

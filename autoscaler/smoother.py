@@ -135,6 +135,6 @@ class Smoother:
             blended = beta(cvs[i]) * needs[i] + (1 - beta(cvs[i])) * sum(others) / len(others)
             floor = max(self.r_min, math.floor(s.arrival_rate * s.service_time_s) + 1 if s.arrival_rate else 0)
             replicas = min(d.replicas, max(floor, math.ceil(blended)))
-            out.append(StageDecision(d.stage, replicas, d.cpus, d.key, {
-                **d.reason, "predicted_cv": cvs[i], "need": needs[i], "smoothed": replicas}))
+            reason = {**d.reason, "predicted_cv": cvs[i], "need": needs[i], "smoothed": replicas}
+            out.append(StageDecision(d.stage, replicas, d.cpus, d.key, reason))
         return Decision(proposed.model, proposed.policy, tuple(out))

@@ -41,18 +41,9 @@ SETTLE_S = 2.0
 
 
 def ensure_models(settings: Settings) -> None:
-    from pipeline.partition import partition
-    from pipeline.sources import load_source
-    cache = settings.models_dir / "_sources"
-    for name, method, stages, source, config in (("smollm2", "balanced", 4, "smollm2", None),
-                                                  ("random-1g", "uniform", 3, "random-llama", RANDOM_1G)):
-        try:
-            if Manifest.load(settings.model_dir(name)).num_stages == stages:
-                continue
-        except FileNotFoundError:
-            pass
-        print(f"partitioning {name} ...", flush=True)
-        partition(load_source(source, cache, config), stages, settings.model_dir(name), method)
+    from pipeline.partition import ensure_partitioned
+    ensure_partitioned(settings.models_dir, "smollm2", 4)
+    ensure_partitioned(settings.models_dir, "random-1g", 3, "random-llama", "uniform", RANDOM_1G)
 
 
 def enqueue_work(r: redis.Redis, manifest: Manifest, stage: int) -> None:

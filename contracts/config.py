@@ -67,6 +67,9 @@ class Settings:
     window_s: float = 10.0
     r_max: int = 16
     cpu_max: int = 2
+    # The policy's own parameters as JSON, e.g. '{"kp": 0.5, "ki": 0.1}' for QUART's PID or
+    # '{"target_concurrency": 2}' for Knative's KPA; names are the policy's dataclass fields.
+    policy_params: str = ""
     # How long a replica being scaled down may take to finish its work.
     drain_timeout_s: float = 30.0
 
@@ -114,10 +117,22 @@ def _field_type(f: dataclasses.Field) -> type:
     return {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
 
 
+def _from_file(path: str) -> dict[str, object]:
+    """A YAML (or JSON) mapping of setting names to values."""
+    import yaml
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    names = {f.name for f in fields(Settings)}
+    if not isinstance(data, dict) or not set(data) <= names:
+        unknown = sorted(set(data) - names) if isinstance(data, dict) else data
+        raise SystemExit(f"{path}: not a mapping of settings (unknown: {unknown})")
+    return data
+
+
 def load_settings(environ: dict[str, str] | None = None, **overrides: object) -> Settings:
-    """Settings from defaults, then QUART_* variables, then explicit overrides (flags)."""
+    """Settings from defaults, then the file named by QUART_CONFIG, then QUART_* variables, then
+    explicit overrides (flags)."""
     environ = os.environ if environ is None else environ
-    values: dict[str, object] = {}
+    values: dict[str, object] = _from_file(environ["QUART_CONFIG"]) if environ.get("QUART_CONFIG") else {}
     for f in fields(Settings):
         raw = environ.get(env_name(f.name))
         if raw is not None and raw != "":

@@ -88,6 +88,21 @@ def partition(source: Source, stages: int, out: Path, method: str = "balanced") 
     return manifest
 
 
+def ensure_partitioned(models_dir: Path, name: str, stages: int, source: str | None = None,
+                       method: str = "balanced", random_config: dict | None = None) -> Manifest:
+    """The partition <models_dir>/<name> of `source` (default: `name`) into `stages` stages by
+    `method`, made only if it is not there yet."""
+    out = models_dir / name
+    try:
+        manifest = Manifest.load(out)
+        if manifest.num_stages == stages and manifest.method == method:
+            return manifest
+    except FileNotFoundError:
+        pass
+    print(f"partitioning {name} into {stages} stages ...", flush=True)
+    return partition(load_source(source or name, models_dir / "_sources", random_config), stages, out, method)
+
+
 def _blocks_before(names: list[str], unit: int) -> int:
     return sum(1 for n in names[:unit] if n.startswith("layer."))
 

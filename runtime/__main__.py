@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from contracts.config import Settings, add_arguments, settings_environment, settings_from_args
-from pipeline.manifest import Manifest
 from runtime.client import GatewayClient
 from runtime.functions import REPO_ROOT
 from runtime.stack import read_stack, stage_counts
@@ -25,21 +24,12 @@ PID_FILE = "runtime.pid"
 
 
 def ensure_partitioned(settings: Settings) -> None:
-    from pipeline.partition import partition
-    from pipeline.sources import load_source
+    from pipeline.partition import ensure_partitioned as ensure
     stack = read_stack(Path(settings.stack_file))
     emulated = {f.deployment["envVars"].get("QUART_MODEL") for f in stack if f.deployment["envVars"].get("QUART_EMULATE")}
     for model, stages in stage_counts(stack).items():
-        if model in emulated:
-            continue  # no weights to partition
-        try:
-            if Manifest.load(settings.model_dir(model)).num_stages == stages:
-                continue
-        except FileNotFoundError:
-            pass
-        print(f"partitioning {model} into {stages} stages ...", flush=True)
-        source = load_source(model, settings.models_dir / "_sources")
-        partition(source, stages, settings.model_dir(model))
+        if model not in emulated:  # an emulated model has no weights to partition
+            ensure(settings.models_dir, model, stages)
 
 
 def _pid(settings: Settings) -> int | None:

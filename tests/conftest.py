@@ -9,7 +9,7 @@ import pytest
 
 from contracts.config import Settings, load_settings
 from pipeline.manifest import Manifest
-from pipeline.partition import partition
+from pipeline.partition import ensure_partitioned
 from pipeline.sources import Source, load_source
 from runtime.ports import free_port
 
@@ -30,19 +30,12 @@ def sources(home_settings: Settings) -> dict[str, Source]:
 
 
 @pytest.fixture(scope="session")
-def partitioned(home_settings: Settings, sources: dict[str, Source]):
+def partitioned(home_settings: Settings):
     """partitioned(model, stages) -> Manifest, partitioning once per session and layout."""
     def get(model: str, stages: int, method: str = "balanced") -> Manifest:
-        name = model if (model, stages) in (("smollm2", 4), ("minilm", 3)) and method == "balanced" \
-            else f"{model}-{stages}-{method}"
-        out = home_settings.model_dir(name)
-        try:
-            manifest = Manifest.load(out)
-            if manifest.num_stages == stages and manifest.method == method:
-                return manifest
-        except FileNotFoundError:
-            pass
-        return partition(sources[model], stages, out, method)
+        default = (model, stages, method) in (("smollm2", 4, "balanced"), ("minilm", 3, "balanced"))
+        name = model if default else f"{model}-{stages}-{method}"
+        return ensure_partitioned(home_settings.models_dir, name, stages, model, method)
     return get
 
 

@@ -80,3 +80,17 @@ def test_every_baseline_runs_on_a_dag_and_keeps_stage_ids():
     for policy in BASELINES.values():
         d, _ = policy.decide(state, None)
         assert [s.stage for s in d.stages] == [0, 1, 2] and all(r >= 1 for r in d.replicas())
+
+
+def test_policies_come_from_one_configuration(tmp_path):
+    from autoscaler.loop import make_policy
+    from contracts.config import load_settings
+    config = tmp_path / "quart.yml"
+    config.write_text("policy: knative-kpa\npolicy_params: '{\"target_concurrency\": 3.0}'\ntick_s: 2.0\n")
+    settings = load_settings(environ={"QUART_CONFIG": str(config), "QUART_TICK_S": "0.5"})
+    assert settings.tick_s == 0.5  # the environment overrides the file
+    policy = make_policy(settings, "m")
+    assert isinstance(policy, KnativeKPA) and policy.target_concurrency == 3.0
+    quart = make_policy(load_settings(environ={"QUART_POLICY": "quart", "QUART_POLICY_PARAMS": '{"kp": 2.0}',
+                                               "QUART_HOME": str(tmp_path)}), "m")
+    assert quart.corrector.config.kp == 2.0 and quart.corrector.config.period_s == 1.0

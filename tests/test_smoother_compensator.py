@@ -116,3 +116,17 @@ def test_quart_policy_runs_corrector_smoother_compensator():
     assert d.replicas()[1] >= 3                  # scaled up
     assert d.replicas()[0] < 4 and d.replicas()[2] < 4  # surplus reclaimed
     assert "cpus" in d.stages[0].reason and "predicted_cv" in d.stages[2].reason
+
+
+def test_profile_cpu_fits_and_saves_every_stage(partitioned, home_settings, tmp_path):
+    from autoscaler.compensator import load_fits
+    from autoscaler.profile_cpu import main
+    partitioned("minilm", 3)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(home_settings.models_dir, target_is_directory=True)
+    assert main(["--model", "minilm", "--cpus", "1", "--payloads", "4,16,32", "--repeats", "2",
+                 "--home", str(home)]) == 0
+    fits = load_fits(home / "minilm.cpu_fits.json")
+    assert sorted(fits) == [0, 1, 2]
+    assert all(f.predict(1, 16) > 0 for f in fits.values())
