@@ -9,7 +9,7 @@ relative error.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from autoscaler.queueing import allen_cunneen_wait
 from autoscaler.state import Decision, PipelineState, StageDecision, StageState
@@ -121,13 +121,9 @@ class Corrector:
             # Fast scale-up: an unstable stage gets the replicas that make it stable at once.
             replicas = min(self.config.r_max, max(replicas, _stability_floor(s)))
             key = delay > target or (s.queue_length > 0 and s.stage == state.stages[longest_queue].stage)
-            decisions.append(StageDecision(s.stage, replicas, s.cpus, key, {
-                "lambda": s.arrival_rate, "mu": s.service_rate, "predicted_delay_s": delay,
-                "target_s": target, **terms}))
+            terms.update({"lambda": s.arrival_rate, "mu": s.service_rate, "predicted_delay_s": delay,
+                          "target_s": target})
+            decisions.append(StageDecision(s.stage, replicas, s.cpus, key, terms))
             new_mems.append(mem)
         return Decision(state.model, self.name, tuple(decisions)), CorrectorMemory(tuple(new_mems))
 
-
-def with_replicas(state: PipelineState, replicas: list[int]) -> PipelineState:
-    """The same state with other replica counts (what a policy that chains steps passes on)."""
-    return replace(state, stages=tuple(replace(s, replicas=r) for s, r in zip(state.stages, replicas)))

@@ -120,10 +120,15 @@ class Smoother:
         `cvs`: the predicted CVs where the caller batched the prediction."""
         cvs = predict_cvs(self.model, [state])[0] if cvs is None else cvs
         targets = stage_targets(state)
-        needs = []
-        for s, cv, target in zip(state.stages, cvs, targets):
-            wait_budget = max(1e-6, target - s.service_time_s)
-            needs.append(min_servers(s.arrival_rate, s.service_rate, wait_budget, cv * cv, s.service_cv ** 2))
+        needs: dict[int, int] = {}
+
+        def need(i: int) -> int:
+            """The fewest replicas meeting stage i's target at its predicted CV (computed once)."""
+            if i not in needs:
+                s = state.stages[i]
+                budget = max(1e-6, targets[i] - s.service_time_s)
+                needs[i] = min_servers(s.arrival_rate, s.service_rate, budget, cvs[i] * cvs[i], s.service_cv ** 2)
+            return needs[i]
         groups = neighbours(len(state.stages), state.graph())
         out = []
         for i, (s, d) in enumerate(zip(state.stages, proposed.stages)):
@@ -131,10 +136,10 @@ class Smoother:
                 # A key stage is still congested: what the corrector gave it stays.
                 out.append(d)
                 continue
-            others = [needs[j] for j in groups[i]] or [needs[i]]
-            blended = beta(cvs[i]) * needs[i] + (1 - beta(cvs[i])) * sum(others) / len(others)
+            others = [need(j) for j in groups[i]] or [need(i)]
+            blended = beta(cvs[i]) * need(i) + (1 - beta(cvs[i])) * sum(others) / len(others)
             floor = max(self.r_min, math.floor(s.arrival_rate * s.service_time_s) + 1 if s.arrival_rate else 0)
             replicas = min(d.replicas, max(floor, math.ceil(blended)))
-            reason = {**d.reason, "predicted_cv": cvs[i], "need": needs[i], "smoothed": replicas}
+            reason = {**d.reason, "predicted_cv": cvs[i], "need": need(i), "smoothed": replicas}
             out.append(StageDecision(d.stage, replicas, d.cpus, d.key, reason))
         return Decision(proposed.model, proposed.policy, tuple(out))
