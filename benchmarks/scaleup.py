@@ -117,7 +117,8 @@ def measure_pss(settings: Settings, client: KeysClient, r: redis.Redis, model: s
         time.sleep(SETTLE_S)
         total = (sum(pss(p) for p in pids) + pss(zygote["pid"])) / 1e6
         out[f"{n} COW children + zygote"] = total
-        out[f"{n} COW children: added per child beyond one cold replica"] = (total - out["cold replica"]) / n
+        if n > 1:
+            out[f"each COW child beyond the first ({n} children)"] = (total - out["1 COW children + zygote"]) / (n - 1)
         for pid in pids:
             stop(r, model, stage, pid)
     return out
