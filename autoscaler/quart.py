@@ -27,7 +27,8 @@ class Quart:
         out = []
         for state, memory, cvs in zip(states, memories, all_cvs):
             decision, memory = self.corrector.decide(state, memory)
-            decision = self.smoother.smooth(state, decision, cvs)
+            settled = [m.below_ticks >= self.corrector.config.down_ticks for m in memory.stages]
+            decision = self.smoother.smooth(state, decision, cvs, settled)
             if self.compensator is not None:
                 decision = self.compensator.allocate(state, decision)
             out.append((Decision(decision.model, self.name, decision.stages), memory))

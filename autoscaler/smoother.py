@@ -115,9 +115,12 @@ class Smoother:
     r_min: int = 1
     name: str = "quart-smoother"
 
-    def smooth(self, state: PipelineState, proposed: Decision, cvs: list[float] | None = None) -> Decision:
+    def smooth(self, state: PipelineState, proposed: Decision, cvs: list[float] | None = None,
+               settled: list[bool] | None = None) -> Decision:
         """Reclaims replicas from `proposed` (the corrector's decision); never adds any.
-        `cvs`: the predicted CVs where the caller batched the prediction."""
+        `cvs`: the predicted CVs where the caller batched the prediction. `settled`: per stage,
+        whether its burst has been over long enough to reclaim (the corrector's scale-down
+        hysteresis); without it every non-key stage may be reclaimed."""
         cvs = predict_cvs(self.model, [state])[0] if cvs is None else cvs
         targets = stage_targets(state)
         needs: dict[int, int] = {}
@@ -132,8 +135,9 @@ class Smoother:
         groups = neighbours(len(state.stages), state.graph())
         out = []
         for i, (s, d) in enumerate(zip(state.stages, proposed.stages)):
-            if d.key:
-                # A key stage is still congested: what the corrector gave it stays.
+            if d.key or (settled is not None and not settled[i]):
+                # A key stage is still congested, and one just out of a burst may be hit again:
+                # what the corrector gave them stays, so that replicas do not flap.
                 out.append(d)
                 continue
             others = [need(j) for j in groups[i]] or [need(i)]

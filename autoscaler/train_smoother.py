@@ -15,7 +15,7 @@ import numpy as np
 import redis
 import torch
 
-from autoscaler.cv_traces import read_jsonl, recorded, synthetic
+from autoscaler.cv_traces import read_jsonl, recorded, synthetic, write_jsonl
 from autoscaler.smoother import CVAttention, predecessors, stage_features
 from autoscaler.state import StageState
 from contracts.config import add_arguments, settings_from_args
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--save-windows", type=Path, help="also write the windows as JSON lines (for --data)")
     add_arguments(parser, "redis_port")
     args = parser.parse_args(argv)
     if args.synthetic:
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         replicas = [int(x) for x in args.replicas.split(",")] if args.replicas else [1] * args.stages
         samples = recorded(redis.Redis.from_url(settings.redis_url), args.record, args.stages,
                            args.window_s, replicas)
+    if args.save_windows:
+        write_jsonl(samples, args.save_windows)
     if len(samples) < 10:
         print(f"only {len(samples)} windows: too few to train and hold some out", file=sys.stderr)
         return 2

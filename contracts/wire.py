@@ -88,6 +88,3 @@ def read_metadata(raw: bytes) -> dict[str, str]:
     except (ValueError, AttributeError) as exc:
         raise BadRequest(f"message is not valid safetensors: {exc}") from exc
 
-
-def ms_since(t0: float) -> float:
-    return round((time.time() - t0) * 1000.0, 3)
