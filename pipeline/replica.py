@@ -115,6 +115,13 @@ class Replica:
             except redis.ConnectionError as exc:
                 log.warning("redis unavailable (%s); retrying", exc)
                 self._stop.wait(0.5)
+            except Exception:  # the loop must outlive any one bad turn
+                log.exception("%s: work loop error; continuing", self.replica_id)
+                self._stop.wait(0.5)
+
+    def alive(self) -> bool:
+        """Started, and both its threads still running (the watchdog's health check)."""
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
     def _read_new(self) -> tuple[bytes, dict] | None:
         answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, {self.stream: ">"},

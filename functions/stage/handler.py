@@ -23,5 +23,9 @@ def handle(event, context):
     return {"statusCode": 200, "body": out, "headers": {"Content-Type": CONTENT_TYPE}}
 
 
+def ready():
+    return REPLICA.alive()
+
+
 def shutdown():
     REPLICA.stop()
