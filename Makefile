@@ -20,8 +20,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# make up POLICY=knative-kpa picks a baseline (default: quart; none runs no autoscaler).
 up: $(STAMP)
-	$(PY) -m runtime up
+	$(PY) -m runtime up $(if $(POLICY),--policy $(POLICY))
 
 down: $(STAMP)
 	$(PY) -m runtime down

@@ -3,6 +3,7 @@ what changed through the backend, publish the key stages (the KeysManagers cache
 every decision with its reason to a Redis stream and to the log."""
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -68,6 +69,10 @@ class ControlLoop:
         for model, stages in self.models.items():
             self.policies[model] = make_policy(self.settings, model)
             self.observers[model] = Observer(self.r, model, stages, self.settings.window_s)
+        # What exists now (torch, the policies, the models) lives as long as the loop: keep it out
+        # of the collector's full passes, which would otherwise stall ticks that allocate a lot.
+        gc.collect()
+        gc.freeze()
 
     def tick(self, now: float | None = None) -> list[Decision]:
         now = time.time() if now is None else now
@@ -100,10 +105,13 @@ class ControlLoop:
                                   for s, d in zip(state.stages, decision.stages)])},
             maxlen=self.settings.records_maxlen, approximate=True)
         pipe.execute()
-        changed = [(d.stage, s.replicas, d.replicas) for s, d in zip(state.stages, decision.stages) if s.replicas != d.replicas]
-        if changed:
-            log.info("%s %s: %s; key stages %s", model, decision.policy,
-                     ", ".join(f"s{i} {a}->{b}" for i, a, b in changed), list(decision.key_stages))
+        changed = [(s, d) for s, d in zip(state.stages, decision.stages) if s.replicas != d.replicas]
+        # Every decision goes to the log: the ones that change something at INFO, with the reasons
+        # of the stages they change; the others at DEBUG.
+        log.log(logging.INFO if changed else logging.DEBUG, "%s %s: %s; key stages %s", model, decision.policy,
+                "; ".join(f"s{d.stage} {s.replicas}->{d.replicas} "
+                          + " ".join(f"{k}={_readable(v)}" for k, v in d.reason.items()) for s, d in changed)
+                or "no change", list(decision.key_stages))
 
     def run(self, stop) -> None:
         """Ticks at the configured period until `stop()` is true."""
