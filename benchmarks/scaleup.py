@@ -28,6 +28,7 @@ from contracts.wire import MESSAGE_FIELD, Header, pack
 from keysmanager.client import KeysClient
 from pipeline.manifest import Manifest
 from pipeline.registry import live_replicas
+from runtime.functions import STAGE_HANDLER, start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 
@@ -54,11 +55,7 @@ def enqueue_work(r: redis.Redis, manifest: Manifest, stage: int) -> None:
 
 
 def start_cold(settings: Settings, model: str, stages: str, log: Path) -> int:
-    env = {**os.environ, **settings_environment(settings), "QUART_MODEL": model, "QUART_STAGES": stages,
-           "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.watchdog", "--handler", str(REPO / "functions" / "stage")],
-                            env=env, cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-    return proc.pid
+    return start_watchdog(settings, STAGE_HANDLER, {"QUART_MODEL": model, "QUART_STAGES": stages}, None, log).pid
 
 
 def first_work_latency(r: redis.Redis, model: str, stage: int, known: set[str], t0: float) -> tuple[str, float]:

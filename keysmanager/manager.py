@@ -22,10 +22,9 @@ from contracts import keys
 from contracts.config import Settings, settings_environment
 from pipeline.emulated import PROFILES as EMULATION_PROFILES
 from pipeline.manifest import Manifest
+from runtime.functions import REPO_ROOT, STAGE_HANDLER
 
 log = logging.getLogger("quart.keysmanager")
-REPO_ROOT = Path(__file__).resolve().parent.parent
-STAGE_HANDLER = REPO_ROOT / "functions" / "stage"
 ZYGOTE_START_TIMEOUT_S = 300.0
 
 

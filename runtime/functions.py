@@ -20,6 +20,19 @@ from keysmanager.client import KeysClient, KeysManagerError
 log = logging.getLogger("quart.functions")
 _serial = count()
 REPO_ROOT = Path(__file__).resolve().parent.parent
+STAGE_HANDLER = REPO_ROOT / "functions" / "stage"
+
+
+def start_watchdog(settings: Settings, handler: Path, env: dict[str, str], port_file: Path | None,
+                   log_path: Path) -> subprocess.Popen:
+    """A cold replica: a new process that imports everything and loads its stages itself."""
+    cmd = [sys.executable, "-m", "runtime.watchdog", "--handler", str(handler)]
+    if port_file is not None:
+        cmd += ["--port-file", str(port_file)]
+    full_env = {**os.environ, **settings_environment(settings), **env, "PYTHONPATH": str(REPO_ROOT)}
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, env=full_env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
 
 
 class ForkedProcess:
@@ -133,13 +146,8 @@ class ProcessManager:
     def _cold(self, fn: FunctionState) -> ReplicaProcess:
         port_file = self.run_dir / f"{fn.name}.{os.getpid()}.{next(_serial)}.port"
         port_file.unlink(missing_ok=True)
-        env = {**os.environ, **settings_environment(self.settings), **fn.deployment.get("envVars", {}),
-               "PYTHONPATH": str(REPO_ROOT)}
-        cmd = [sys.executable, "-m", "runtime.watchdog", "--handler", str(fn.handler),
-               "--port-file", str(port_file)]
-        with open(self.log_dir / f"{fn.name}.log", "ab") as out:
-            proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
+        proc = start_watchdog(self.settings, fn.handler, fn.deployment.get("envVars", {}), port_file,
+                              self.log_dir / f"{fn.name}.log")
         return ReplicaProcess(proc, port_file)
 
     def drain(self, replica: ReplicaProcess) -> None:

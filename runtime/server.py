@@ -16,12 +16,12 @@ from aiohttp import web
 
 from contracts.config import Settings, load_settings, settings_environment
 from keysmanager.client import KeysClient, KeysManagerError
+from runtime.functions import REPO_ROOT
 from runtime.provider import LocalProvider, read_or_create_password
 from runtime.redis_server import start_redis
 from runtime.stack import StackFunction, read_stack
 
 log = logging.getLogger("quart.server")
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _start(settings: Settings, module: str, *args: str) -> subprocess.Popen:

@@ -20,6 +20,7 @@ from pipeline.partition import partition
 from pipeline.registry import live_replicas
 from pipeline.stage_runner import StageRunner
 from runtime.client import HttpClient
+from runtime.functions import STAGE_HANDLER, start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 
@@ -82,11 +83,8 @@ def start_cold(settings: Settings, children: list, model: str, stages: str) -> i
     port_file = Path(settings.home) / "run" / f"cold-{model}-{stages}.port"
     port_file.parent.mkdir(parents=True, exist_ok=True)
     port_file.unlink(missing_ok=True)
-    env = {**os.environ, **settings_environment(settings), "QUART_MODEL": model, "QUART_STAGES": stages,
-           "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.watchdog", "--handler", str(REPO / "functions" / "stage"),
-                             "--port-file", str(port_file)], env=env, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_watchdog(settings, STAGE_HANDLER, {"QUART_MODEL": model, "QUART_STAGES": stages}, port_file,
+                          Path(settings.home) / "logs" / "cold.log")
     children.append(proc.pid)
     wait_until(port_file.exists, 120, "the cold replica to listen")
     return int(port_file.read_text())
