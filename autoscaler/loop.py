@@ -86,15 +86,18 @@ class ControlLoop:
         return decisions
 
     def _apply(self, model: str, state, decision: Decision) -> None:
+        # Key stages first: the scheduler places the replicas asked for next by them.
+        pipe = self.r.pipeline()
+        pipe.delete(keys.key_stages(model))
+        if decision.key_stages:
+            pipe.sadd(keys.key_stages(model), *[str(i) for i in decision.key_stages])
+        pipe.execute()
         for s, d in zip(state.stages, decision.stages):
             if d.replicas != s.replicas:
                 self.backend.set_replicas(model, d.stage, d.replicas)
             if round(d.cpus) != round(s.cpus) and d.cpus >= 1:
                 self.backend.set_cpus(model, d.stage, int(round(d.cpus)))
         pipe = self.r.pipeline()
-        pipe.delete(keys.key_stages(model))
-        if decision.key_stages:
-            pipe.sadd(keys.key_stages(model), *[str(i) for i in decision.key_stages])
         pipe.xadd(keys.decisions(model), {
             "t": f"{state.now:.3f}", "policy": decision.policy,
             "replicas": json.dumps([s.replicas for s in state.stages]),

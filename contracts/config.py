@@ -72,6 +72,17 @@ class Settings:
     policy_params: str = ""
     # How long a replica being scaled down may take to finish its work.
     drain_timeout_s: float = 30.0
+    # Embedded runtime: how many virtual servers, each with its own KeysManager (on
+    # keysmanager_port + i), replica slots, host-memory budget for cached stages in bytes (0: only
+    # cache_memory_threshold applies) and the bandwidth a cold start reads its shard at (bytes/s).
+    virtual_servers: int = 1
+    server_slots: int = 64
+    server_cache_bytes: int = 0
+    server_bandwidth: float = 1e9
+    # A cold start must have read its shard this long after it began (HydraServe's deadline).
+    cold_deadline_s: float = 60.0
+    # The scheduler's parameters as JSON; names are scheduler.placement.SchedulerParams fields.
+    scheduler_params: str = ""
 
     @property
     def redis_url(self) -> str:
@@ -98,6 +109,12 @@ class Settings:
         first, _, last = self.stages.partition("-")
         a = int(first)
         return a, int(last) if last else a + 1
+
+    def virtual_server_names(self) -> list[str]:
+        """One server keeps this server's name; several are <server>-0, <server>-1, ..."""
+        if self.virtual_servers <= 1:
+            return [self.server]
+        return [f"{self.server}-{i}" for i in range(self.virtual_servers)]
 
     def replace(self, **changes: object) -> "Settings":
         return dataclasses.replace(self, **changes)

@@ -63,3 +63,8 @@ def stage_cpus(model: str, stage: int) -> str:
 def decisions(model: str) -> str:
     """The autoscaler's decisions for a model, each with its reason, capped in length."""
     return f"{PREFIX}:decisions:{model}"
+
+
+def placements() -> str:
+    """Where the scheduler put each new replica and which it removed, with the reason, capped."""
+    return f"{PREFIX}:placements"

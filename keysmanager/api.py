@@ -4,7 +4,8 @@ call it). JSON in, JSON out; bad requests get a 4xx naming the problem.
     GET  /healthz
     GET  /zygotes                      what is cached
     GET  /stats                        memory use, threshold, counts
-    POST /cache   {"model", "stages"}  cache a stage range (waits until its zygote is ready)
+    POST /cache   {"model", "stages"}  cache a stage range (waits until its zygote is ready);
+                  507 when it does not fit the server's cache budget
     POST /fork    {"model", "stages", "function", "cow": true, "env": {"QUART_...": ...}}
                   -> {"pid", "port_file", "started_by"}; 404 not cached, 409 shard changed
     POST /evict   {"model", "stages"}
@@ -18,7 +19,7 @@ import re
 
 from aiohttp import web
 
-from keysmanager.manager import KeysManager, NotCached, StaleShard
+from keysmanager.manager import KeysManager, NotCached, OverBudget, StaleShard
 
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -66,7 +67,10 @@ def build_app(manager: KeysManager, watch_period_s: float = 1.0) -> web.Applicat
 
     async def cache(request: web.Request) -> web.Response:
         model, stages = _stage_range(await _json(request))
-        z = await run(manager.cache, model, stages)
+        try:
+            z = await run(manager.cache, model, stages)
+        except OverBudget as exc:
+            return web.json_response({"error": str(exc)}, status=507)
         return web.json_response(z.describe())
 
     async def fork(request: web.Request) -> web.Response:

@@ -22,6 +22,7 @@ from contracts import keys
 from contracts.config import Settings, settings_environment
 from pipeline.emulated import PROFILES as EMULATION_PROFILES
 from pipeline.manifest import Manifest
+from pipeline.registry import key_stage_ranges
 from runtime.functions import REPO_ROOT, STAGE_HANDLER
 
 log = logging.getLogger("quart.keysmanager")
@@ -34,6 +35,11 @@ class NotCached(KeyError):
 
 class StaleShard(RuntimeError):
     pass
+
+
+class OverBudget(RuntimeError):
+    """The stage range does not fit in the server's cache budget, even after evicting every
+    idle zygote that is not a key stage."""
 
 
 @dataclass
@@ -97,10 +103,11 @@ class KeysManager:
     def shards(self, model: str, stages: str) -> tuple[list[str], int]:
         """The sha256 and total size of the shards a stage range needs, as the manifest says now."""
         if self.emulated(model):
+            profile = EMULATION_PROFILES[model]
             first, last = self.settings.replace(stages=stages).stage_range()
-            if not 0 <= first < last <= EMULATION_PROFILES[model].num_stages:
-                raise ValueError(f"{model} has stages 0..{EMULATION_PROFILES[model].num_stages - 1}; got {stages!r}")
-            return [], 0
+            if not 0 <= first < last <= profile.num_stages:
+                raise ValueError(f"{model} has stages 0..{profile.num_stages - 1}; got {stages!r}")
+            return [], profile.stage_bytes(first, last)  # nominal: counts against the budget
         manifest = Manifest.load(self.settings.model_dir(model))
         first, last = self.settings.replace(stages=stages).stage_range()
         if not 0 <= first < last <= manifest.num_stages:
@@ -122,6 +129,7 @@ class KeysManager:
                     self._evict_locked(z, "stale shard" if z.alive() else "zygote died")
                 waiting = self._starting.get(key)
                 if waiting is None:
+                    self._make_room_locked(size)
                     self._starting[key] = threading.Event()
                     break
             waiting.wait(ZYGOTE_START_TIMEOUT_S)
@@ -160,6 +168,26 @@ class KeysManager:
             time.sleep(0.05)
         proc.kill()
         raise TimeoutError(f"zygote for {model} {stages} not ready in {ZYGOTE_START_TIMEOUT_S} s")
+
+    def _make_room_locked(self, size: int) -> None:
+        """Within a byte budget, evicts idle zygotes that are not key stages, least recently used
+        first, until `size` more bytes fit; refuses when they cannot."""
+        budget = self.settings.server_cache_bytes
+        if budget <= 0:
+            return
+        key_stages = {f"{m}:{s}" for m, s in self.key_stages()}
+        idle = sorted((z for z in self.zygotes.values() if z.forking == 0 and z.key not in key_stages),
+                      key=lambda z: z.last_use)
+        kept = self.cached_bytes() - sum(z.bytes for z in idle)
+        if kept + size > budget:  # refused before anything is evicted for nothing
+            raise OverBudget(f"{size} B do not fit: {kept} of {budget} B are held by key stages "
+                             "or zygotes being forked from")
+        while self.cached_bytes() + size > budget:
+            self._evict_locked(idle.pop(0), f"making room within the {budget} B budget")
+
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(z.bytes for z in self.zygotes.values())
 
     # -- fork ----------------------------------------------------------------------------------
 
@@ -219,11 +247,7 @@ class KeysManager:
 
     def key_stages(self) -> list[tuple[str, str]]:
         """Stage ranges the autoscaler marked as key stages, in every model."""
-        wanted = []
-        for key in self.redis.scan_iter(match=keys.KEY_STAGES_PATTERN, count=100):
-            model = key.decode().rsplit(":", 1)[1]
-            wanted += [(model, stages.decode()) for stages in self.redis.smembers(key)]
-        return sorted(wanted)
+        return key_stage_ranges(self.redis)
 
     def watch_once(self) -> None:
         """Caches new key stages, re-caches crashed zygotes, and evicts least recently used ones
@@ -236,6 +260,8 @@ class KeysManager:
             if f"{model}:{stages}" not in held and self.memory_used() < self.threshold:
                 try:
                     self.cache(model, stages)
+                except OverBudget as exc:
+                    log.info("not caching key stage %s %s here: %s", model, stages, exc)
                 except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
                     log.error("caching key stage %s %s failed: %s", model, stages, exc)
         with self._lock:
@@ -267,7 +293,8 @@ class KeysManager:
     def stats(self) -> dict:
         zs = self.list()
         return {"server": self.server, "memory_used": round(self.memory_used(), 4),
-                "memory_threshold": self.threshold, "zygotes": len(zs),
+                "memory_threshold": self.threshold, "cache_budget_bytes": self.settings.server_cache_bytes,
+                "zygotes": len(zs),
                 "cached_bytes": sum(z["bytes"] for z in zs), "forks": sum(z["forks"] for z in zs)}
 
     # -- Redis ---------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ class Profile:
     cv: float = 0.3
     parallel_fraction: float = 0.8
     weights: tuple[float, ...] = WEIGHTS_8
+    # Parameter size of the whole model (QUART Table 1), for cache budgets and cold-start
+    # reads; an emulated zygote holds none of it.
+    size_gb: float = 0.0
 
     @property
     def num_stages(self) -> int:
@@ -34,10 +37,14 @@ class Profile:
     def stage_ms(self, stage: int) -> float:
         return self.total_ms * self.weights[stage] / sum(self.weights)
 
+    def stage_bytes(self, first: int, last: int) -> int:
+        return int(self.size_gb * 1e9 * sum(self.weights[first:last]) / sum(self.weights))
 
-# QUART Table 1, "Exec. (ms)".
-PROFILES = {p.name: p for p in (Profile("whisper-9b", 74), Profile("bert-21b", 137), Profile("llama-7b", 243),
-                                Profile("opt-66b", 278), Profile("wideresnet", 646))}
+
+# QUART Table 1, "Exec. (ms)" and "Size (GB)".
+PROFILES = {p.name: p for p in (Profile("whisper-9b", 74, size_gb=2.9), Profile("bert-21b", 137, size_gb=43),
+                                Profile("llama-7b", 243, size_gb=14), Profile("opt-66b", 278, size_gb=132),
+                                Profile("wideresnet", 646, size_gb=16))}
 
 
 def profile(name: str) -> Profile:

@@ -68,3 +68,23 @@ def live_replicas(r: redis.Redis, model: str, stage: int) -> list[dict[str, str]
     if dead:
         r.srem(keys.stage_replicas(model, stage), *dead)
     return live
+
+
+def key_stage_ranges(r: redis.Redis) -> list[tuple[str, str]]:
+    """(model, stage range) of every key stage the autoscaler has published, in every model."""
+    wanted = []
+    for key in r.scan_iter(match=keys.KEY_STAGES_PATTERN, count=100):
+        model = key.decode().rsplit(":", 1)[1]
+        wanted += [(model, stages.decode()) for stages in r.smembers(key)]
+    return sorted(wanted)
+
+
+def cached_stages(r: redis.Redis, server: str) -> tuple[frozenset[str], int]:
+    """The "model:stages" a server's KeysManager holds, and their bytes."""
+    members = sorted(m.decode() for m in r.smembers(keys.zygotes(server)))
+    pipe = r.pipeline()
+    for member in members:
+        model, stages = member.split(":", 1)
+        pipe.hget(keys.zygote(server, model, stages), "bytes")
+    sizes = pipe.execute()
+    return frozenset(members), sum(int(b) for b in sizes if b is not None)

@@ -1,6 +1,7 @@
-"""The embedded runtime's process manager: each function replica is a local watchdog process.
-Like a Kubernetes Deployment it keeps the desired number of replicas running, replacing ones
-that die; scaling down lets a replica finish its work before it exits."""
+"""The embedded runtime's process manager: each function replica is a local watchdog process on
+one virtual server, forked from that server's KeysManager or started cold. Where replicas go and
+which ones leave is the scheduler's decision (runtime/placer.py); this only starts, watches and
+drains them. Scaling down lets a replica finish its work before it exits."""
 from __future__ import annotations
 
 import logging
@@ -72,6 +73,7 @@ def _running(pid: int) -> bool:
 class ReplicaProcess:
     proc: subprocess.Popen | ForkedProcess
     port_file: Path
+    server: str
     started_by: str = "cold"
     started: float = field(default_factory=time.time)
     port: int | None = None
@@ -83,6 +85,10 @@ class ReplicaProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def id(self) -> str:
+        return f"{self.server}/{self.pid}"
 
 
 @dataclass
@@ -98,6 +104,14 @@ class FunctionState:
     @property
     def name(self) -> str:
         return self.deployment["service"]
+
+    @property
+    def stage_key(self) -> str:
+        """"model:stages" for a stage function (what a KeysManager caches), else the name."""
+        env = self.deployment.get("envVars") or {}
+        if env.get("QUART_MODEL") and env.get("QUART_STAGES"):
+            return f"{env['QUART_MODEL']}:{env['QUART_STAGES']}"
+        return self.name
 
     def serving(self) -> list[ReplicaProcess]:
         return [r for r in self.replicas if r.draining_since is None]
@@ -115,7 +129,8 @@ class FunctionState:
 
 
 class ProcessManager:
-    def __init__(self, settings: Settings, keys: KeysClient | None = None) -> None:
+    def __init__(self, settings: Settings, keys: dict[str, KeysClient | None]) -> None:
+        """`keys`: each virtual server's KeysManager client (None where it has none)."""
         self.settings = settings
         self.keys = keys
         self.run_dir = Path(settings.home) / "run"
@@ -123,32 +138,33 @@ class ProcessManager:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, fn: FunctionState) -> ReplicaProcess:
-        """A new replica: forked from a KeysManager zygote where one holds its stages, else cold."""
-        replica = self._fork(fn) or self._cold(fn)
+    def spawn(self, fn: FunctionState, server: str, fork: bool) -> ReplicaProcess:
+        """A new replica on `server`: forked from its KeysManager's zygote when asked and it still
+        holds the stage, else cold."""
+        replica = (fork and self._fork(fn, server)) or self._cold(fn, server)
         fn.replicas.append(replica)
-        log.info("started %s replica pid %d (%s)", fn.name, replica.pid, replica.started_by)
+        log.info("started %s replica pid %d on %s (%s)", fn.name, replica.pid, server, replica.started_by)
         return replica
 
-    def _fork(self, fn: FunctionState) -> ReplicaProcess | None:
+    def _fork(self, fn: FunctionState, server: str) -> ReplicaProcess | None:
         env = fn.deployment.get("envVars") or {}
-        model, stages = env.get("QUART_MODEL"), env.get("QUART_STAGES")
-        if self.keys is None or not model or not stages:
+        model, stages, keys = env.get("QUART_MODEL"), env.get("QUART_STAGES"), self.keys.get(server)
+        if keys is None or not model or not stages:
             return None
         try:
-            answer = self.keys.fork(model, stages, fn.name, {k: v for k, v in env.items() if k.startswith("QUART_")},
-                                    cow=self.settings.fork_cow)
+            answer = keys.fork(model, stages, fn.name, {k: v for k, v in env.items() if k.startswith("QUART_")},
+                               cow=self.settings.fork_cow)
         except (KeysManagerError, OSError) as exc:
-            log.info("no fork for %s (%s); cold start", fn.name, exc)
+            log.info("no fork for %s on %s (%s); cold start", fn.name, server, exc)
             return None
-        return ReplicaProcess(ForkedProcess(answer["pid"]), Path(answer["port_file"]), answer["started_by"])
+        return ReplicaProcess(ForkedProcess(answer["pid"]), Path(answer["port_file"]), server, answer["started_by"])
 
-    def _cold(self, fn: FunctionState) -> ReplicaProcess:
+    def _cold(self, fn: FunctionState, server: str) -> ReplicaProcess:
         port_file = self.run_dir / f"{fn.name}.{os.getpid()}.{next(_serial)}.port"
         port_file.unlink(missing_ok=True)
-        proc = start_watchdog(self.settings, fn.handler, fn.deployment.get("envVars", {}), port_file,
-                              self.log_dir / f"{fn.name}.log")
-        return ReplicaProcess(proc, port_file)
+        env = {**fn.deployment.get("envVars", {}), "QUART_SERVER": server}
+        proc = start_watchdog(self.settings, fn.handler, env, port_file, self.log_dir / f"{fn.name}.log")
+        return ReplicaProcess(proc, port_file, server)
 
     def drain(self, replica: ReplicaProcess) -> None:
         """Asks a replica to finish its work and exit (SIGTERM)."""
@@ -156,8 +172,9 @@ class ProcessManager:
             replica.draining_since = time.time()
             _signal(replica, signal.SIGTERM)
 
-    def reconcile(self, fn: FunctionState) -> None:
-        """Reaps exited replicas, notices ready ones, and starts or drains to the desired count."""
+    def refresh(self, fn: FunctionState) -> None:
+        """Reaps exited replicas (a dead one is replaced by the next placement round), notices
+        ready ones, and kills those that overran their drain time."""
         for replica in list(fn.replicas):
             code = replica.proc.poll()
             if code is not None:
@@ -170,13 +187,6 @@ class ProcessManager:
                     _signal(replica, signal.SIGKILL)
             elif replica.port is None and replica.port_file.exists():
                 replica.port = int(replica.port_file.read_text())
-        serving = fn.serving()
-        for _ in range(fn.desired - len(serving)):
-            self.spawn(fn)
-        # Scale down: the replicas that are not ready yet go first, then the newest.
-        surplus = sorted(serving, key=lambda r: (r.ready, -r.started))[: max(0, len(serving) - fn.desired)]
-        for replica in surplus:
-            self.drain(replica)
 
     def stop_all(self, functions: list[FunctionState], timeout: float) -> None:
         for fn in functions:

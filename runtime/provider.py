@@ -16,11 +16,13 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from contracts.config import Settings
 from keysmanager.client import KeysClient
 from runtime.functions import FunctionState, ProcessManager
+from runtime.placer import Placer
 from runtime.stack import NAME_RE, StackFunction
 
 log = logging.getLogger("quart.provider")
@@ -42,7 +44,8 @@ class BadDeployment(ValueError):
 
 class LocalProvider:
     def __init__(self, settings: Settings, stack: list[StackFunction], password: str,
-                 keys: KeysClient | None = None, max_replicas: int = 16) -> None:
+                 keys: dict[str, KeysClient | None], r: redis.Redis, max_replicas: int = 16) -> None:
+        """`keys`: the KeysManager of each virtual server; the scheduler places every replica."""
         self.settings = settings
         self.password = password
         self.max_replicas = max_replicas
@@ -52,8 +55,8 @@ class LocalProvider:
         self.functions: dict[str, FunctionState] = {}
         # Deleted functions whose replicas are still finishing their work.
         self._draining: list[FunctionState] = []
-        # Scale-ups fork from this server's KeysManager where it caches the stage.
         self.processes = ProcessManager(settings, keys)
+        self.placer = Placer(settings, self.processes, r)
         self.registry = CollectorRegistry()
         self.invocations = Counter("gateway_function_invocation", "Function invocations",
                                    ("function_name", "code"), registry=self.registry)
@@ -81,8 +84,10 @@ class LocalProvider:
                 self.processes.drain(replica)
             fn.replicas = existing.replicas
         self.functions[name] = fn
-        for _ in range(fn.desired):
-            self.processes.spawn(fn)
+        self.converge()
+
+    def converge(self) -> None:
+        self.placer.converge(list(self.functions.values()), self._draining)
 
     def _validated(self, d: object) -> dict:
         if not isinstance(d, dict):
@@ -119,7 +124,7 @@ class LocalProvider:
         if not 0 <= replicas <= limit:
             raise BadDeployment(f"replicas must be in 0..{limit}, got {replicas}")
         fn.desired = replicas
-        self.processes.reconcile(fn)
+        self.converge()
 
     def delete(self, name: str) -> None:
         fn = self.functions.pop(name)
@@ -152,9 +157,13 @@ class LocalProvider:
     async def _reconcile_forever(self) -> None:
         while True:
             for fn in list(self.functions.values()) + self._draining:
-                self.processes.reconcile(fn)
+                self.processes.refresh(fn)
                 await self._probe(fn)
             self._draining = [fn for fn in self._draining if fn.replicas]
+            try:
+                self.converge()
+            except redis.RedisError as exc:
+                log.warning("placement round skipped: %s", exc)
             await asyncio.sleep(0.2)
 
     async def _probe(self, fn: FunctionState) -> None:

@@ -1,7 +1,8 @@
-"""The embedded runtime in the foreground: a redis-server, this server's KeysManager, the local
-provider on the gateway port, every function of the stack file deployed, and the autoscaler
-(QUART_POLICY; `none` runs none). SIGTERM drains all
-replicas and stops. `python -m runtime up` runs this in the background; use that."""
+"""The embedded runtime in the foreground: a redis-server, one KeysManager per virtual server
+(QUART_VIRTUAL_SERVERS), the local provider on the gateway port with the scheduler placing every
+replica, every function of the stack file deployed, and the autoscaler (QUART_POLICY; `none` runs
+none). SIGTERM drains all replicas and stops. `python -m runtime up` runs this in the background;
+use that."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import redis
 from aiohttp import web
 
 from contracts.config import Settings, load_settings, settings_environment
@@ -24,23 +26,29 @@ from runtime.stack import StackFunction, read_stack
 log = logging.getLogger("quart.server")
 
 
-def _start(settings: Settings, module: str, *args: str) -> subprocess.Popen:
+def _start(settings: Settings, module: str, *args: str, log_name: str = "") -> subprocess.Popen:
     """A component of the runtime as a child process (in the runtime's process group)."""
     env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO_ROOT)}
-    with open(Path(settings.home) / "logs" / f"{module}.log", "ab") as out:
+    with open(Path(settings.home) / "logs" / f"{log_name or module}.log", "ab") as out:
         return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=REPO_ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def start_keysmanager(settings: Settings) -> tuple[subprocess.Popen, KeysClient]:
-    proc = _start(settings, "keysmanager")
-    client = KeysClient(f"http://127.0.0.1:{settings.keysmanager_port}", timeout=600)
+def start_keysmanagers(settings: Settings) -> dict[str, tuple[subprocess.Popen, KeysClient]]:
+    """One KeysManager per virtual server, the i-th on keysmanager_port + i."""
+    started = {}
+    for i, name in enumerate(settings.virtual_server_names()):
+        own = settings.replace(server=name, keysmanager_port=settings.keysmanager_port + i)
+        log_name = "keysmanager" if settings.virtual_servers <= 1 else f"keysmanager-{name}"
+        started[name] = (_start(own, "keysmanager", log_name=log_name),
+                         KeysClient(f"http://127.0.0.1:{own.keysmanager_port}", timeout=600))
     deadline = time.monotonic() + 60
-    while not client.healthy():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the KeysManager did not start; see logs/keysmanager.log")
-        time.sleep(0.1)
-    return proc, client
+    for name, (proc, client) in started.items():
+        while not client.healthy():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the KeysManager of {name} did not start; see its log in logs/")
+            time.sleep(0.1)
+    return started
 
 
 def stages_to_cache(settings: Settings, stack: list[StackFunction]) -> list[tuple[str, str]]:
@@ -56,11 +64,13 @@ def stages_to_cache(settings: Settings, stack: list[StackFunction]) -> list[tupl
     return [s for s in stage_fns if s in wanted]
 
 
-def cache_in_background(client: KeysClient, ranges: list[tuple[str, str]]) -> None:
+def cache_in_background(clients: list[KeysClient], ranges: list[tuple[str, str]]) -> None:
+    """Each stage range on one server, round robin: several virtual servers hold different
+    stages at start, and key stages get cached further as the autoscaler names them."""
     def work() -> None:
-        for model, stages in ranges:
+        for i, (model, stages) in enumerate(ranges):
             try:
-                client.cache(model, stages)
+                clients[i % len(clients)].cache(model, stages)
             except (KeysManagerError, OSError) as exc:
                 log.error("caching %s stages %s failed: %s", model, stages, exc)
     threading.Thread(target=work, name="cache", daemon=True).start()
@@ -73,14 +83,17 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("QUART_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     redis_proc = start_redis(settings.redis_host, settings.redis_port, home / "redis", home / "logs" / "redis.log")
-    keys_proc = autoscaler_proc = None
+    keysmanagers: dict[str, tuple[subprocess.Popen, KeysClient]] = {}
+    autoscaler_proc = None
     try:
         stack = read_stack(Path(settings.stack_file))
-        keys_proc, keys = start_keysmanager(settings)
-        provider = LocalProvider(settings, stack, read_or_create_password(settings.password_file), keys)
+        keysmanagers = start_keysmanagers(settings)
+        clients = {name: client for name, (_, client) in keysmanagers.items()}
+        provider = LocalProvider(settings, stack, read_or_create_password(settings.password_file), clients,
+                                 redis.Redis.from_url(settings.redis_url))
         for fn in stack:
             provider.deploy(fn.deployment)
-        cache_in_background(keys, stages_to_cache(settings, stack))
+        cache_in_background(list(clients.values()), stages_to_cache(settings, stack))
         app = provider.app()
         if settings.policy != "none":
             autoscaler_proc = _start(settings, "autoscaler", "run")
@@ -93,7 +106,7 @@ def main() -> int:
         web.run_app(app, host=settings.gateway_host, port=settings.gateway_port,
                     print=None, access_log=None, shutdown_timeout=5)
     finally:
-        for proc in (autoscaler_proc, keys_proc, redis_proc):
+        for proc in (autoscaler_proc, *(p for p, _ in keysmanagers.values()), redis_proc):
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=30)

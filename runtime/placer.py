@@ -1,0 +1,113 @@
+"""Puts the scheduler's decisions into effect on the embedded runtime's virtual servers: reads
+what each server holds (slots in use, zygotes, cold starts under way) and the key stages, asks
+`scheduler.placement.Scheduler` where new replicas go and which ones leave, then starts (fork or
+cold) and drains them. Every decision is logged and added to the `quart:placements` stream."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+
+import redis
+
+from contracts import keys
+from contracts.config import Settings
+from pipeline.registry import cached_stages, key_stage_ranges
+from pipeline.sizes import stage_bytes
+from runtime.functions import FunctionState, ProcessManager, ReplicaProcess
+from scheduler.placement import Scheduler, SchedulerParams
+from scheduler.state import Change, ClusterState, Fetch, Replica, Schedule, Server
+
+log = logging.getLogger("quart.placer")
+
+
+def scheduler_params(settings: Settings) -> SchedulerParams:
+    try:
+        return SchedulerParams(**json.loads(settings.scheduler_params or "{}"))
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"QUART_SCHEDULER_PARAMS={settings.scheduler_params!r}: {exc}") from exc
+
+
+class Placer:
+    def __init__(self, settings: Settings, processes: ProcessManager, r: redis.Redis,
+                 scheduler: Scheduler | None = None) -> None:
+        self.settings = settings
+        self.processes = processes
+        self.redis = r
+        self.scheduler = scheduler or Scheduler(scheduler_params(settings))
+        self.servers = settings.virtual_server_names()
+        self._bytes: dict[str, int] = {}
+        self._unplaced: set[tuple[str, str]] = set()
+
+    def converge(self, functions: list[FunctionState], draining: list[FunctionState]) -> Schedule | None:
+        """One round: each function towards its desired replica count."""
+        changes, by_stage = [], {}
+        for fn in functions:
+            delta = fn.desired - len(fn.serving())
+            by_stage[fn.stage_key] = fn
+            if delta:
+                changes.append(Change(fn.stage_key, delta, self.shard_bytes(fn), self.settings.cold_deadline_s))
+        if not changes:
+            return None
+        schedule = self.scheduler.schedule(self.state(functions, draining), changes)
+        self._apply(schedule, by_stage)
+        return schedule
+
+    def shard_bytes(self, fn: FunctionState) -> int:
+        if fn.stage_key not in self._bytes:
+            env = fn.deployment.get("envVars") or {}
+            size = 0
+            if env.get("QUART_STAGES"):
+                first, last = self.settings.replace(stages=env["QUART_STAGES"]).stage_range()
+                size = stage_bytes(self.settings.models_dir, env["QUART_MODEL"], first, last)
+            self._bytes[fn.stage_key] = size
+        return self._bytes[fn.stage_key]
+
+    def state(self, functions: list[FunctionState], draining: list[FunctionState]) -> ClusterState:
+        now = time.time()
+        replicas = [(fn, r) for fn in functions for r in fn.serving()]
+        leaving = Counter(r.server for fn in functions + draining for r in fn.replicas if r.draining_since)
+        servers = []
+        for name in self.servers:
+            cached, held = cached_stages(self.redis, name)
+            budget = self.settings.server_cache_bytes
+            cold = [(fn, r) for fn, r in replicas if r.server == name and r.started_by == "cold" and not r.ready]
+            servers.append(Server(name, max(0, self.settings.server_slots - leaving[name]),
+                                  self.settings.server_bandwidth, cached, budget > 0 and held >= budget,
+                                  self._fetches(cold, now)))
+        return ClusterState(
+            tuple(servers),
+            tuple(Replica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started) for fn, r in replicas),
+            frozenset(f"{m}:{s}" for m, s in key_stage_ranges(self.redis)), now)
+
+    def _fetches(self, cold: list[tuple[FunctionState, ReplicaProcess]], now: float) -> tuple[Fetch, ...]:
+        """Cold starts under way, each assumed to have read its equal share of the bandwidth."""
+        share = self.settings.server_bandwidth / max(1, len(cold))
+        return tuple(Fetch(max(0.0, self.shard_bytes(fn) - share * (now - r.started)),
+                           r.started + self.settings.cold_deadline_s) for fn, r in cold)
+
+    def _apply(self, schedule: Schedule, by_stage: dict[str, FunctionState]) -> None:
+        records = []
+        for removal in schedule.removals:
+            fn = by_stage[removal.stage]
+            replica = next(r for r in fn.serving() if r.id == removal.replica)
+            self.processes.drain(replica)
+            records.append({"op": "remove", "stage": removal.stage, "server": removal.server,
+                            "replica": removal.replica, "reason": removal.reason})
+        for p in schedule.placements:
+            replica = self.processes.spawn(by_stage[p.stage], p.server, fork=p.path == "fork")
+            records.append({"op": "add", "stage": p.stage, "server": p.server, "path": p.path,
+                            "started_by": replica.started_by, "replica": replica.id, "reason": p.reason})
+        unplaced = set(schedule.unplaced)
+        for stage, why in unplaced - self._unplaced:
+            log.warning("cannot place a replica of %s: %s", stage, why)
+            records.append({"op": "unplaced", "stage": stage, "reason": why})
+        self._unplaced = unplaced
+        pipe = self.redis.pipeline()
+        for record in records:
+            log.info("%s", record)
+            pipe.xadd(keys.placements(), {"t": f"{time.time():.6f}", "contention": schedule.contention,
+                                          **{k: str(v) for k, v in record.items()}},
+                      maxlen=self.settings.records_maxlen, approximate=True)
+        pipe.execute()

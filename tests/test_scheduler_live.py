@@ -1,0 +1,81 @@
+"""The scheduler on the embedded runtime with three virtual servers, each with its own slots,
+cache budget and KeysManager, and the emulated 8-stage LLaMA-7B pipeline: a burst makes stage 3
+the key stage; its new replicas fork on servers that cache it and spread over servers."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+from contracts import keys
+from keysmanager.client import KeysClient, KeysManagerError
+from runtime.ports import free_port
+from tests.test_autoscaler_live import burst
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "llama-7b"
+STAGE3 = f"{MODEL}:3"
+
+
+@pytest.fixture(scope="module")
+def three_servers(home_settings, tmp_path_factory):
+    from runtime import __main__ as control
+    home = tmp_path_factory.mktemp("servers")
+    settings = home_settings.replace(
+        home=str(home), models=str(home_settings.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
+        gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
+        policy="quart", slo_s=1.0, window_s=5.0, tick_s=1.0, server="vs", virtual_servers=3,
+        server_slots=12, server_cache_bytes=int(3.5e9),  # one stage 3 (2.8 GB nominal) per server
+        cache_stages=STAGE3)  # cached at start on the first server only
+    try:
+        assert control.up(settings, timeout=600) == 0
+        clients = [KeysClient(f"http://127.0.0.1:{settings.keysmanager_port + i}", timeout=120) for i in range(3)]
+        clients[1].cache(MODEL, "3")  # pre-warmed by hand on a second server
+        deadline = time.time() + 120
+        while not any(z["stages"] == "3" for z in clients[0].zygotes()) and time.time() < deadline:
+            time.sleep(0.5)
+        yield settings, redis.Redis(port=settings.redis_port), clients
+    finally:
+        control.down(settings)
+
+
+def placements(r: redis.Redis) -> list[dict[str, str]]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.placements())]
+
+
+def test_initial_replicas_are_packed_and_every_placement_is_recorded(three_servers):
+    settings, r, clients = three_servers
+    added = [p for p in placements(r) if p["op"] == "add"]
+    assert len(added) == 9  # 8 stages and the entry function
+    assert Counter(p["server"] for p in added) == {"vs-0": 9}, "best fit packs the first server"
+    assert all(p["reason"] for p in added)
+    assert [c.stats()["server"] for c in clients] == ["vs-0", "vs-1", "vs-2"]
+    # The budget holds: stages 0-2 (4.9 GB nominal) do not fit, and nothing is evicted trying.
+    with pytest.raises(KeysManagerError) as refused:
+        clients[1].cache(MODEL, "0-3")
+    assert refused.value.status == 507
+    assert [z["stages"] for z in clients[1].zygotes()] == ["3"]
+
+
+def test_a_burst_forks_the_key_stage_on_servers_that_cache_it_and_spreads_it(three_servers):
+    settings, r, clients = three_servers
+    before = len(placements(r))
+    statuses = burst(f"{settings.gateway_url}/function/{MODEL}", rate=30, seconds=15)
+    assert statuses == [200] * len(statuses), {s: statuses.count(s) for s in set(statuses)}
+    grown = [p for p in placements(r)[before:] if p["op"] == "add" and p["stage"] == STAGE3]
+    assert grown, "stage 3 was not scaled up"
+    for p in grown:
+        # Placed for a fork only where the server held the stage; then it really forked.
+        assert (p["path"] == "fork") == (p["started_by"] == "fork-cow"), p
+    forks = [p for p in grown if p["path"] == "fork"]
+    assert forks, grown
+    cached_at_fork = {
+        server: {f[b"zygote"].decode() for _, f in r.xrange(keys.cache_events(server)) if f[b"event"] == b"cache"}
+        for server in ("vs-0", "vs-1", "vs-2")}
+    assert all(STAGE3 in cached_at_fork[p["server"]] for p in forks)
+    # The key stage's replicas (its first one on vs-0 included) sit on more than one server.
+    servers = {p["server"] for p in grown} | {"vs-0"}
+    assert len(servers) >= 2, grown
