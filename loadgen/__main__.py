@@ -1,0 +1,181 @@
+"""Trace-replay load generator.
+
+    python -m loadgen replay  --model llama-7b --arrivals gamma --rate 20 --cv 4 --duration 60
+        replays against a running runtime (`make up`) and writes a report
+    python -m loadgen compare --stack stack-emulated.yml --model llama-7b --policies quart,static
+        starts a fresh runtime per policy, replays the same schedule against each, one report
+
+Arrivals: --arrivals gamma (--rate, --cv), poisson (--rate), azure (--trace
+invocations_per_function_md.anon.d01.csv, --functions N picked with the seed and mapped round
+robin to the models, each minute spread with Gamma gaps of --cv, --minute-s to compress time,
+--scale to scale counts, --start-minute/--minutes for a window), or burstgpt (--trace
+BurstGPT_1.csv, --burstgpt-model ChatGPT, --time-scale to compress time; prompt and answer
+lengths come from the trace). Reports go to --out (default <home>/reports/<time>)."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from contracts.config import Settings, add_arguments, settings_from_args
+from loadgen import arrivals as arr
+from loadgen.client import run as replay
+from loadgen.metrics import summarize
+from loadgen.report import write
+from loadgen.requests import PromptPool, Request, build, kind_of
+from loadgen.timeline import Sampler, stage_arrivals, timeline
+from runtime.client import GatewayClient, HttpClient
+from runtime.stack import read_stack, stage_counts
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadgen", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=("replay", "compare"))
+    p.add_argument("--model", default="llama-7b", help="model(s) to call, comma-separated")
+    p.add_argument("--arrivals", default="gamma", choices=("gamma", "poisson", "azure", "burstgpt"))
+    p.add_argument("--rate", type=float, default=10.0, help="requests per second (gamma, poisson)")
+    p.add_argument("--cv", type=float, default=1.0, help="inter-arrival CV (gamma; within a minute for azure)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of trace (gamma, poisson)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", help="the Azure or BurstGPT CSV file")
+    p.add_argument("--functions", type=int, default=1, help="Azure functions to replay")
+    p.add_argument("--minute-s", type=float, default=60.0, help="Azure: seconds one trace minute lasts")
+    p.add_argument("--scale", type=float, default=1.0, help="Azure: multiply invocation counts")
+    p.add_argument("--start-minute", type=int, default=0)
+    p.add_argument("--minutes", type=int, default=None)
+    p.add_argument("--burstgpt-model", default=None, help="BurstGPT: keep rows of this model")
+    p.add_argument("--time-scale", type=float, default=1.0, help="BurstGPT: divide times by this")
+    p.add_argument("--limit", type=int, default=None, help="BurstGPT: at most this many rows")
+    p.add_argument("--max-new-tokens", type=int, default=1, help="answer length where no trace gives one")
+    p.add_argument("--policies", default="quart,static,uniform-qps,openfaas-pro-rps,knative-kpa,ray-serve")
+    p.add_argument("--tail", type=float, default=10.0, help="seconds sampled after the last request")
+    p.add_argument("--label", default=None, help="replay: the run's name in the report")
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    add_arguments(p, "home", "models", "gateway_port", "redis_port", "stack_file", "slo_s", "window_s",
+                  "tick_s", "virtual_servers")
+    return p.parse_args(argv)
+
+
+def arrival_times(a: argparse.Namespace, models: list[str]) -> tuple[dict, dict | None, dict | None]:
+    """Per model: arrival times, and prompt and answer lengths where the trace has them."""
+    if a.arrivals in ("gamma", "poisson"):
+        cv = 1.0 if a.arrivals == "poisson" else a.cv
+        return {m: arr.gamma_arrivals(a.rate / len(models), cv, a.duration, a.seed + i)
+                for i, m in enumerate(models)}, None, None
+    if not a.trace:
+        raise SystemExit(f"--arrivals {a.arrivals} needs --trace PATH (see python -m loadgen --help)")
+    if a.arrivals == "azure":
+        picked = arr.pick_functions(arr.read_azure(a.trace), a.functions, a.seed)
+        times: dict[str, list[np.ndarray]] = {m: [] for m in models}
+        for i, fn in enumerate(picked):
+            times[models[i % len(models)]].append(arr.azure_arrivals(
+                fn.per_minute, a.cv, a.seed + i, a.minute_s, a.scale, a.start_minute, a.minutes))
+        return {m: np.sort(np.concatenate(ts)) if ts else np.empty(0) for m, ts in times.items()}, None, None
+    rows = arr.read_burstgpt(a.trace, a.burstgpt_model, limit=a.limit, time_scale=a.time_scale)
+    split = {m: rows[i::len(models)] for i, m in enumerate(models)}
+    return ({m: np.array([r.at for r in rs]) for m, rs in split.items()},
+            {m: np.array([r.request_tokens for r in rs]) for m, rs in split.items()},
+            {m: np.array([r.response_tokens for r in rs]) for m, rs in split.items()})
+
+
+def make_requests(a: argparse.Namespace, settings: Settings) -> list[Request]:
+    models = [m.strip() for m in a.model.split(",") if m.strip()]
+    times, prompt_tokens, answer_tokens = arrival_times(a, models)
+    pool = None if all(kind_of(m) == "emulated" for m in models) else PromptPool.sharegpt(seed=a.seed)
+    requests = build(times, pool, a.seed, a.max_new_tokens, prompt_tokens, answer_tokens,
+                     max_emulated_tokens=settings.max_prompt_tokens)
+    if not requests:
+        raise SystemExit("the schedule is empty: no arrivals in the chosen window")
+    return requests
+
+
+def profile_latency(gateway: str, request: Request, count: int = 8) -> float:
+    """The model's unloaded latency: the median of sequential requests after two warm-ups."""
+    client = HttpClient(gateway, timeout=120)
+    times = []
+    for i in range(count + 2):
+        t0 = time.perf_counter()
+        reply = client.request("POST", f"/function/{request.model}", request.body)
+        if reply.status != 200:
+            raise SystemExit(f"profiling {request.model} failed: {reply.status} {reply.body[:200]!r}")
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) -> dict:
+    """Profile, replay with timelines sampled, and summarise, against the runtime `settings` names."""
+    model = requests[0].model
+    stages = stage_counts(read_stack(Path(settings.stack_file))).get(model, 0)
+    r = redis.Redis(port=settings.redis_port)
+    profiled = profile_latency(settings.gateway_url, requests[0])
+    sampler = Sampler(r, model, stages).start()
+    start = time.time()
+    try:
+        records, start = replay(settings.gateway_url, requests, timeout_s=settings.request_timeout_s + 30,
+                                progress=not a.no_progress)
+        time.sleep(a.tail)
+    finally:
+        sampler.stop()
+    duration = max(req.at for req in requests) or 1.0
+    t = timeline(sampler, stage_arrivals(r, model, stages, start), start)
+    return {"summary": summarize(records, profiled, duration, sampler.replica_seconds()),
+            "timeline": t, "records": records}
+
+
+def conditions(a: argparse.Namespace, settings: Settings, requests: list[Request]) -> dict:
+    return {"model": a.model, "arrivals": a.arrivals, "requests": len(requests),
+            **({"rate_rps": a.rate, "cv": a.cv if a.arrivals == "gamma" else 1.0, "duration_s": a.duration}
+               if a.arrivals in ("gamma", "poisson") else {"trace": Path(a.trace).name}),
+            "seed": a.seed, "slo_s": settings.slo_s, "tick_s": settings.tick_s, "window_s": settings.window_s,
+            "emulated": all(kind_of(m) == "emulated" for m in a.model.split(","))}
+
+
+def compare(a: argparse.Namespace, base: Settings, requests: list[Request]) -> dict[str, dict]:
+    from runtime import __main__ as control
+    from runtime.ports import free_port
+    runs = {}
+    for policy in [p.strip() for p in a.policies.split(",") if p.strip()]:
+        home = tempfile.mkdtemp(prefix=f"quart-{policy}-")
+        settings = base.replace(home=home, models=str(base.models_dir), gateway_port=free_port(),
+                                redis_port=free_port(), keysmanager_port=free_port(), policy=policy)
+        print(f"{policy}: starting a fresh runtime ...", flush=True)
+        try:
+            if control.up(settings, timeout=600) != 0:
+                raise SystemExit(f"the runtime did not come up for {policy}; see {home}/logs")
+            print(f"{policy}: replaying {len(requests)} requests", flush=True)
+            runs[policy] = one_run(a, settings, requests)
+        finally:
+            control.down(settings)
+            shutil.rmtree(home, ignore_errors=True)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(sys.argv[1:] if argv is None else argv)
+    settings = settings_from_args(a)
+    settings = settings.replace(stack_file=str(Path(settings.stack_file).resolve()))
+    requests = make_requests(a, settings)
+    out = Path(a.out) if a.out else Path(settings.home) / "reports" / time.strftime("%Y%m%d-%H%M%S")
+    if a.command == "compare":
+        runs = compare(a, settings, requests)
+    else:
+        if not GatewayClient(settings.gateway_url).healthy():
+            raise SystemExit(f"no gateway at {settings.gateway_url}: start one with `make up`")
+        runs = {a.label or settings.policy: one_run(a, settings, requests)}
+    path = write(out, f"Replay of {a.model}", conditions(a, settings, requests), runs)
+    print(path.read_text().split("![")[0])
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

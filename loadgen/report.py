@@ -1,0 +1,135 @@
+"""The evaluation report: one Markdown file with the tables, PNG plots beside it (latency CDF, SLO
+attainment against SLO scale, per-stage timelines, CV and mean queue per stage), the summary as
+JSON and every request as JSON lines, so the figures can be redrawn without re-running."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from loadgen.client import Record
+
+
+def _ms(x: float) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 1000:.0f}"
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown(title: str, conditions: dict, runs: dict[str, dict]) -> str:
+    lines = [f"# {title}", "", "Conditions: " + ", ".join(f"{k}={v}" for k, v in conditions.items()), ""]
+    scales = list(next(iter(runs.values()))["summary"]["slo_attainment"]) if runs else []
+    head = (["policy", "sent", "ok", "mean ms", "p50", "p75", "p90", "p99"] + [f"SLO {s}×" for s in scales]
+            + ["goodput req/s", "goodput tok/s", "replica-s"])
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for policy, run in runs.items():
+        s = run["summary"]
+        lat = s["latency_s"]
+        row = ([policy, str(s["sent"]), str(s["ok"]), _ms(lat["mean"]), _ms(lat["p50"]), _ms(lat["p75"]),
+                _ms(lat["p90"]), _ms(lat["p99"])] + [f"{100 * s['slo_attainment'][k]:.1f} %" for k in scales]
+               + [_fmt(s["goodput"]["requests_per_s"]), _fmt(s["goodput"]["tokens_per_s"], 1),
+                  _fmt(s["replica_seconds"], 0)])
+        lines.append("| " + " | ".join(row) + " |")
+    first = next(iter(runs.values()), None)
+    if first and first["timeline"].get("cv"):
+        stages = len(first["timeline"]["cv"])
+        lines += ["", "Observed inter-arrival CV per stage (QUART Fig. 2a) and mean queue length per stage (Fig. 2b):",
+                  "", "| policy | " + " | ".join(f"CV s{i}" for i in range(stages)) + " | "
+                  + " | ".join(f"queue s{i}" for i in range(stages)) + " |", "|" + "---|" * (1 + 2 * stages)]
+        for policy, run in runs.items():
+            t = run["timeline"]
+            lines.append(f"| {policy} | " + " | ".join(_fmt(c) for c in t["cv"]) + " | "
+                         + " | ".join(_fmt(q, 1) for q in t.get("mean_queue") or [math.nan] * stages) + " |")
+    profiled = first["summary"]["profiled_s"] if first else math.nan
+    lines += ["", f"Profiled (unloaded) latency: {_ms(profiled)} ms; goodput counts answers within "
+              f"{first['summary']['slo_scale'] if first else 2:g}× that. SLO attainment counts failed requests "
+              "as misses.", "", "![latency CDF](latency_cdf.png)", "![SLO attainment](slo_attainment.png)",
+              "![timelines](timelines.png)", "![stages](stages.png)", ""]
+    return "\n".join(lines)
+
+
+def plots(out: Path, runs: dict[str, dict]) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy, run in runs.items():
+        lat = np.sort([r.latency_s for r in run["records"] if r.ok])
+        if len(lat):
+            ax.plot(lat * 1000, np.arange(1, len(lat) + 1) / len(lat), label=policy)
+    ax.set(xlabel="latency (ms)", ylabel="fraction of answered requests", title="Latency CDF")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "latency_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy, run in runs.items():
+        att = run["summary"]["slo_attainment"]
+        ax.plot([float(k) for k in att], [100 * v for v in att.values()], marker="o", label=policy)
+    ax.set(xlabel="SLO scale (× profiled latency)", ylabel="SLO attainment (%)", title="SLO attainment", ylim=(0, 102))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "slo_attainment.png"))
+
+    fig, axes = plt.subplots(len(runs), 3, figsize=(15, 2.8 * len(runs)), squeeze=False)
+    for row, (policy, run) in enumerate(runs.items()):
+        t = run["timeline"]
+        for i, rate in enumerate(t.get("rate", [])):
+            axes[row][0].plot(t["rate_t"], rate, lw=0.8, label=f"s{i}")
+        for i, reps in enumerate(t.get("replicas", [])):
+            axes[row][1].step(t["t"], reps, lw=0.8, where="post", label=f"s{i}")
+        for i, queue in enumerate(t.get("queue", [])):
+            axes[row][2].plot(t["t"], queue, lw=0.8, label=f"s{i}")
+        for col, what in enumerate(("arrivals/s", "replicas", "queue length")):
+            axes[row][col].set(title=f"{policy}: {what} per stage", xlabel="s")
+            axes[row][col].grid(alpha=0.3)
+        axes[row][1].legend(fontsize=6, ncol=2)
+    paths.append(_save(fig, out / "timelines.png"))
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4))
+    width = 0.8 / max(1, len(runs))
+    for n, (policy, run) in enumerate(runs.items()):
+        t = run["timeline"]
+        x = np.arange(len(t.get("cv", [])))
+        a.bar(x + n * width, t.get("cv", []), width, label=policy)
+        b.bar(np.arange(len(t.get("mean_queue", []))) + n * width, t.get("mean_queue", []), width, label=policy)
+    a.set(title="Observed inter-arrival CV per stage", xlabel="stage")
+    b.set(title="Mean queue length per stage", xlabel="stage")
+    a.legend(fontsize=7)
+    paths.append(_save(fig, out / "stages.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
+def write(out: Path, title: str, conditions: dict, runs: dict[str, dict]) -> Path:
+    """runs: policy -> {"summary": metrics.summarize(...), "timeline": timeline.timeline(...),
+    "records": [Record]}. Returns the Markdown file's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    for policy, run in runs.items():
+        with open(out / f"records-{policy}.jsonl", "w") as f:
+            for rec in run["records"]:
+                f.write(rec.as_json() + "\n")
+    (out / "results.json").write_text(json.dumps(
+        {"title": title, "conditions": conditions,
+         "runs": {p: {"summary": r["summary"], "timeline": r["timeline"]} for p, r in runs.items()}},
+        indent=1, default=lambda x: None))
+    plots(out, runs)
+    path = out / "report.md"
+    path.write_text(markdown(title, conditions, runs))
+    return path
+
+
+def load_records(path: Path) -> list[Record]:
+    return [Record(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
