@@ -67,11 +67,10 @@ def test_a_burst_forks_the_key_stage_on_servers_that_cache_it_and_spreads_it(thr
     assert statuses == [200] * len(statuses), {s: statuses.count(s) for s in set(statuses)}
     grown = [p for p in placements(r)[before:] if p["op"] == "add" and p["stage"] == STAGE3]
     assert grown, "stage 3 was not scaled up"
-    for p in grown:
-        # Placed for a fork only where the server held the stage; then it really forked.
-        assert (p["path"] == "fork") == (p["started_by"] == "fork-cow"), p
-    forks = [p for p in grown if p["path"] == "fork"]
-    assert forks, grown
+    # A replica forks only where the scheduler saw the stage cached (a fork that fails there, say
+    # the zygote went away meanwhile, falls back to a cold start on the same server).
+    forks = [p for p in grown if p["started_by"] == "fork-cow"]
+    assert forks and all(p["path"] == "fork" for p in forks), grown
     cached_at_fork = {
         server: {f[b"zygote"].decode() for _, f in r.xrange(keys.cache_events(server)) if f[b"event"] == b"cache"}
         for server in ("vs-0", "vs-1", "vs-2")}
