@@ -4,7 +4,7 @@ returns `(Decision, memory)`, pure. Each follows the published rule of the syste
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from autoscaler.state import Decision, PipelineState, StageDecision, StageState
 

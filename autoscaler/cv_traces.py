@@ -15,12 +15,7 @@ import numpy as np
 import redis
 
 from contracts import keys
-
-
-def gamma_intervals(rng: np.random.Generator, rate: float, cv: float, n: int) -> np.ndarray:
-    """n inter-arrival times with the given rate and coefficient of variation."""
-    shape = 1.0 / (cv * cv)
-    return rng.gamma(shape, 1.0 / (rate * shape), size=n)
+from loadgen.arrivals import gamma_gaps
 
 
 def tandem_chain(rng: np.random.Generator, arrivals: np.ndarray, means: list[float], cvs: list[float],
@@ -73,7 +68,7 @@ def synthetic(count: int, seed: int = 0, stages: int = 8, window_s: float = 60.0
         replicas = [int(rng.integers(1, 5)) for _ in range(stages)]
         means = [rng.uniform(0.3, 0.95) * c / rate for c in replicas]
         cvs = [float(rng.uniform(0.1, 1.5)) for _ in range(stages)]
-        arrivals = np.cumsum(gamma_intervals(rng, rate, entry_cv, int(rate * window_s * 6)))
+        arrivals = np.cumsum(gamma_gaps(rng, rate, entry_cv, int(rate * window_s * 6)))
         chain = tandem_chain(rng, arrivals, means, cvs, replicas)
         samples += [{**w, "trace": chain_id} for w in windows(chain, window_s, means, cvs, replicas)]
         chain_id += 1

@@ -10,7 +10,7 @@ import redis
 
 from autoscaler.state import PipelineState, StageState
 from contracts import keys
-from pipeline.registry import live_replicas
+from pipeline.registry import live_replicas, stream_backlog
 
 
 def _cv(times: np.ndarray) -> float:
@@ -33,7 +33,7 @@ class Observer:
         done = self.r.xrange(keys.records_stream(self.model, stage), min=f"{since_ms}-0")
         stream = keys.stage_stream(self.model, stage)
         waiting = self.r.xrange(stream, min=f"{since_ms}-0")
-        pending = self._pending(stream)
+        queued, in_flight = stream_backlog(self.r, self.model, stage)
         arrivals = [float(f[b"t"]) for _, f in done if float(f[b"t"]) >= now - self.window_s]
         arrivals += [int(i.split(b"-")[0]) / 1000.0 for i, _ in waiting]
         service = np.array([float(f[b"s"]) for _, f in done]) / 1000.0
@@ -49,15 +49,9 @@ class Observer:
             service_time_s=mean_service,
             service_cv=float(service.std() / service.mean()) if len(service) > 1 and service.mean() > 0 else 1.0,
             replicas=replicas, ready_replicas=len(live), cpus=float(np.mean(cpus)) if cpus else 1.0,
-            queue_length=max(0, self.r.xlen(stream) - pending), in_flight=pending,
+            queue_length=queued, in_flight=in_flight,
             wait_s=float(wait.mean()) if len(wait) else 0.0,
             latency_s=float((wait + service).mean()) if len(service) else 0.0)
-
-    def _pending(self, stream: str) -> int:
-        try:
-            return int(self.r.xpending(stream, keys.GROUP)["pending"])
-        except redis.ResponseError:  # no group yet: nothing has been delivered
-            return 0
 
     def observe(self, now: float, replicas: list[int], slo_s: float) -> PipelineState:
         stages = tuple(self.stage(i, now, replicas[i]) for i in range(self.num_stages))

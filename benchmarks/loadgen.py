@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from benchmarks.report import RESULTS, conditions, table, write
 from loadgen.arrivals import poisson_arrivals

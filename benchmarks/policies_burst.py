@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from autoscaler.cv_traces import gamma_intervals
 from benchmarks.report import conditions, table, write
 from contracts.config import load_settings
+from loadgen.arrivals import gamma_gaps
 from pipeline.registry import live_replicas
 from runtime import __main__ as control
 from runtime.ports import free_port
@@ -31,7 +31,7 @@ POLICIES = ("quart", "static", "uniform-qps", "openfaas-pro-rps", "knative-kpa",
 
 
 def schedule(rate: float, cv: float, seconds: float, seed: int) -> np.ndarray:
-    gaps = gamma_intervals(np.random.default_rng(seed), rate, cv, int(rate * seconds * 3))
+    gaps = gamma_gaps(np.random.default_rng(seed), rate, cv, int(rate * seconds * 3))
     times = np.cumsum(gaps)
     return times[times < seconds]
 

@@ -118,7 +118,6 @@ def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) 
     r = redis.Redis(port=settings.redis_port)
     profiled = profile_latency(settings.gateway_url, requests[0])
     sampler = Sampler(r, model, stages).start()
-    start = time.time()
     try:
         records, start = replay(settings.gateway_url, requests, timeout_s=settings.request_timeout_s + 30,
                                 progress=not a.no_progress)

@@ -113,7 +113,7 @@ async def replay(gateway: str, requests: list[Request], timeout_s: float = 300.0
     bar.close()
     try:
         loop.remove_signal_handler(signal.SIGINT)
-    except (NotImplementedError, RuntimeError):
+    except (NotImplementedError, RuntimeError):  # none was added: not the main thread
         pass
     return records
 

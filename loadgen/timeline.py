@@ -12,17 +12,7 @@ import numpy as np
 import redis
 
 from contracts import keys
-from pipeline.registry import live_replicas
-
-
-def queue_length(r: redis.Redis, model: str, stage: int) -> int:
-    """Items waiting in a stage's stream, not yet taken by a replica."""
-    stream = keys.stage_stream(model, stage)
-    try:
-        pending = int(r.xpending(stream, keys.GROUP)["pending"])
-    except redis.ResponseError:
-        pending = 0
-    return max(0, r.xlen(stream) - pending)
+from pipeline.registry import live_replicas, stream_backlog
 
 
 @dataclass
@@ -38,7 +28,7 @@ class Sampler:
     def sample(self) -> None:
         now = time.time()
         replicas = [len(live_replicas(self.r, self.model, i)) for i in range(self.stages)]
-        queues = [queue_length(self.r, self.model, i) for i in range(self.stages)]
+        queues = [stream_backlog(self.r, self.model, i)[0] for i in range(self.stages)]
         self.samples.append((now, replicas, queues))
 
     def start(self) -> "Sampler":

@@ -88,3 +88,14 @@ def cached_stages(r: redis.Redis, server: str) -> tuple[frozenset[str], int]:
         pipe.hget(keys.zygote(server, model, stages), "bytes")
     sizes = pipe.execute()
     return frozenset(members), sum(int(b) for b in sizes if b is not None)
+
+
+def stream_backlog(r: redis.Redis, model: str, stage: int) -> tuple[int, int]:
+    """(waiting, in flight) of a stage's stream: items no replica has taken yet, and items a
+    replica holds and has not acknowledged."""
+    stream = keys.stage_stream(model, stage)
+    try:
+        in_flight = int(r.xpending(stream, keys.GROUP)["pending"])
+    except redis.ResponseError:  # no group yet: nothing has been delivered
+        in_flight = 0
+    return max(0, r.xlen(stream) - in_flight), in_flight

@@ -3,6 +3,7 @@ slot) and uniformly random among servers with a free slot. They start a replica 
 the chosen server happens to cache its stage, and ignore dispersion and cold-start contention."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter
 
 import numpy as np
@@ -10,14 +11,15 @@ import numpy as np
 from scheduler.state import Change, ClusterState, Placement, Schedule
 
 
-class _Baseline:
+class _Baseline(ABC):
     name = ""
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = np.random.default_rng(seed)
 
+    @abstractmethod
     def _choose(self, open_servers: list[str]) -> str:
-        raise NotImplementedError
+        """The server for the next replica, among those with a free slot (sorted by name)."""
 
     def schedule(self, state: ClusterState, changes: list[Change]) -> Schedule:
         used = Counter(r.server for r in state.replicas)

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from contracts import keys
+from contracts.config import Settings
 from keysmanager.client import KeysClient
 from pipeline.registry import live_replicas
 from runtime.ports import free_port
@@ -23,14 +24,18 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL = "llama-7b"
 
 
+def emulated_settings(home_settings: Settings, home: Path, **changes: object) -> Settings:
+    """The emulated 8-stage stack under QUART on free ports, in its own home."""
+    return home_settings.replace(
+        home=str(home), models=str(home_settings.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
+        gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
+        policy="quart", slo_s=1.0, window_s=5.0, tick_s=1.0, **changes)
+
+
 @pytest.fixture(scope="module")
 def emulated(home_settings, tmp_path_factory):
     from runtime import __main__ as control
-    home = tmp_path_factory.mktemp("emulated")
-    settings = home_settings.replace(
-        home=str(home), models=str(home_settings.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
-        gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-        policy="quart", slo_s=1.0, window_s=5.0, tick_s=1.0)
+    settings = emulated_settings(home_settings, tmp_path_factory.mktemp("emulated"))
     try:
         assert control.up(settings, timeout=600) == 0
         # Scale-ups are meant to fork: wait until the KeysManager holds every stage.

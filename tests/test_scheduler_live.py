@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import redis
 
 from contracts import keys
 from keysmanager.client import KeysClient, KeysManagerError
-from runtime.ports import free_port
-from tests.test_autoscaler_live import burst
+from tests.test_autoscaler_live import burst, emulated_settings
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "llama-7b"
 STAGE3 = f"{MODEL}:3"
 
@@ -23,12 +20,9 @@ STAGE3 = f"{MODEL}:3"
 @pytest.fixture(scope="module")
 def three_servers(home_settings, tmp_path_factory):
     from runtime import __main__ as control
-    home = tmp_path_factory.mktemp("servers")
-    settings = home_settings.replace(
-        home=str(home), models=str(home_settings.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
-        gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-        policy="quart", slo_s=1.0, window_s=5.0, tick_s=1.0, server="vs", virtual_servers=3,
-        server_slots=12, server_cache_bytes=int(3.5e9),  # one stage 3 (2.8 GB nominal) per server
+    settings = emulated_settings(
+        home_settings, tmp_path_factory.mktemp("servers"), server="vs", virtual_servers=3, server_slots=12,
+        server_cache_bytes=int(3.5e9),  # one stage 3 (2.8 GB nominal) per server
         cache_stages=STAGE3)  # cached at start on the first server only
     try:
         assert control.up(settings, timeout=600) == 0

@@ -8,7 +8,7 @@ import torch
 
 from autoscaler.compensator import Compensator, CPUFit, fit_cpu_profile, load_fits, save_fits, sojourn
 from autoscaler.corrector import stage_targets
-from autoscaler.cv_traces import gamma_intervals, synthetic
+from autoscaler.cv_traces import synthetic
 from autoscaler.quart import Quart
 from autoscaler.smoother import CVAttention, Smoother, beta, predecessors
 from autoscaler.state import Decision, PipelineState, StageDecision, StageState
@@ -24,9 +24,10 @@ def proposed(state: PipelineState, replicas: list[int], key: tuple[int, ...] = (
                                                for s, r in zip(state.stages, replicas)))
 
 
-def test_gamma_intervals_reach_their_rate_and_cv():
+def test_gamma_gaps_reach_their_rate_and_cv():
     import numpy as np
-    gaps = gamma_intervals(np.random.default_rng(1), rate=50.0, cv=4.0, n=20000)
+    from loadgen.arrivals import gamma_gaps
+    gaps = gamma_gaps(np.random.default_rng(1), rate=50.0, cv=4.0, n=20000)
     assert 1 / gaps.mean() == pytest.approx(50.0, rel=0.05)
     assert gaps.std() / gaps.mean() == pytest.approx(4.0, rel=0.05)
 
