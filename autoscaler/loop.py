@@ -20,7 +20,7 @@ from autoscaler.corrector import Corrector, PIDConfig
 from autoscaler.observe import Observer
 from autoscaler.quart import Quart
 from autoscaler.smoother import CVAttention, Smoother
-from autoscaler.state import Decision
+from autoscaler.state import Decision, PipelineState
 from contracts import keys
 from contracts.config import Settings
 
@@ -46,6 +46,16 @@ def make_policy(settings: Settings, model: str) -> object:
     pid = PIDConfig(**{"period_s": settings.tick_s, "r_max": settings.r_max, **params})
     return Quart(Corrector(pid),
                  Smoother(cv_model), compensator)
+
+
+def enact(backend: Backend, state: PipelineState, decision: Decision) -> None:
+    """What a decision changes goes to the backend: replica counts, and CPUs where they moved by
+    a whole core. The live loop and the cluster simulator both apply decisions with it."""
+    for s, d in zip(state.stages, decision.stages):
+        if d.replicas != s.replicas:
+            backend.set_replicas(state.model, d.stage, d.replicas)
+        if round(d.cpus) != round(s.cpus) and d.cpus >= 1:
+            backend.set_cpus(state.model, d.stage, int(round(d.cpus)))
 
 
 def _readable(value: object) -> object:
@@ -85,18 +95,14 @@ class ControlLoop:
             decisions.append(decision)
         return decisions
 
-    def _apply(self, model: str, state, decision: Decision) -> None:
+    def _apply(self, model: str, state: PipelineState, decision: Decision) -> None:
         # Key stages first: the scheduler places the replicas asked for next by them.
         pipe = self.r.pipeline()
         pipe.delete(keys.key_stages(model))
         if decision.key_stages:
             pipe.sadd(keys.key_stages(model), *[str(i) for i in decision.key_stages])
         pipe.execute()
-        for s, d in zip(state.stages, decision.stages):
-            if d.replicas != s.replicas:
-                self.backend.set_replicas(model, d.stage, d.replicas)
-            if round(d.cpus) != round(s.cpus) and d.cpus >= 1:
-                self.backend.set_cpus(model, d.stage, int(round(d.cpus)))
+        enact(self.backend, state, decision)
         pipe = self.r.pipeline()
         pipe.xadd(keys.decisions(model), {
             "t": f"{state.now:.3f}", "policy": decision.policy,

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks import autoscaler_tick, hop, loadgen, pipeline_overhead, placement, policies_burst, scaleup
+from benchmarks import autoscaler_tick, hop, loadgen, pipeline_overhead, placement, policies_burst, scaleup, simulator
 
 BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main,
               "autoscaler_tick": autoscaler_tick.main, "policies_burst": policies_burst.main,
-              "placement": placement.main, "loadgen": loadgen.main}
+              "placement": placement.main, "loadgen": loadgen.main, "simulator": simulator.main}
 
 
 def main(argv: list[str]) -> int:

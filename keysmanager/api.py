@@ -19,7 +19,8 @@ import re
 
 from aiohttp import web
 
-from keysmanager.manager import KeysManager, NotCached, OverBudget, StaleShard
+from keysmanager.cache_policy import OverBudget
+from keysmanager.manager import KeysManager, NotCached, StaleShard
 
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")

@@ -20,6 +20,7 @@ import redis
 
 from contracts import keys
 from contracts.config import Settings, settings_environment
+from keysmanager.cache_policy import Held, OverBudget, evictions
 from pipeline.emulated import PROFILES as EMULATION_PROFILES
 from pipeline.manifest import Manifest
 from pipeline.registry import key_stage_ranges
@@ -35,11 +36,6 @@ class NotCached(KeyError):
 
 class StaleShard(RuntimeError):
     pass
-
-
-class OverBudget(RuntimeError):
-    """The stage range does not fit in the server's cache budget, even after evicting every
-    idle zygote that is not a key stage."""
 
 
 @dataclass
@@ -170,20 +166,12 @@ class KeysManager:
         raise TimeoutError(f"zygote for {model} {stages} not ready in {ZYGOTE_START_TIMEOUT_S} s")
 
     def _make_room_locked(self, size: int) -> None:
-        """Within a byte budget, evicts idle zygotes that are not key stages, least recently used
-        first, until `size` more bytes fit; refuses when they cannot."""
-        budget = self.settings.server_cache_bytes
-        if budget <= 0:
-            return
-        key_stages = {f"{m}:{s}" for m, s in self.key_stages()}
-        idle = sorted((z for z in self.zygotes.values() if z.forking == 0 and z.key not in key_stages),
-                      key=lambda z: z.last_use)
-        kept = self.cached_bytes() - sum(z.bytes for z in idle)
-        if kept + size > budget:  # refused before anything is evicted for nothing
-            raise OverBudget(f"{size} B do not fit: {kept} of {budget} B are held by key stages "
-                             "or zygotes being forked from")
-        while self.cached_bytes() + size > budget:
-            self._evict_locked(idle.pop(0), f"making room within the {budget} B budget")
+        """Within a byte budget, evicts what `cache_policy.evictions` picks (idle zygotes that are
+        not key stages, least recently used first); OverBudget when nothing can make room."""
+        key_stages = {f"{m}:{s}" for m, s in self.key_stages()} if self.settings.server_cache_bytes > 0 else set()
+        held = [Held(z.key, z.bytes, z.last_use, z.forking > 0) for z in self.zygotes.values()]
+        for key in evictions(held, key_stages, self.settings.server_cache_bytes, size):
+            self._evict_locked(self.zygotes[key], f"making room within the {self.settings.server_cache_bytes} B budget")
 
     def cached_bytes(self) -> int:
         with self._lock:

@@ -39,6 +39,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("replay", "compare"))
     p.add_argument("--model", default="llama-7b", help="model(s) to call, comma-separated")
+    add_arrival_arguments(p)
+    p.add_argument("--max-new-tokens", type=int, default=1, help="answer length where no trace gives one")
+    p.add_argument("--policies", default="quart,static,uniform-qps,openfaas-pro-rps,knative-kpa,ray-serve")
+    p.add_argument("--tail", type=float, default=10.0, help="seconds sampled after the last request")
+    p.add_argument("--label", default=None, help="replay: the run's name in the report")
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    add_arguments(p, "home", "models", "gateway_port", "redis_port", "stack_file", "slo_s", "window_s",
+                  "tick_s", "virtual_servers")
+    return p.parse_args(argv)
+
+
+def add_arrival_arguments(p: argparse.ArgumentParser) -> None:
+    """The arrival-process options (also the cluster simulator's)."""
     p.add_argument("--arrivals", default="gamma", choices=("gamma", "poisson", "azure", "burstgpt"))
     p.add_argument("--rate", type=float, default=10.0, help="requests per second (gamma, poisson)")
     p.add_argument("--cv", type=float, default=1.0, help="inter-arrival CV (gamma; within a minute for azure)")
@@ -53,15 +67,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--burstgpt-model", default=None, help="BurstGPT: keep rows of this model")
     p.add_argument("--time-scale", type=float, default=1.0, help="BurstGPT: divide times by this")
     p.add_argument("--limit", type=int, default=None, help="BurstGPT: at most this many rows")
-    p.add_argument("--max-new-tokens", type=int, default=1, help="answer length where no trace gives one")
-    p.add_argument("--policies", default="quart,static,uniform-qps,openfaas-pro-rps,knative-kpa,ray-serve")
-    p.add_argument("--tail", type=float, default=10.0, help="seconds sampled after the last request")
-    p.add_argument("--label", default=None, help="replay: the run's name in the report")
-    p.add_argument("--out", default=None)
-    p.add_argument("--no-progress", action="store_true")
-    add_arguments(p, "home", "models", "gateway_port", "redis_port", "stack_file", "slo_s", "window_s",
-                  "tick_s", "virtual_servers")
-    return p.parse_args(argv)
 
 
 def arrival_times(a: argparse.Namespace, models: list[str]) -> tuple[dict, dict | None, dict | None]:

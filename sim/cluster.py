@@ -1,0 +1,245 @@
+"""The simulated servers and the mechanism behind the autoscaler's Backend interface: desired
+replica counts, the placement scheduler's decisions carried out as fork or cold starts, cold
+reads sharing each server's bandwidth (HydraServe Eq. 4), drains, and each server's KeysManager
+caching key stages under its byte budget (keysmanager.cache_policy). No policy lives here."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from keysmanager.cache_policy import Held, OverBudget, evictions
+from scheduler.placement import Scheduler
+from scheduler.state import Change, ClusterState, Fetch, Replica as SchedReplica, Schedule, Server as SchedServer
+from sim.config import SimConfig
+from sim.fluid import Fluid
+from sim.stage import Replica, Stage
+
+
+@dataclass(eq=False)
+class Zygote:
+    key: str
+    bytes: int
+    last_use: float
+    ready: bool = False
+
+
+@dataclass
+class Server:
+    name: str
+    slots: int
+    budget: int
+    used: int = 0
+    zygotes: dict[str, Zygote] = field(default_factory=dict)
+    reads: Fluid = field(default_factory=lambda: Fluid(1.0))   # shard reads sharing the bandwidth
+    cpu: Fluid | None = None                                  # initialisations sharing the cores
+
+    def slowdown(self) -> float:
+        """How much slower the data plane's own CPU work runs while initialisations hold the
+        cores (1 where the host's cores are not modelled)."""
+        return max(1.0, (len(self.cpu.jobs) + 1) / self.cpu.capacity) if self.cpu else 1.0
+
+    def cached(self) -> frozenset[str]:
+        return frozenset(k for k, z in self.zygotes.items() if z.ready)
+
+
+class SimCluster:
+    """`schedule_event(t, kind, a, b)` is the simulation's event queue; its "ready", "fluid" and
+    "started" events come back through `on_ready`, `on_fluid` and `on_started`."""
+
+    def __init__(self, cfg: SimConfig, stages: dict[str, Stage], scheduler: Scheduler,
+                 schedule_event: Callable, start_serving: Callable[[Replica, float], None]) -> None:
+        self.cfg, self.stages, self.scheduler = cfg, stages, scheduler
+        self.by_model: dict[str, list[Stage]] = {}
+        for s in stages.values():
+            self.by_model.setdefault(s.model, []).append(s)
+        self.servers = [Server(f"server-{i}", cfg.slots, cfg.cache_budget, reads=Fluid(cfg.bandwidth),
+                               cpu=Fluid(cfg.host_cores, 1.0) if cfg.host_cores > 0 else None)
+                        for i in range(cfg.servers)]
+        self._startup: deque = deque()
+        self._by_name = {s.name: s for s in self.servers}
+        self.key_stages: dict[str, tuple[int, ...]] = {}
+        self._event, self._start_serving = schedule_event, start_serving
+        self._ids = 0
+        self.placements: list[dict] = []
+        self.starts = {"fork": 0, "cold": 0}
+
+    # -- the autoscaler's Backend ------------------------------------------------------------
+
+    def desired_replicas(self, model: str, num_stages: int) -> list[int]:
+        return [s.desired for s in self.by_model[model][:num_stages]]
+
+    def set_replicas(self, model: str, stage: int, replicas: int) -> None:
+        self.by_model[model][stage].desired = replicas
+
+    def set_cpus(self, model: str, stage: int, cpus: int) -> None:
+        self.by_model[model][stage].cpus = cpus
+
+    def publish_key_stages(self, model: str, stages: tuple[int, ...]) -> None:
+        self.key_stages[model] = stages
+
+    def key_stage_keys(self) -> frozenset[str]:
+        return frozenset(f"{m}:{i}" for m, ks in self.key_stages.items() for i in ks)
+
+    # -- placement ---------------------------------------------------------------------------
+
+    def state(self, now: float) -> ClusterState:
+        servers, replicas = [], []
+        for sv in self.servers:
+            sv.reads.advance(now)
+            draining = sum(1 for st in self.stages.values() for r in st.replicas if r.server is sv and r.draining)
+            fetches = tuple(Fetch(p, r.started_at + self.cfg.cold_deadline_s) for r, p in sv.reads.jobs
+                            if isinstance(r, Replica))
+            servers.append(SchedServer(sv.name, sv.slots - draining, self.cfg.bandwidth, sv.cached(),
+                                       False, fetches))
+        for st in self.stages.values():
+            replicas += [SchedReplica(r.id, st.key, r.server.name, r.started_by, r.ready, r.started_at)
+                         for r in st.replicas if not r.draining]
+        return ClusterState(tuple(servers), tuple(replicas), self.key_stage_keys(), now)
+
+    def converge(self, now: float, instant: bool = False) -> Schedule | None:
+        """Moves every stage towards its desired count through the scheduler; `instant` places
+        replicas that are up at once (the deployment a run starts from)."""
+        changes = [Change(st.key, st.desired - len(st.serving()), st.shard_bytes, self.cfg.cold_deadline_s)
+                   for st in self.stages.values() if st.desired != len(st.serving())]
+        if not changes:
+            return None
+        schedule = self.scheduler.schedule(self.state(now), changes)
+        for removal in schedule.removals:
+            st = self.stages[removal.stage]
+            self.remove(next(r for r in st.replicas if r.id == removal.replica), now)
+        for p in schedule.placements:
+            r = self.start(self.stages[p.stage], self._by_name[p.server], "up" if instant else p.path, now)
+            if instant:
+                self.on_ready(r, now)
+        return schedule
+
+    def start(self, st: Stage, sv: Server, path: str, now: float) -> Replica:
+        self._ids += 1
+        z = sv.zygotes.get(st.key)
+        forked = path == "fork" and z is not None and z.ready
+        r = Replica(f"{sv.name}/{self._ids}", st, sv, "fork-cow" if forked else "cold", now)
+        st.replicas.append(r)
+        sv.used += 1
+        if path == "up":
+            return r
+        self.starts["fork" if forked else "cold"] += 1
+        if forked:
+            z.last_use = now
+            copy = st.shard_bytes / self.cfg.h2d_bandwidth if self.cfg.h2d_bandwidth > 0 else 0.0
+            self._event(now + self.cfg.fork_s + copy, "ready", r)
+        else:
+            self._read(sv, r, st.shard_bytes, now)
+        return r
+
+    def remove(self, r: Replica, now: float) -> None:
+        """Starting replicas are cancelled, idle ones leave at once, busy ones after their item."""
+        st, sv = r.stage, r.server
+        if not r.ready:
+            for phase, fluid in (("reads", sv.reads), ("cpu", sv.cpu)):
+                if fluid is not None and fluid.remove(r, now):
+                    self._next(sv, phase, now)
+            r.draining = True        # a pending READY finds it draining and drops it
+            self.release(r)
+        elif r.busy:
+            r.draining = True
+        else:
+            r.draining = True
+            st.idle.remove(r)
+            self.release(r)
+
+    def release(self, r: Replica) -> None:
+        if r in r.stage.replicas:
+            r.stage.replicas.remove(r)
+            r.server.used -= 1
+
+    # -- start paths -------------------------------------------------------------------------
+
+    def on_ready(self, r: Replica, now: float) -> None:
+        if r.draining or r.ready:
+            return
+        r.ready = True
+        self._start_serving(r, now)
+
+    def _read(self, sv: Server, token: Replica | Zygote, nbytes: float, now: float) -> None:
+        sv.reads.add(token, float(nbytes), now)
+        self._next(sv, "reads", now)
+
+    def _initialise(self, sv: Server, token: Replica | Zygote, now: float) -> None:
+        """A runtime start: init_s of one core's work, shared with the others where cores are modelled."""
+        if sv.cpu is None:
+            self._event(now + self.cfg.init_s, "started", token)
+            return
+        sv.cpu.add(token, self.cfg.init_s, now)
+        self._next(sv, "cpu", now)
+
+    def _next(self, sv: Server, phase: str, now: float) -> None:
+        fluid = sv.reads if phase == "reads" else sv.cpu
+        t = fluid.next_done(now)
+        if t is not None:
+            self._event(t, "fluid", (sv, phase), fluid.version)
+
+    def on_fluid(self, where: tuple[Server, str], version: int, now: float) -> None:
+        sv, phase = where
+        fluid = sv.reads if phase == "reads" else sv.cpu
+        if version != fluid.version:
+            return
+        for token in fluid.finished(now):
+            if phase == "reads":
+                self._initialise(sv, token, now)
+            else:
+                self.on_started(token, now)
+        self._next(sv, phase, now)
+
+    def on_started(self, token: Replica | Zygote, now: float) -> None:
+        if isinstance(token, Replica):
+            self.on_ready(token, now)
+        else:
+            self.on_cached(token, now)
+
+    # -- the KeysManagers --------------------------------------------------------------------
+
+    def cache(self, sv: Server, st: Stage, now: float) -> bool:
+        """One server's KeysManager caches a stage: room made by the cache policy, then the
+        shard read into host memory (a zygote start)."""
+        if st.key in sv.zygotes:
+            return True
+        held = [Held(k, z.bytes, z.last_use) for k, z in sv.zygotes.items()]
+        try:
+            for key in evictions(held, set(self.key_stage_keys()), sv.budget, st.shard_bytes):
+                del sv.zygotes[key]
+        except OverBudget:
+            return False
+        z = sv.zygotes[st.key] = Zygote(st.key, st.shard_bytes, now)
+        self._read(sv, z, st.shard_bytes, now)
+        return True
+
+    def on_cached(self, z: Zygote, now: float) -> None:
+        z.ready, z.last_use = True, now
+        if self._startup:
+            sv, st = self._startup.popleft()
+            self.cache(sv, st, now)
+
+    def watch(self, now: float) -> None:
+        """Every KeysManager caches the key stages it does not hold (keysmanager watch_once)."""
+        for key in sorted(self.key_stage_keys()):
+            for sv in self.servers:
+                self.cache(sv, self.stages[key], now)
+
+    def cache_at_start(self, how: str, now: float) -> None:
+        """The embedded runtime's start (cache_stages=all), stages round-robin over servers:
+        "all" ready at once; "sequential" as its one KeysManager really does it, the first ready
+        and the others started one after another; "none"."""
+        if how not in ("all", "sequential", "none"):
+            raise ValueError(f"cache_at_start is all, sequential or none, not {how!r}")
+        plan = [(self.servers[n % len(self.servers)], st) for n, st in enumerate(self.stages.values())]
+        if how == "all":
+            for sv, st in plan:
+                if self.cache(sv, st, now):
+                    sv.zygotes[st.key].ready = True
+        elif how == "sequential" and plan:
+            sv, st = plan[0]
+            if self.cache(sv, st, now):
+                sv.zygotes[st.key].ready = True
+            self._startup.extend(plan[1:])
+            self.on_cached(sv.zygotes[st.key], now)

@@ -1,0 +1,81 @@
+"""What the simulated cluster is made of and what its mechanisms cost. Two presets: QUART's
+testbed (12 GPU servers x 4 GPUs, 1 TB host memory each) and this repository's embedded runtime
+on one host, whose costs were measured on it (see `embedded_runtime`)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    # Servers. A slot is one stage replica on a GPU; QUART co-locates stages on a GPU
+    # (its scheduler reserves "GPU memory space", §6.2), so a GPU holds several.
+    servers: int = 12
+    gpus_per_server: int = 4
+    replicas_per_gpu: int = 4
+    # The KeysManager's byte budget per server: host memory times its threshold (QUART: 85 %).
+    host_memory_bytes: float = 1024e9
+    cache_threshold: float = 0.85
+    # Start paths. Cold: read the shard at the server's bandwidth, shared by the cold starts
+    # under way (HydraServe Eq. 4), then initialise the runtime. Fork: from a zygote in host
+    # memory, then copy the shard to the GPU (0 = no copy, as for emulated stages).
+    bandwidth: float = 1.25e9            # bytes/s: 10 Gb/s to remote storage
+    init_s: float = 3.0                  # runtime start after the read (process, imports, CUDA)
+    fork_s: float = 0.03                 # fork to first work (scale-up benchmark: 29-32 ms)
+    h2d_bandwidth: float = 12e9          # bytes/s host to GPU over PCIe
+    cache_at_start: str = "none"         # "all", "sequential" (the embedded runtime) or "none"
+    # CPU cores per server that runtime initialisations share (0: not modelled, each takes
+    # init_s). Where modelled, init_s is CPU work, and the data plane's own work (hops, the
+    # entry, service overhead) slows by (initialisations + 1) / cores when they outnumber them.
+    host_cores: float = 0.0
+    cold_deadline_s: float = 60.0
+    # Data plane. A hop costs a fixed part (serialise, queue, deserialise) plus the activation
+    # over the network; the entry's own work per request (HTTP in and out) is entry_s.
+    hop_s: float = 0.002
+    hop_bandwidth: float = 1.25e9
+    entry_s: float = 0.003
+    service_overhead_s: float = 0.0      # per item on top of the drawn compute time
+    # Control plane (contracts/config.Settings has the same names and defaults).
+    tick_s: float = 1.0
+    window_s: float = 10.0
+    slo_s: float = 2.0
+    request_timeout_s: float = 120.0
+    initial_replicas: int = 1
+    sample_s: float = 0.5
+    tail_s: float = 15.0                 # simulated after the last arrival, as loadgen's --tail
+    seed: int = 0
+
+    @property
+    def slots(self) -> int:
+        return self.gpus_per_server * self.replicas_per_gpu
+
+    @property
+    def cache_budget(self) -> int:
+        return int(self.host_memory_bytes * self.cache_threshold)
+
+    def replace(self, **changes: object) -> "SimConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def quart_testbed(**changes: object) -> SimConfig:
+    """QUART §8.1: 12 GPU servers with 4 GPUs and 1 TB of memory each."""
+    return SimConfig(**changes)
+
+
+def embedded_runtime(**changes: object) -> SimConfig:
+    """This repository's embedded runtime on one 2-core host with emulated stages, as
+    `python -m loadgen compare --stack-file stack-emulated.yml` runs it, with costs measured on
+    that host: one virtual server with 64 slots; a hop from hand-off to pick-up takes 2.5 ms, a
+    stage's measured service exceeds its drawn sleep by 0.6 ms, a request spends 5 ms outside
+    the stages (benchmarks/results/loadgen-cv1, static policy, stages after the bottleneck); a
+    forked replica takes its first item after about 30 ms; a cold replica or a zygote first
+    imports its modules, 5.1 s of one core's work (`import pipeline.replica, runtime.watchdog`:
+    4.7 s user + 0.5 s system), sharing the 2 cores with every other start. Its one KeysManager
+    caches the stages one after another, and by the time a replay starts only the first is
+    cached (the runtime's logs). Emulated stages read no parameters."""
+    base = dict(servers=1, gpus_per_server=64, replicas_per_gpu=1, host_memory_bytes=0.0,
+                bandwidth=1e15, init_s=5.1, host_cores=2.0, fork_s=0.03, h2d_bandwidth=0.0,
+                cache_at_start="sequential", hop_s=0.0025, hop_bandwidth=0.0, entry_s=0.005,
+                service_overhead_s=0.0006, window_s=5.0, slo_s=1.0)
+    return SimConfig(**{**base, **changes})

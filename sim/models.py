@@ -1,0 +1,38 @@
+"""The simulated models: QUART Table 1's five, as 8-stage pipelines with the emulation profiles'
+stage times and parameter sizes (pipeline/emulated.py), plus the activation each stage hands to
+the next, which sets the hop's transfer time."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.emulated import PROFILES, Profile
+
+
+@dataclass(frozen=True)
+class SimModel:
+    name: str
+    profile: Profile
+    activation_bytes: int       # what one request passes between two stages
+
+    @property
+    def num_stages(self) -> int:
+        return self.profile.num_stages
+
+    def stage_bytes(self, stage: int) -> int:
+        return self.profile.stage_bytes(stage, stage + 1)
+
+
+# Activation per request, bf16: tokens (Table 1's "Token" column where it has one) times the
+# hidden width of the published architecture. Whisper: 1500 encoder frames x 1280 (large-v2);
+# WideResNet-101: a 1024 x 14 x 14 feature map. BERT-21B has no public configuration; 6144 wide
+# is our assumption for a 21 B encoder.
+ACTIVATION_BYTES = {"whisper-9b": 1500 * 1280 * 2, "bert-21b": 128 * 6144 * 2, "llama-7b": 1024 * 4096 * 2,
+                    "opt-66b": 128 * 9216 * 2, "wideresnet": 1024 * 14 * 14 * 2}
+
+
+def table1(names: list[str] | None = None) -> list[SimModel]:
+    names = names or list(PROFILES)
+    unknown = [n for n in names if n not in PROFILES]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; known: {sorted(PROFILES)}")
+    return [SimModel(n, PROFILES[n], ACTIVATION_BYTES[n]) for n in names]

@@ -1,0 +1,267 @@
+"""The discrete-event core: requests arrive at a model's entry, visit its stages through one
+shared FCFS queue per stage, and come back; every tick the configured policy decides on what it
+observed, exactly as the live control loop does (autoscaler.loop.make_policy and enact), and the
+cluster carries the decision out through the placement scheduler."""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autoscaler.loop import enact, make_policy
+from autoscaler.state import PipelineState
+from contracts.config import Settings
+from loadgen.client import Record
+from scheduler.placement import Scheduler
+from sim.cluster import SimCluster
+from sim.config import SimConfig
+from sim.models import SimModel
+from sim.stage import Replica, Stage
+
+TIMEOUT_STATUS = 504
+
+
+@dataclass
+class Trace:
+    """What one run produced: per request its model, times and outcome, per stage the wait and
+    service of every request (seconds; NaN where it never got there), and the samples."""
+    models: list[str]
+    model_of: np.ndarray           # index into models
+    sent: np.ndarray
+    latency: np.ndarray            # NaN: no answer
+    status: np.ndarray
+    wait: np.ndarray               # [request, stage]
+    service: np.ndarray
+    stage_arrivals: dict[str, list[np.ndarray]]
+    samples: dict[str, dict]       # model -> {"t", "replicas", "queue"}
+    decisions: int = 0
+    starts: dict[str, int] = field(default_factory=dict)
+    events: int = 0
+    end: float = 0.0
+
+    def records(self, detail: bool = True) -> list[Record]:
+        """The load generator's records, so its metrics and report take simulated runs."""
+        out = []
+        for i in range(len(self.sent)):
+            model = self.models[self.model_of[i]]
+            stages = [{"stage": k, "queue_ms": round(float(self.wait[i, k]) * 1000, 3),
+                       "service_ms": round(float(self.service[i, k]) * 1000, 3)}
+                      for k in range(self.wait.shape[1]) if not math.isnan(self.wait[i, k])] if detail else []
+            ok = self.status[i] == 200
+            out.append(Record(i, model, float(self.sent[i]), float(self.sent[i]),
+                              float(self.latency[i]) if not math.isnan(self.latency[i]) else -1.0,
+                              int(self.status[i]), stages=stages,
+                              error="" if ok else "timed out in the simulated pipeline"))
+        return out
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, models: list[SimModel], arrivals: dict[str, np.ndarray],
+                 policy: str = "quart", settings: Settings | None = None,
+                 scheduler: Scheduler | None = None, record_arrivals: bool = True) -> None:
+        self.cfg, self.models = cfg, models
+        self.settings = (settings or Settings()).replace(policy=policy, tick_s=cfg.tick_s,
+                                                          window_s=cfg.window_s, slo_s=cfg.slo_s)
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.events = 0
+        rng_root = np.random.SeedSequence(cfg.seed)
+        self.stages: dict[str, Stage] = {}
+        self.first: dict[str, Stage] = {}
+        self.hop: dict[str, float] = {}
+        for m, child in zip(models, rng_root.spawn(len(models))):
+            p = m.profile
+            chain = [Stage(m.name, i, p.stage_ms(i) / 1000.0, p.cv, p.parallel_fraction, cfg.service_overhead_s,
+                           m.stage_bytes(i), np.random.default_rng(g))
+                     for i, g in enumerate(child.spawn(m.num_stages))]
+            for a, b in zip(chain, chain[1:]):
+                a.next = b
+            self.stages.update({s.key: s for s in chain})
+            self.first[m.name] = chain[0]
+            self.hop[m.name] = cfg.hop_s + (m.activation_bytes / cfg.hop_bandwidth if cfg.hop_bandwidth > 0 else 0.0)
+        self.cluster = SimCluster(cfg, self.stages, scheduler or Scheduler(), self.schedule, self._serve_next)
+        self.policies = {m.name: make_policy(self.settings, m.name) for m in models}
+        self.memory: dict[str, object] = {}
+        # Requests, in arrival order over all models.
+        names = [m.name for m in models]
+        order = [(float(t), k) for k, m in enumerate(names) for t in np.asarray(arrivals.get(m, []))]
+        order.sort()
+        self.model_of = np.array([k for _, k in order], dtype=np.int32)
+        self.sent = np.array([t for t, _ in order], dtype=float)
+        n, width = len(order), max(m.num_stages for m in models)
+        self.latency = np.full(n, np.nan)
+        self.status = np.zeros(n, dtype=np.int32)
+        self.wait = np.full((n, width), np.nan, dtype=np.float32)
+        self.service = np.full((n, width), np.nan, dtype=np.float32)
+        self.outstanding = n
+        self.record_arrivals = record_arrivals
+        self.arrived: dict[str, list[list[float]]] = {m.name: [[] for _ in range(m.num_stages)] for m in models}
+        self.samples = {m.name: {"t": [], "replicas": [], "queue": []} for m in models}
+        self.decisions = 0
+        self.entry_free = 0.0
+
+    # -- events ------------------------------------------------------------------------------
+
+    def schedule(self, t: float, kind: str, a: object = None, b: object = None) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, a, b))
+
+    def run(self) -> Trace:
+        cfg = self.cfg
+        self.cluster.cache_at_start(cfg.cache_at_start, 0.0)
+        for st in self.stages.values():
+            st.desired = cfg.initial_replicas
+        self.cluster.converge(0.0, instant=True)   # the deployment is up before traffic starts
+        last = float(self.sent[-1]) if len(self.sent) else 0.0
+        self.end = last + max(cfg.tail_s, 0.0)
+        self.give_up = last + cfg.request_timeout_s
+        self.schedule(cfg.tick_s, "tick")
+        self.schedule(cfg.sample_s, "sample")
+        next_arrival, n = 0, len(self.sent)
+        heap, pop = self._heap, heapq.heappop
+        while True:
+            if next_arrival < n and (not heap or self.sent[next_arrival] <= heap[0][0]):
+                self.now = float(self.sent[next_arrival])
+                self._arrive(next_arrival)
+                next_arrival += 1
+                continue
+            if not heap:
+                break
+            t, _, kind, a, b = pop(heap)
+            self.now = t
+            self.events += 1
+            if kind == "enq":
+                self._enqueue(a, b, t)
+            elif kind == "done":
+                self._done(a, b, t)
+            elif kind == "reply":
+                self._reply(a, t)
+            elif kind in ("tick", "sample"):
+                if self._finished(next_arrival):
+                    continue
+                (self._tick if kind == "tick" else self._sample)(t)
+                self.schedule(t + (cfg.tick_s if kind == "tick" else cfg.sample_s), kind)
+            elif kind == "ready":
+                self.cluster.on_ready(a, t)
+            elif kind == "fluid":
+                self.cluster.on_fluid(a, b, t)
+            elif kind == "started":
+                self.cluster.on_started(a, t)
+        self._expire_rest()
+        return self._trace()
+
+    def _finished(self, next_arrival: int) -> bool:
+        done = next_arrival >= len(self.sent) and (self.outstanding == 0 or self.now > self.give_up)
+        return done and self.now >= self.end
+
+    # -- data plane --------------------------------------------------------------------------
+
+    def _arrive(self, i: int) -> None:
+        m = self.models[self.model_of[i]]
+        t = self._entry(self.now)
+        self.schedule(t, "enq", self.first[m.name], (i, t))
+
+    def _entry(self, t: float) -> float:
+        """The entry function is one process doing entry_s / 2 of CPU work per request on the way
+        in and again on the way out, first come first served: when initialisations starve it of
+        CPU, requests queue there (Lindley's recursion for one FCFS server)."""
+        start = max(t, self.entry_free)
+        self.entry_free = start + self.cfg.entry_s / 2 * self.cluster.servers[0].slowdown()
+        return self.entry_free
+
+    def _enqueue(self, st: Stage, item: tuple[int, float], now: float) -> None:
+        st.arrive(now)
+        if self.record_arrivals:
+            self.arrived[st.model][st.index].append(now)
+        if st.idle:
+            self._begin(st.idle.pop(), item, now)
+        else:
+            st.queue.append(item)
+
+    def _begin(self, r: Replica, item: tuple[int, float], now: float) -> bool:
+        i, handed = item
+        if now > self.sent[i] + self.cfg.request_timeout_s:
+            self._fail(i)          # the entry answered 504 already; the replica drops it
+            return False
+        st = r.stage
+        service = st.service_s(r.server.slowdown())
+        r.busy = True
+        st.busy += 1
+        self.wait[i, st.index] = now - handed
+        self.service[i, st.index] = service
+        self.schedule(now + service, "done", r, item)
+        return True
+
+    def _done(self, r: Replica, item: tuple[int, float], now: float) -> None:
+        st = r.stage
+        i = item[0]
+        r.busy = False
+        st.busy -= 1
+        st.finish(now, float(self.service[i, st.index]), float(self.wait[i, st.index]))
+        slow = r.server.slowdown()
+        hop = self.hop[st.model] * slow
+        if st.next is not None:
+            self.schedule(now + hop, "enq", st.next, (i, now))
+        else:
+            self.schedule(self._entry(now + hop), "reply", i)
+        if r.draining:
+            self.cluster.release(r)
+        else:
+            self._serve_next(r, now)
+
+    def _serve_next(self, r: Replica, now: float) -> None:
+        st = r.stage
+        while st.queue:
+            if self._begin(r, st.queue.popleft(), now):
+                return
+        st.idle.append(r)
+
+    def _reply(self, i: int, now: float) -> None:
+        if self.status[i]:
+            return
+        latency = now - self.sent[i]
+        if latency > self.cfg.request_timeout_s:
+            self._fail(i)
+            return
+        self.latency[i], self.status[i] = latency, 200
+        self.outstanding -= 1
+
+    def _fail(self, i: int) -> None:
+        if not self.status[i]:
+            self.latency[i], self.status[i] = self.cfg.request_timeout_s, TIMEOUT_STATUS
+            self.outstanding -= 1
+
+    def _expire_rest(self) -> None:
+        for i in np.flatnonzero(self.status == 0):
+            self._fail(int(i))
+
+    # -- control plane -----------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        for m in self.models:
+            stages = [self.stages[f"{m.name}:{i}"] for i in range(m.num_stages)]
+            states = tuple(st.observe(now, self.cfg.window_s) for st in stages)
+            state = PipelineState(m.name, states, slo_s=self.cfg.slo_s, entry_rate=states[0].arrival_rate, now=now)
+            decision, self.memory[m.name] = self.policies[m.name].decide(state, self.memory.get(m.name))
+            self.cluster.publish_key_stages(m.name, decision.key_stages)
+            enact(self.cluster, state, decision)
+            self.decisions += 1
+        self.cluster.converge(now)
+        self.cluster.watch(now)
+
+    def _sample(self, now: float) -> None:
+        for m in self.models:
+            stages = [self.stages[f"{m.name}:{i}"] for i in range(m.num_stages)]
+            s = self.samples[m.name]
+            s["t"].append(now)
+            s["replicas"].append([st.ready_count() for st in stages])
+            s["queue"].append([len(st.queue) for st in stages])
+
+    def _trace(self) -> Trace:
+        return Trace([m.name for m in self.models], self.model_of, self.sent, self.latency, self.status,
+                     self.wait, self.service,
+                     {m: [np.array(a) for a in per] for m, per in self.arrived.items()},
+                     self.samples, self.decisions, dict(self.cluster.starts), self.events, self.now)

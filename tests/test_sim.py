@@ -1,0 +1,150 @@
+"""The cluster simulator: queueing against closed forms, determinism, conservation, the start
+paths, and the live system's policy objects driven unmodified."""
+from __future__ import annotations
+
+import heapq
+import json
+
+import numpy as np
+import pytest
+
+from autoscaler.baselines import BASELINES
+from autoscaler.loop import make_policy
+from autoscaler.queueing import mmc_wait
+from contracts.config import Settings
+from keysmanager.cache_policy import Held, OverBudget, evictions
+from loadgen.arrivals import gamma_arrivals, poisson_arrivals
+from loadgen.metrics import summarize
+from pipeline.emulated import Profile
+from sim.config import SimConfig, embedded_runtime, quart_testbed
+from sim.models import SimModel, table1
+from sim.run import report_run, simulate, stage_cvs
+from sim.simulation import Simulation
+
+BARE = SimConfig(servers=1, gpus_per_server=16, hop_s=0.0, entry_s=0.0, hop_bandwidth=0.0, tail_s=0.0,
+                 window_s=10.0, request_timeout_s=1e9)
+
+
+def one_stage(mean_ms: float, cv: float = 1.0) -> SimModel:
+    return SimModel("q", Profile("q", mean_ms, cv=cv, weights=(1.0,)), 0)
+
+
+def static(replicas: int, home) -> Settings:
+    return Settings(home=str(home), policy_params=json.dumps({"replicas": replicas}))
+
+
+@pytest.mark.parametrize("servers,rho", [(1, 0.7), (3, 0.8)])
+def test_mean_wait_matches_mmc(tmp_path, servers, rho):
+    mu = 10.0
+    lam = rho * servers * mu
+    arrivals = {"q": poisson_arrivals(lam, 200_000 / lam, seed=servers)}
+    trace = simulate(BARE.replace(seed=servers), [one_stage(1000 / mu)], arrivals, "static", static(servers, tmp_path),
+                     record_arrivals=False)
+    warm = trace.sent > 100.0        # skip the start, when the queue is still empty
+    measured = float(np.mean(trace.wait[warm, 0]))
+    assert measured == pytest.approx(mmc_wait(lam, mu, servers), rel=0.05)
+    assert float(np.mean(trace.service[:, 0])) == pytest.approx(1 / mu, rel=0.02)
+
+
+def test_a_seed_gives_the_same_run_and_another_seed_another(tmp_path):
+    models = table1(["llama-7b", "bert-21b"])
+    arrivals = {m.name: gamma_arrivals(6.0, 4.0, 40.0, seed=k) for k, m in enumerate(models)}
+    cfg = quart_testbed(seed=3, tail_s=5.0)
+    settings = Settings(home=str(tmp_path))
+    a = simulate(cfg, models, arrivals, "quart", settings)
+    b = simulate(cfg, models, arrivals, "quart", settings)
+    c = simulate(cfg.replace(seed=4), models, arrivals, "quart", settings)
+    assert np.array_equal(a.latency, b.latency) and np.array_equal(a.status, b.status)
+    assert a.samples == b.samples and a.starts == b.starts
+    assert not np.array_equal(a.latency, c.latency)
+
+
+def test_every_request_is_answered_or_counted_as_failed(tmp_path):
+    """Overload with a short timeout: some requests fail, none is lost."""
+    cfg = embedded_runtime(request_timeout_s=2.0, tail_s=1.0)
+    arrivals = {"llama-7b": gamma_arrivals(40.0, 4.0, 20.0, seed=1)}
+    trace = simulate(cfg, table1(["llama-7b"]), arrivals, "static", Settings(home=str(tmp_path)))
+    ok, failed = int((trace.status == 200).sum()), int((trace.status == 504).sum())
+    assert ok + failed == len(arrivals["llama-7b"]) and failed > 0 and ok > 0
+    assert np.all(trace.latency[trace.status == 200] <= 2.0)
+    s = summarize(trace.records(), 0.3, 20.0)
+    assert s["sent"] == len(arrivals["llama-7b"]) and s["ok"] + s["failed"] == s["sent"]
+
+
+@pytest.mark.parametrize("policy", ["quart", *sorted(BASELINES)])
+def test_the_live_policy_objects_run_unmodified(tmp_path, policy):
+    settings = Settings(home=str(tmp_path))
+    arrivals = {"llama-7b": gamma_arrivals(20.0, 4.0, 30.0, seed=4)}
+    sim = Simulation(embedded_runtime(), table1(["llama-7b"]), arrivals, policy, settings)
+    live = make_policy(settings.replace(policy=policy, tick_s=sim.cfg.tick_s), "llama-7b")
+    assert sim.policies["llama-7b"] == live     # the very object the live loop builds
+    trace = sim.run()
+    assert trace.decisions >= 30
+    assert int((trace.status == 200).sum()) == len(arrivals["llama-7b"])
+    run = report_run(trace, sim.cfg, sim.models)
+    assert run["summary"]["ok"] == len(arrivals["llama-7b"]) and len(run["timeline"]["cv"]) == 8
+
+
+def test_a_burst_makes_a_key_stage_that_is_forked_up_on_the_testbed(tmp_path):
+    """QUART on 12 servers: the heaviest stage becomes key, the KeysManagers cache it, and its
+    later replicas are forks; cold starts take seconds, forks milliseconds."""
+    arrivals = {"llama-7b": gamma_arrivals(12.0, 4.0, 120.0, seed=2)}
+    sim = Simulation(quart_testbed(tail_s=5.0), table1(["llama-7b"]), arrivals, "quart", Settings(home=str(tmp_path)))
+    trace = sim.run()
+    assert trace.starts["fork"] > 0
+    assert max(max(row) for row in trace.samples["llama-7b"]["replicas"]) > 1
+    assert any("llama-7b:" in k for sv in sim.cluster.servers for k in sv.zygotes)
+    assert int((trace.status == 200).sum()) == len(arrivals["llama-7b"])
+
+
+def test_cold_starts_share_a_servers_bandwidth(tmp_path):
+    cfg = BARE.replace(servers=1, bandwidth=1e9, init_s=1.0)
+    model = SimModel("q", Profile("q", 100, weights=(1.0,), size_gb=2.0), 0)
+    sim = Simulation(cfg, [model], {"q": np.array([1.0])}, "static", static(1, tmp_path))
+    stage = sim.stages["q:0"]
+    server = sim.cluster.servers[0]
+    a = sim.cluster.start(stage, server, "cold", 0.0)
+    b = sim.cluster.start(stage, server, "cold", 0.0)
+    ready = {}
+    sim.cluster._start_serving = lambda r, now: ready.setdefault(r.id, now)
+    while sim._heap:
+        t, _, kind, x, y = heapq.heappop(sim._heap)
+        if kind == "fluid":
+            sim.cluster.on_fluid(x, y, t)
+        elif kind == "started":
+            sim.cluster.on_started(x, t)
+    # Two 2 GB reads sharing 1 GB/s end together after 4 s, then 1 s of initialisation.
+    assert ready[a.id] == pytest.approx(5.0) and ready[b.id] == pytest.approx(5.0)
+
+
+def test_initialisations_share_the_hosts_cores(tmp_path):
+    """Where cores are modelled, four 1 s initialisations on 2 cores all end after 2 s."""
+    cfg = BARE.replace(servers=1, bandwidth=1e15, init_s=1.0, host_cores=2.0)
+    model = SimModel("q", Profile("q", 100, weights=(1.0,)), 0)
+    sim = Simulation(cfg, [model], {"q": np.array([1.0])}, "static", static(1, tmp_path))
+    started = [sim.cluster.start(sim.stages["q:0"], sim.cluster.servers[0], "cold", 0.0) for _ in range(4)]
+    ready = {}
+    sim.cluster._start_serving = lambda r, now: ready.setdefault(r.id, now)
+    assert sim.cluster.servers[0].slowdown() == 1.0      # reads first; nothing initialises yet
+    while sim._heap:
+        t, _, kind, x, y = heapq.heappop(sim._heap)
+        if kind == "fluid":
+            sim.cluster.on_fluid(x, y, t)
+    assert [ready[r.id] for r in started] == pytest.approx([2.0] * 4, abs=1e-6)
+
+
+def test_stage_cvs_fall_behind_a_busy_stage(tmp_path):
+    """QUART Fig. 2a's effect: a busy stage smooths a bursty stream for the stages after it."""
+    arrivals = {"llama-7b": gamma_arrivals(18.0, 4.0, 200.0, seed=5)}
+    trace = simulate(embedded_runtime(), table1(["llama-7b"]), arrivals, "static", Settings(home=str(tmp_path)))
+    cvs = stage_cvs(trace, "llama-7b")
+    assert cvs[0] > 3.0 and cvs[-1] < 0.5 * cvs[0]
+
+
+def test_cache_policy_evicts_least_recently_used_idle_zygotes_and_refuses_early():
+    held = [Held("m:0", 4, 1.0), Held("m:1", 4, 0.5), Held("m:2", 4, 0.1, forking=True), Held("m:3", 4, 0.2)]
+    assert evictions(held, {"m:3"}, 16, 4) == ["m:1"]
+    assert evictions(held, {"m:3"}, 16, 8) == ["m:1", "m:0"]
+    assert evictions(held, set(), 0, 100) == []
+    with pytest.raises(OverBudget):
+        evictions(held, {"m:0", "m:1", "m:3"}, 16, 4)
