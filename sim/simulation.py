@@ -15,6 +15,7 @@ from autoscaler.loop import enact, make_policy
 from autoscaler.state import PipelineState
 from contracts.config import Settings
 from loadgen.client import Record
+from runtime.placer import scheduler_params
 from scheduler.placement import Scheduler
 from sim.cluster import SimCluster
 from sim.config import SimConfig
@@ -83,7 +84,8 @@ class Simulation:
             self.stages.update({s.key: s for s in chain})
             self.first[m.name] = chain[0]
             self.hop[m.name] = cfg.hop_s + (m.activation_bytes / cfg.hop_bandwidth if cfg.hop_bandwidth > 0 else 0.0)
-        self.cluster = SimCluster(cfg, self.stages, scheduler or Scheduler(), self.schedule, self._serve_next)
+        self.cluster = SimCluster(cfg, self.stages, scheduler or Scheduler(scheduler_params(self.settings)),
+                                  self.schedule, self._serve_next)
         self.policies = {m.name: make_policy(self.settings, m.name) for m in models}
         self.memory: dict[str, object] = {}
         # Requests, in arrival order over all models.
