@@ -27,7 +27,7 @@ from contracts.config import Settings
 from loadgen.arrivals import gamma_arrivals
 from sim.config import embedded_runtime, quart_testbed
 from sim.models import table1
-from sim.run import mean_queues, simulate, stage_cvs, unloaded_latency
+from sim.run import simulate, stage_timeline, unloaded_latency
 from sim.simulation import Trace
 
 POLICIES = ["quart", "static", "uniform-qps", "openfaas-pro-rps", "knative-kpa", "ray-serve"]
@@ -86,12 +86,11 @@ def fig2(duration: float = 600.0) -> list[dict]:
         heaviest = max(range(m.num_stages), key=m.profile.stage_ms)
         rate = 0.85 / (m.profile.stage_ms(heaviest) / 1000.0)
         for cv in (0.1, 4.0):
-            trace = simulate(quart_testbed(tail_s=0.0), [m], {m.name: gamma_arrivals(rate, cv, duration, seed=1)},
-                             "static", _settings())
-            queues = mean_queues(trace, m.name)
+            cfg = quart_testbed(tail_s=0.0)
+            trace = simulate(cfg, [m], {m.name: gamma_arrivals(rate, cv, duration, seed=1)}, "static", _settings())
+            t = stage_timeline(trace, cfg, m)
             rows.append({"model": m.name, "entry_cv": cv, "rate": rate, "heaviest": heaviest,
-                         "cv": stage_cvs(trace, m.name), "queue": queues,
-                         "longest_queue": int(np.argmax(queues))})
+                         "cv": t["cv"], "queue": t["mean_queue"], "longest_queue": int(np.argmax(t["mean_queue"]))})
     return rows
 
 

@@ -75,8 +75,9 @@ async def replay(gateway: str, requests: list[Request], timeout_s: float = 300.0
     stop = asyncio.Event()
     try:
         loop.add_signal_handler(signal.SIGINT, stop.set)
-    except (NotImplementedError, RuntimeError):  # not the main thread
-        pass
+        owns_sigint = True
+    except (NotImplementedError, RuntimeError):  # not the main thread: Ctrl-C stays the caller's
+        owns_sigint = False
     bar = tqdm(total=len(requests), unit="req", disable=not progress, dynamic_ncols=True)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     tasks: list[asyncio.Task] = []
@@ -111,10 +112,8 @@ async def replay(gateway: str, requests: list[Request], timeout_s: float = 300.0
                         rec.error = "stopped before an answer came"
             await answered
     bar.close()
-    try:
+    if owns_sigint:
         loop.remove_signal_handler(signal.SIGINT)
-    except (NotImplementedError, RuntimeError):  # none was added: not the main thread
-        pass
     return records
 
 

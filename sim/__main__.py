@@ -50,8 +50,7 @@ def config(a: argparse.Namespace) -> SimConfig:
             raise SystemExit(f"--set {item}: no such field; known: {sorted(kinds)}")
         current = getattr(cfg, name)
         try:
-            changes[name] = raw if isinstance(current, str) else (
-                raw.lower() in ("1", "true", "yes") if isinstance(current, bool) else type(current)(raw))
+            changes[name] = raw if isinstance(current, str) else type(current)(raw)
         except ValueError:
             raise SystemExit(f"--set {item}: {name} takes a {type(current).__name__}") from None
     return cfg.replace(**changes)

@@ -4,7 +4,7 @@ reads sharing each server's bandwidth (HydraServe Eq. 4), drains, and each serve
 caching key stages under its byte budget (keysmanager.cache_policy). No policy lives here."""
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,7 +18,6 @@ from sim.stage import Replica, Stage
 
 @dataclass(eq=False)
 class Zygote:
-    key: str
     bytes: int
     last_use: float
     ready: bool = False
@@ -47,12 +46,10 @@ class SimCluster:
     """`schedule_event(t, kind, a, b)` is the simulation's event queue; its "ready", "fluid" and
     "started" events come back through `on_ready`, `on_fluid` and `on_started`."""
 
-    def __init__(self, cfg: SimConfig, stages: dict[str, Stage], scheduler: Scheduler,
+    def __init__(self, cfg: SimConfig, chains: dict[str, list[Stage]], scheduler: Scheduler,
                  schedule_event: Callable, start_serving: Callable[[Replica, float], None]) -> None:
-        self.cfg, self.stages, self.scheduler = cfg, stages, scheduler
-        self.by_model: dict[str, list[Stage]] = {}
-        for s in stages.values():
-            self.by_model.setdefault(s.model, []).append(s)
+        self.cfg, self.by_model, self.scheduler = cfg, chains, scheduler
+        self.stages = {s.key: s for chain in chains.values() for s in chain}
         self.servers = [Server(f"server-{i}", cfg.slots, cfg.cache_budget, reads=Fluid(cfg.bandwidth),
                                cpu=Fluid(cfg.host_cores, 1.0) if cfg.host_cores > 0 else None)
                         for i in range(cfg.servers)]
@@ -85,12 +82,12 @@ class SimCluster:
 
     def state(self, now: float) -> ClusterState:
         servers, replicas = [], []
+        draining = Counter(r.server.name for st in self.stages.values() for r in st.replicas if r.draining)
         for sv in self.servers:
             sv.reads.advance(now)
-            draining = sum(1 for st in self.stages.values() for r in st.replicas if r.server is sv and r.draining)
             fetches = tuple(Fetch(p, r.started_at + self.cfg.cold_deadline_s) for r, p in sv.reads.jobs
                             if isinstance(r, Replica))
-            servers.append(SchedServer(sv.name, sv.slots - draining, self.cfg.bandwidth, sv.cached(),
+            servers.append(SchedServer(sv.name, sv.slots - draining[sv.name], self.cfg.bandwidth, sv.cached(),
                                        False, fetches))
         for st in self.stages.values():
             replicas += [SchedReplica(r.id, st.key, r.server.name, r.started_by, r.ready, r.started_at)
@@ -134,18 +131,15 @@ class SimCluster:
 
     def remove(self, r: Replica, now: float) -> None:
         """Starting replicas are cancelled, idle ones leave at once, busy ones after their item."""
-        st, sv = r.stage, r.server
+        sv = r.server
+        r.draining = True            # a pending start finds it draining and drops it
         if not r.ready:
             for phase, fluid in (("reads", sv.reads), ("cpu", sv.cpu)):
                 if fluid is not None and fluid.remove(r, now):
                     self._next(sv, phase, now)
-            r.draining = True        # a pending READY finds it draining and drops it
             self.release(r)
-        elif r.busy:
-            r.draining = True
-        else:
-            r.draining = True
-            st.idle.remove(r)
+        elif not r.busy:
+            r.stage.idle.remove(r)
             self.release(r)
 
     def release(self, r: Replica) -> None:
@@ -210,7 +204,7 @@ class SimCluster:
                 del sv.zygotes[key]
         except OverBudget:
             return False
-        z = sv.zygotes[st.key] = Zygote(st.key, st.shard_bytes, now)
+        z = sv.zygotes[st.key] = Zygote(st.shard_bytes, now)
         self._read(sv, z, st.shard_bytes, now)
         return True
 

@@ -54,6 +54,10 @@ class SimConfig:
     def cache_budget(self) -> int:
         return int(self.host_memory_bytes * self.cache_threshold)
 
+    def hop(self, activation_bytes: int) -> float:
+        """One hand-off between stages: the fixed part and the activation over the network."""
+        return self.hop_s + (activation_bytes / self.hop_bandwidth if self.hop_bandwidth > 0 else 0.0)
+
     def replace(self, **changes: object) -> "SimConfig":
         return dataclasses.replace(self, **changes)
 

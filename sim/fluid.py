@@ -37,8 +37,9 @@ class Fluid:
 
     def finished(self, now: float) -> list[object]:
         self.advance(now)
-        done = [j[0] for j in self.jobs if j[1] <= EPS * max(1.0, self.capacity)]
-        self.jobs = [j for j in self.jobs if j[1] > EPS * max(1.0, self.capacity)]
+        eps = EPS * max(1.0, self.capacity)
+        done = [j[0] for j in self.jobs if j[1] <= eps]
+        self.jobs = [j for j in self.jobs if j[1] > eps]
         return done
 
     def next_done(self, now: float) -> float | None:

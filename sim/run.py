@@ -2,8 +2,6 @@
 policy, and the load generator's summary, timelines and report for each."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from contracts.config import Settings
@@ -22,7 +20,7 @@ def simulate(cfg: SimConfig, models: list[SimModel], arrivals: dict[str, np.ndar
 def unloaded_latency(cfg: SimConfig, model: SimModel) -> float:
     """A request alone in the pipeline: the entry, every stage's mean service and every hop."""
     p = model.profile
-    hop = cfg.hop_s + (model.activation_bytes / cfg.hop_bandwidth if cfg.hop_bandwidth > 0 else 0.0)
+    hop = cfg.hop(model.activation_bytes)
     return cfg.entry_s + sum(p.stage_ms(i) / 1000.0 + cfg.service_overhead_s + hop for i in range(model.num_stages))
 
 
@@ -30,29 +28,21 @@ def replica_seconds(trace: Trace, period_s: float) -> float:
     return float(sum(sum(sum(row) for row in s["replicas"]) for s in trace.samples.values()) * period_s)
 
 
+def stage_timeline(trace: Trace, cfg: SimConfig, model: SimModel) -> dict:
+    """The load generator's timeline of one model: replicas and queue per sample, arrival rate,
+    inter-arrival CV and mean queue per stage."""
+    s = trace.samples[model.name]
+    sampler = Sampler(None, model.name, model.num_stages, cfg.sample_s,
+                      samples=list(zip(s["t"], s["replicas"], s["queue"])))
+    return timeline(sampler, trace.stage_arrivals[model.name], 0.0)
+
+
 def report_run(trace: Trace, cfg: SimConfig, models: list[SimModel], detail: bool = True) -> dict:
     """One run in the shape `loadgen.report.write` takes. The timeline is the first model's (as
     a replay's); the profiled latency is the first model's unloaded latency."""
     first = models[0]
-    s = trace.samples[first.name]
-    sampler = Sampler(None, first.name, first.num_stages, cfg.sample_s,
-                      samples=list(zip(s["t"], s["replicas"], s["queue"])))
     records = trace.records(detail)
     duration = float(trace.sent.max()) if len(trace.sent) else 1.0
     return {"summary": summarize(records, unloaded_latency(cfg, first), duration or 1.0,
                                  replica_seconds(trace, cfg.sample_s)),
-            "timeline": timeline(sampler, trace.stage_arrivals[first.name], 0.0),
-            "records": records}
-
-
-def mean_queues(trace: Trace, model: str) -> list[float]:
-    q = trace.samples[model]["queue"]
-    return [float(np.mean(col)) for col in zip(*q)] if q else []
-
-
-def stage_cvs(trace: Trace, model: str) -> list[float]:
-    out = []
-    for times in trace.stage_arrivals[model]:
-        gaps = np.diff(np.sort(times))
-        out.append(float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else math.nan)
-    return out
+            "timeline": stage_timeline(trace, cfg, first), "records": records}

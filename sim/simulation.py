@@ -71,8 +71,7 @@ class Simulation:
         self.now = 0.0
         self.events = 0
         rng_root = np.random.SeedSequence(cfg.seed)
-        self.stages: dict[str, Stage] = {}
-        self.first: dict[str, Stage] = {}
+        self.chains: dict[str, list[Stage]] = {}
         self.hop: dict[str, float] = {}
         for m, child in zip(models, rng_root.spawn(len(models))):
             p = m.profile
@@ -81,10 +80,10 @@ class Simulation:
                      for i, g in enumerate(child.spawn(m.num_stages))]
             for a, b in zip(chain, chain[1:]):
                 a.next = b
-            self.stages.update({s.key: s for s in chain})
-            self.first[m.name] = chain[0]
-            self.hop[m.name] = cfg.hop_s + (m.activation_bytes / cfg.hop_bandwidth if cfg.hop_bandwidth > 0 else 0.0)
-        self.cluster = SimCluster(cfg, self.stages, scheduler or Scheduler(scheduler_params(self.settings)),
+            self.chains[m.name] = chain
+            self.hop[m.name] = cfg.hop(m.activation_bytes)
+        self.stages = {s.key: s for chain in self.chains.values() for s in chain}
+        self.cluster = SimCluster(cfg, self.chains, scheduler or Scheduler(scheduler_params(self.settings)),
                                   self.schedule, self._serve_next)
         self.policies = {m.name: make_policy(self.settings, m.name) for m in models}
         self.memory: dict[str, object] = {}
@@ -164,7 +163,7 @@ class Simulation:
     def _arrive(self, i: int) -> None:
         m = self.models[self.model_of[i]]
         t = self._entry(self.now)
-        self.schedule(t, "enq", self.first[m.name], (i, t))
+        self.schedule(t, "enq", self.chains[m.name][0], (i, t))
 
     def _entry(self, t: float) -> float:
         """The entry function is one process doing entry_s / 2 of CPU work per request on the way
@@ -244,8 +243,7 @@ class Simulation:
 
     def _tick(self, now: float) -> None:
         for m in self.models:
-            stages = [self.stages[f"{m.name}:{i}"] for i in range(m.num_stages)]
-            states = tuple(st.observe(now, self.cfg.window_s) for st in stages)
+            states = tuple(st.observe(now, self.cfg.window_s) for st in self.chains[m.name])
             state = PipelineState(m.name, states, slo_s=self.cfg.slo_s, entry_rate=states[0].arrival_rate, now=now)
             decision, self.memory[m.name] = self.policies[m.name].decide(state, self.memory.get(m.name))
             self.cluster.publish_key_stages(m.name, decision.key_stages)
@@ -256,11 +254,10 @@ class Simulation:
 
     def _sample(self, now: float) -> None:
         for m in self.models:
-            stages = [self.stages[f"{m.name}:{i}"] for i in range(m.num_stages)]
             s = self.samples[m.name]
             s["t"].append(now)
-            s["replicas"].append([st.ready_count() for st in stages])
-            s["queue"].append([len(st.queue) for st in stages])
+            s["replicas"].append([st.ready_count() for st in self.chains[m.name]])
+            s["queue"].append([len(st.queue) for st in self.chains[m.name]])
 
     def _trace(self) -> Trace:
         return Trace([m.name for m in self.models], self.model_of, self.sent, self.latency, self.status,

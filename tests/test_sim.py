@@ -18,7 +18,7 @@ from loadgen.metrics import summarize
 from pipeline.emulated import Profile
 from sim.config import SimConfig, embedded_runtime, quart_testbed
 from sim.models import SimModel, table1
-from sim.run import report_run, simulate, stage_cvs
+from sim.run import report_run, simulate, stage_timeline
 from sim.simulation import Simulation
 
 BARE = SimConfig(servers=1, gpus_per_server=16, hop_s=0.0, entry_s=0.0, hop_bandwidth=0.0, tail_s=0.0,
@@ -27,6 +27,19 @@ BARE = SimConfig(servers=1, gpus_per_server=16, hop_s=0.0, entry_s=0.0, hop_band
 
 def one_stage(mean_ms: float, cv: float = 1.0) -> SimModel:
     return SimModel("q", Profile("q", mean_ms, cv=cv, weights=(1.0,)), 0)
+
+
+def finish_starts(sim: Simulation) -> dict[str, float]:
+    """Runs only the start paths' events; returns when each started replica became ready."""
+    ready: dict[str, float] = {}
+    sim.cluster._start_serving = lambda r, now: ready.setdefault(r.id, now)
+    while sim._heap:
+        t, _, kind, x, y = heapq.heappop(sim._heap)
+        if kind == "fluid":
+            sim.cluster.on_fluid(x, y, t)
+        elif kind == "started":
+            sim.cluster.on_started(x, t)
+    return ready
 
 
 def static(replicas: int, home) -> Settings:
@@ -105,14 +118,7 @@ def test_cold_starts_share_a_servers_bandwidth(tmp_path):
     server = sim.cluster.servers[0]
     a = sim.cluster.start(stage, server, "cold", 0.0)
     b = sim.cluster.start(stage, server, "cold", 0.0)
-    ready = {}
-    sim.cluster._start_serving = lambda r, now: ready.setdefault(r.id, now)
-    while sim._heap:
-        t, _, kind, x, y = heapq.heappop(sim._heap)
-        if kind == "fluid":
-            sim.cluster.on_fluid(x, y, t)
-        elif kind == "started":
-            sim.cluster.on_started(x, t)
+    ready = finish_starts(sim)
     # Two 2 GB reads sharing 1 GB/s end together after 4 s, then 1 s of initialisation.
     assert ready[a.id] == pytest.approx(5.0) and ready[b.id] == pytest.approx(5.0)
 
@@ -123,13 +129,8 @@ def test_initialisations_share_the_hosts_cores(tmp_path):
     model = SimModel("q", Profile("q", 100, weights=(1.0,)), 0)
     sim = Simulation(cfg, [model], {"q": np.array([1.0])}, "static", static(1, tmp_path))
     started = [sim.cluster.start(sim.stages["q:0"], sim.cluster.servers[0], "cold", 0.0) for _ in range(4)]
-    ready = {}
-    sim.cluster._start_serving = lambda r, now: ready.setdefault(r.id, now)
     assert sim.cluster.servers[0].slowdown() == 1.0      # reads first; nothing initialises yet
-    while sim._heap:
-        t, _, kind, x, y = heapq.heappop(sim._heap)
-        if kind == "fluid":
-            sim.cluster.on_fluid(x, y, t)
+    ready = finish_starts(sim)
     assert [ready[r.id] for r in started] == pytest.approx([2.0] * 4, abs=1e-6)
 
 
@@ -137,7 +138,7 @@ def test_stage_cvs_fall_behind_a_busy_stage(tmp_path):
     """QUART Fig. 2a's effect: a busy stage smooths a bursty stream for the stages after it."""
     arrivals = {"llama-7b": gamma_arrivals(18.0, 4.0, 200.0, seed=5)}
     trace = simulate(embedded_runtime(), table1(["llama-7b"]), arrivals, "static", Settings(home=str(tmp_path)))
-    cvs = stage_cvs(trace, "llama-7b")
+    cvs = stage_timeline(trace, embedded_runtime(), table1(["llama-7b"])[0])["cv"]
     assert cvs[0] > 3.0 and cvs[-1] < 0.5 * cvs[0]
 
 
