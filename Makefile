@@ -15,7 +15,7 @@ $(STAMP): requirements.txt requirements-weights.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m runtime.demo
+	$(PY) -m tools.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

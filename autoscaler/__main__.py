@@ -22,8 +22,8 @@ from autoscaler.backends import LocalBackend
 from autoscaler.loop import ControlLoop
 from contracts import keys
 from contracts.config import Settings, add_arguments, settings_from_args
-from runtime.client import GatewayClient
-from runtime.stack import read_stack, stage_counts
+from contracts.http_client import GatewayClient
+from contracts.stack import read_stack, stage_counts
 
 
 def run(settings: Settings) -> int:

@@ -14,7 +14,7 @@ from typing import Protocol
 import redis
 
 from contracts import keys
-from runtime.client import GatewayClient
+from contracts.http_client import GatewayClient
 
 log = logging.getLogger("quart.backend")
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import redis
 
 from autoscaler.backends import Backend
-from autoscaler.baselines import BASELINES
-from autoscaler.compensator import Compensator, load_fits
-from autoscaler.corrector import Corrector, PIDConfig
 from autoscaler.observe import Observer
-from autoscaler.quart import Quart
-from autoscaler.smoother import CVAttention, Smoother
-from autoscaler.state import Decision, PipelineState
+from autoscaler.policy.baselines import BASELINES
+from autoscaler.policy.compensator import Compensator, load_fits
+from autoscaler.policy.corrector import Corrector, PIDConfig
+from autoscaler.policy.quart import Quart
+from autoscaler.policy.smoother import CVAttention, Smoother
+from autoscaler.policy.state import Decision, PipelineState
 from contracts import keys
 from contracts.config import Settings
 

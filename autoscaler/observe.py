@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from autoscaler.state import PipelineState, StageState
+from autoscaler.policy.state import PipelineState, StageState
 from contracts import keys
 from pipeline.registry import live_replicas, stream_backlog
 
@@ -30,7 +30,7 @@ class Window:
     wait_mean: float = 0.0
 
     @classmethod
-    def of(cls, arrivals: np.ndarray, service: np.ndarray, wait: np.ndarray) -> "Window":
+    def of(cls, arrivals: np.ndarray, service: np.ndarray, wait: np.ndarray) -> Window:
         return cls(len(arrivals), _cv(arrivals) if len(arrivals) > 2 else 1.0, len(service),
                    float(service.mean()) if len(service) else 0.0,
                    float(service.std() / service.mean()) if len(service) > 1 and service.mean() > 0 else 1.0,

@@ -10,14 +10,14 @@ import time
 import numpy as np
 import torch
 
-from autoscaler.compensator import Compensator, CPUFit
-from autoscaler.corrector import Corrector
-from autoscaler.cv_traces import synthetic
-from autoscaler.quart import Quart
-from autoscaler.smoother import Smoother
-from autoscaler.state import PipelineState, StageState
-from autoscaler.train_smoother import evaluate, split, train
+from autoscaler.policy.compensator import Compensator, CPUFit
+from autoscaler.policy.corrector import Corrector
+from autoscaler.policy.quart import Quart
+from autoscaler.policy.smoother import Smoother
+from autoscaler.policy.state import PipelineState, StageState
 from benchmarks.report import conditions, table, write
+from tools.cv_traces import synthetic
+from tools.train_smoother import evaluate, split, train
 
 
 def random_states(count: int, stages: int, seed: int) -> list[PipelineState]:

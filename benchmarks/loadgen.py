@@ -13,11 +13,11 @@ import sys
 import time
 
 from benchmarks.report import RESULTS, conditions, table, write
+from contracts.paths import REPO_ROOT
 from loadgen.arrivals import poisson_arrivals
 from loadgen.client import run as replay
 from loadgen.metrics import schedule_error
 from loadgen.requests import Request
-from runtime.functions import REPO_ROOT
 from runtime.ports import free_port
 
 ENDPOINT = """

@@ -16,9 +16,9 @@ from transformers import AutoTokenizer
 
 from benchmarks.report import conditions, percentiles, table, write
 from contracts.config import load_settings
+from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
 from runtime import __main__ as control
-from runtime.client import GatewayClient
 from runtime.ports import free_port
 
 STAGES = 4

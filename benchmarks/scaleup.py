@@ -24,11 +24,12 @@ import torch
 from benchmarks.report import conditions, table, write
 from contracts import keys
 from contracts.config import Settings, load_settings, settings_environment
+from contracts.paths import STAGE_HANDLER
 from contracts.wire import MESSAGE_FIELD, Header, pack
 from keysmanager.client import KeysClient
 from pipeline.manifest import Manifest
 from pipeline.registry import live_replicas
-from runtime.functions import STAGE_HANDLER, start_watchdog
+from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 

@@ -20,8 +20,6 @@ import time
 import numpy as np
 import torch
 
-from autoscaler.cv_traces import windows
-from autoscaler.train_smoother import evaluate, split, train
 from benchmarks.report import RESULTS, conditions, table, write
 from contracts.config import Settings
 from loadgen.arrivals import gamma_arrivals
@@ -29,6 +27,8 @@ from sim.config import embedded_runtime, quart_testbed
 from sim.models import table1
 from sim.run import simulate, stage_timeline, unloaded_latency
 from sim.simulation import Trace
+from tools.cv_traces import windows
+from tools.train_smoother import evaluate, split, train
 
 POLICIES = ["quart", "static", "uniform-qps", "openfaas-pro-rps", "knative-kpa", "ray-serve"]
 FIG7_CVS = (0.1, 1.0, 2.0, 4.0, 8.0)

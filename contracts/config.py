@@ -116,7 +116,7 @@ class Settings:
             return [self.server]
         return [f"{self.server}-{i}" for i in range(self.virtual_servers)]
 
-    def replace(self, **changes: object) -> "Settings":
+    def replace(self, **changes: object) -> Settings:
         return dataclasses.replace(self, **changes)
 
 

@@ -53,7 +53,7 @@ class Header:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Header":
+    def from_json(cls, raw: bytes) -> Header:
         data = json.loads(raw)
         data["timings"] = [StageTiming(**t) for t in data.get("timings", [])]
         return cls(**data)

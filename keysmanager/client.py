@@ -1,7 +1,7 @@
 """Client of a server's KeysManager API (see keysmanager/api.py)."""
 from __future__ import annotations
 
-from runtime.client import HttpClient
+from contracts.http_client import HttpClient
 
 
 class KeysManagerError(RuntimeError):

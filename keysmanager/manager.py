@@ -20,11 +20,11 @@ import redis
 
 from contracts import keys
 from contracts.config import Settings, settings_environment
+from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from pipeline.emulated import PROFILES as EMULATION_PROFILES
 from pipeline.manifest import Manifest
 from pipeline.registry import key_stage_ranges
-from runtime.functions import REPO_ROOT, STAGE_HANDLER
 
 log = logging.getLogger("quart.keysmanager")
 ZYGOTE_START_TIMEOUT_S = 300.0

@@ -32,11 +32,12 @@ import torch
 from contracts.config import load_settings
 from keysmanager import inherited
 from pipeline import replica as _replica  # noqa: F401
+from pipeline import watchdog
 from pipeline.emulated import EmulatedRunner
 from pipeline.emulated import profile as emulation_profile
 from pipeline.manifest import Manifest
 from pipeline.stage_runner import StageRunner
-from runtime import watchdog
+
 
 def _reap(*_: object) -> None:
     try:

@@ -24,14 +24,14 @@ import numpy as np
 import redis
 
 from contracts.config import Settings, add_arguments, settings_from_args
+from contracts.http_client import GatewayClient, HttpClient
+from contracts.stack import read_stack, stage_counts
 from loadgen import arrivals as arr
 from loadgen.client import run as replay
 from loadgen.metrics import summarize
 from loadgen.report import write
 from loadgen.requests import PromptPool, Request, build, kind_of
 from loadgen.timeline import Sampler, stage_arrivals, timeline
-from runtime.client import GatewayClient, HttpClient
-from runtime.stack import read_stack, stage_counts
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -60,7 +60,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request, rec: Rec
             rec.stages = answer.get("stages", [])
         else:
             rec.error = body[:200].decode(errors="replace")
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         rec.latency_s = loop.time() - t0 - rec.sent
         rec.error = f"{type(exc).__name__}: {exc}"
 
@@ -89,7 +89,7 @@ async def replay(gateway: str, requests: list[Request], timeout_s: float = 300.0
             if delay > 0:
                 try:
                     await asyncio.wait_for(stop.wait(), delay)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             if stop.is_set():
                 break

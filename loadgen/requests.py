@@ -39,7 +39,7 @@ class PromptPool:
         self.tokens = [max(1, round(len(p) / CHARS_PER_TOKEN)) for p in self.prompts]
 
     @classmethod
-    def sharegpt(cls, count: int = 2000, seed: int = 0, max_chars: int = 2000) -> "PromptPool":
+    def sharegpt(cls, count: int = 2000, seed: int = 0, max_chars: int = 2000) -> PromptPool:
         from loadgen.sharegpt import first_prompts
         return cls(first_prompts(count, seed=seed, max_chars=max_chars, pool=count * 3))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def _records(text: str) -> Iterator[dict]:

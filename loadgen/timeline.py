@@ -31,7 +31,7 @@ class Sampler:
         queues = [stream_backlog(self.r, self.model, i)[0] for i in range(self.stages)]
         self.samples.append((now, replicas, queues))
 
-    def start(self) -> "Sampler":
+    def start(self) -> Sampler:
         def loop() -> None:
             while not self._stop.wait(self.period_s):
                 try:

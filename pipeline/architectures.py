@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, LlamaModel
-from transformers import PretrainedConfig
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, LlamaModel, PretrainedConfig
 
 from contracts.wire import BadRequest
 

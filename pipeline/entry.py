@@ -18,8 +18,14 @@ from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
 from pipeline.emulated import WIDTH as EMULATED_WIDTH
 from pipeline.emulated import profile as emulation_profile
-from pipeline.entry_requests import (EMBED_MAX_TOKENS, check_prompt_length, parse_embed,
-                                     parse_emulated, parse_generate, parse_json)
+from pipeline.entry_requests import (
+    EMBED_MAX_TOKENS,
+    check_prompt_length,
+    parse_embed,
+    parse_emulated,
+    parse_generate,
+    parse_json,
+)
 from pipeline.manifest import Manifest
 
 log = logging.getLogger("quart.entry")
@@ -62,7 +68,7 @@ class Entry:
             return exc.status, {"error": str(exc)}
         except StageFailed as exc:
             return exc.status, {"error": str(exc), "id": request_id}
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return 504, {"error": f"request {request_id} did not finish within "
                                   f"{self.settings.request_timeout_s:g} s", "id": request_id}
         answer["id"] = request_id

@@ -60,7 +60,7 @@ class Manifest:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Manifest":
+    def load(cls, directory: str | Path) -> Manifest:
         directory = Path(directory)
         path = directory / MANIFEST_NAME
         if not path.is_file():

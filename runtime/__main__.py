@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from contracts.config import Settings, add_arguments, settings_environment, settings_from_args
-from runtime.client import GatewayClient
-from runtime.functions import REPO_ROOT
-from runtime.stack import read_stack, stage_counts
+from contracts.http_client import GatewayClient
+from contracts.paths import REPO_ROOT
+from contracts.stack import read_stack, stage_counts
 
 PID_FILE = "runtime.pid"
 

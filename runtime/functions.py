@@ -11,23 +11,22 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from itertools import count
 from pathlib import Path
 
 from contracts.config import Settings, settings_environment
+from contracts.paths import REPO_ROOT
 from keysmanager.client import KeysClient, KeysManagerError
 
 log = logging.getLogger("quart.functions")
 _serial = count()
-REPO_ROOT = Path(__file__).resolve().parent.parent
-STAGE_HANDLER = REPO_ROOT / "functions" / "stage"
 
 
 def start_watchdog(settings: Settings, handler: Path, env: dict[str, str], port_file: Path | None,
                    log_path: Path) -> subprocess.Popen:
     """A cold replica: a new process that imports everything and loads its stages itself."""
-    cmd = [sys.executable, "-m", "runtime.watchdog", "--handler", str(handler)]
+    cmd = [sys.executable, "-m", "pipeline.watchdog", "--handler", str(handler)]
     if port_file is not None:
         cmd += ["--port-file", str(port_file)]
     full_env = {**os.environ, **settings_environment(settings), **env, "PYTHONPATH": str(REPO_ROOT)}
@@ -96,7 +95,7 @@ class FunctionState:
     deployment: dict
     handler: Path
     desired: int
-    created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
+    created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     replicas: list[ReplicaProcess] = field(default_factory=list)
     invocations: int = 0
     _next: int = 0

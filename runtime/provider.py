@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 import redis
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from contracts.config import Settings
+from contracts.stack import NAME_RE, StackFunction
 from keysmanager.client import KeysClient
 from runtime.functions import FunctionState, ProcessManager
 from runtime.placer import Placer
-from runtime.stack import NAME_RE, StackFunction
 
 log = logging.getLogger("quart.provider")
 VERSION = "0.1.0"
@@ -177,7 +177,7 @@ class LocalProvider:
                 async with self._session.get(f"http://127.0.0.1:{replica.port}/_/health",
                                              timeout=aiohttp.ClientTimeout(total=2)) as resp:
                     healthy = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 healthy = False
             # Like a Kubernetes readiness probe: one slow answer on a busy machine does not take
             # a ready replica out of service; FAILURE_THRESHOLD in a row do.
@@ -335,7 +335,7 @@ class LocalProvider:
                     return web.Response(status=resp.status, body=payload, headers=out_headers)
             except aiohttp.ClientConnectionError:
                 replica.ready = False
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return error(504, f"function {fn.name!r} did not answer in time")
         return error(503, f"function {fn.name!r} has no ready replica")
 

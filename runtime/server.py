@@ -17,11 +17,11 @@ import redis
 from aiohttp import web
 
 from contracts.config import Settings, load_settings, settings_environment
+from contracts.paths import REPO_ROOT
+from contracts.stack import StackFunction, read_stack
 from keysmanager.client import KeysClient, KeysManagerError
-from runtime.functions import REPO_ROOT
 from runtime.provider import LocalProvider, read_or_create_password
 from runtime.redis_server import start_redis
-from runtime.stack import StackFunction, read_stack
 
 log = logging.getLogger("quart.server")
 

@@ -52,7 +52,7 @@ class _Cluster:
     _cached_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, state: ClusterState) -> "_Cluster":
+    def of(cls, state: ClusterState) -> _Cluster:
         servers = sorted(state.servers, key=lambda s: s.name)
         names = [s.name for s in servers]
         index = {n: j for j, n in enumerate(names)}

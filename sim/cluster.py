@@ -5,12 +5,14 @@ caching key stages under its byte budget (keysmanager.cache_policy). No policy l
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from scheduler.placement import Scheduler
-from scheduler.state import Change, ClusterState, Fetch, Replica as SchedReplica, Schedule, Server as SchedServer
+from scheduler.state import Change, ClusterState, Fetch, Schedule
+from scheduler.state import Replica as SchedReplica
+from scheduler.state import Server as SchedServer
 from sim.config import SimConfig
 from sim.fluid import Fluid
 from sim.stage import Replica, Stage

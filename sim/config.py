@@ -58,7 +58,7 @@ class SimConfig:
         """One hand-off between stages: the fixed part and the activation over the network."""
         return self.hop_s + (activation_bytes / self.hop_bandwidth if self.hop_bandwidth > 0 else 0.0)
 
-    def replace(self, **changes: object) -> "SimConfig":
+    def replace(self, **changes: object) -> SimConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -74,7 +74,7 @@ def embedded_runtime(**changes: object) -> SimConfig:
     stage's measured service exceeds its drawn sleep by 0.6 ms, a request spends 5 ms outside
     the stages (benchmarks/results/loadgen-cv1, static policy, stages after the bottleneck); a
     forked replica takes its first item after about 30 ms; a cold replica or a zygote first
-    imports its modules, 5.1 s of one core's work (`import pipeline.replica, runtime.watchdog`:
+    imports its modules, 5.1 s of one core's work (`import pipeline.replica, pipeline.watchdog`:
     4.7 s user + 0.5 s system), sharing the 2 cores with every other start. Its one KeysManager
     caches the stages one after another, and by the time a replay starts only the first is
     cached (the runtime's logs). Emulated stages read no parameters."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoscaler.loop import enact, make_policy
-from autoscaler.state import PipelineState
+from autoscaler.policy.state import PipelineState
 from contracts.config import Settings
 from loadgen.client import Record
 from runtime.placer import scheduler_params

@@ -8,7 +8,7 @@ from collections import deque
 import numpy as np
 
 from autoscaler.observe import Window, stage_state
-from autoscaler.state import StageState
+from autoscaler.policy.state import StageState
 
 DRAWS = 4096
 
@@ -16,7 +16,7 @@ DRAWS = 4096
 class Replica:
     __slots__ = ("id", "stage", "server", "started_by", "started_at", "ready", "draining", "busy")
 
-    def __init__(self, rid: str, stage: "Stage", server: "object", started_by: str, started_at: float) -> None:
+    def __init__(self, rid: str, stage: Stage, server: object, started_by: str, started_at: float) -> None:
         self.id, self.stage, self.server = rid, stage, server
         self.started_by, self.started_at = started_by, started_at
         self.ready = self.draining = self.busy = False

@@ -10,7 +10,7 @@ import yaml
 from openapi_core import OpenAPI
 from openapi_core.testing import MockRequest, MockResponse
 
-from runtime.client import GatewayClient, Reply
+from contracts.http_client import GatewayClient, Reply
 
 SPEC = Path(os.environ.get("QUART_OPENFAAS_SPEC",
                            Path(__file__).resolve().parents[2] / "shared" / "openfaas" / "spec.openapi.yml"))

@@ -5,7 +5,7 @@ A replica forked by a KeysManager zygote uses the parameters it inherited instea
 """
 from contracts.config import load_settings
 from contracts.wire import CONTENT_TYPE, BadRequest
-from keysmanager.inherited import inherited_runner
+from pipeline.inherited import inherited_runner
 from pipeline.replica import Replica
 
 SETTINGS = load_settings()

@@ -16,11 +16,11 @@ import redis
 
 from contracts import keys
 from contracts.config import Settings
+from contracts.paths import REPO_ROOT as REPO
 from keysmanager.client import KeysClient
 from pipeline.registry import live_replicas
 from runtime.ports import free_port
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "llama-7b"
 
 

@@ -1,30 +1,18 @@
-"""The load generator: trace readers on small files written here, the Gamma generator's rate and
-CV, the open-loop client against a real local HTTP server (its schedule, Ctrl-C), the metrics on
-hand-computed cases, and the comparison command end to end on emulated stages."""
+"""The load generator without a server: trace readers on small files written here, the Gamma
+generator's rate and CV, prompt lengths, and the metrics on hand-computed cases."""
 from __future__ import annotations
 
 import csv
-import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from loadgen import arrivals as arr
-from loadgen.client import Record, run
+from loadgen.client import Record
 from loadgen.metrics import goodput, latency_summary, slo_attainment, summarize
-from loadgen.requests import PromptPool, Request, build
-from runtime.ports import free_port
-
-REPO = Path(__file__).resolve().parent.parent
+from loadgen.requests import PromptPool, build
 
 
 def write_azure(path: Path, rows: list[tuple[str, list[int]]]) -> None:
@@ -107,62 +95,6 @@ def test_prompt_lengths_follow_the_trace():
     assert list(embed[0].body) == ["inputs"]
 
 
-ENDPOINT = """
-import asyncio, sys
-from aiohttp import web
-async def answer(request):
-    await asyncio.sleep(float(sys.argv[2]))
-    return web.json_response({"stages": [{"stage": 0, "queue_ms": 1.0, "service_ms": 2.0}], "token_ids": [1, 2]})
-app = web.Application()
-app.router.add_post("/function/{name}", answer)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
-"""
-
-
-@pytest.fixture
-def endpoint():
-    servers = []
-
-    def start(sleep_s: float) -> str:
-        port = free_port()
-        servers.append(subprocess.Popen([sys.executable, "-c", ENDPOINT, str(port), str(sleep_s)]))
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return f"http://127.0.0.1:{port}"
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("the endpoint did not start")
-    yield start
-    for s in servers:
-        s.terminate()
-        s.wait()
-
-
-def test_the_client_keeps_its_schedule_open_loop(endpoint):
-    url = endpoint(0.3)  # every answer takes 0.3 s: a closed loop would fall behind
-    times = arr.poisson_arrivals(100.0, 2.0, seed=1)
-    requests = [Request(i, float(t), "m", {}, 5, 0) for i, t in enumerate(times)]
-    records, started = run(url, requests, progress=False)
-    assert abs(started - time.time()) < 60
-    assert [r.index for r in records] == list(range(len(requests)))
-    assert all(r.ok for r in records) and all(r.latency_s >= 0.29 for r in records)
-    errors = np.array([r.schedule_error_s for r in records])
-    assert (errors >= 0).all() and np.median(errors) < 0.05
-    assert records[0].stages == [{"stage": 0, "queue_ms": 1.0, "service_ms": 2.0}] and records[0].output_tokens == 2
-
-
-def test_ctrl_c_stops_sending_and_keeps_what_was_measured(endpoint):
-    url = endpoint(5.0)
-    requests = [Request(i, i * 0.1, "m", {}, 0, 0) for i in range(40)]
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-    records, _ = run(url, requests, progress=False, grace_s=0.5)
-    sent = [r for r in records if r.sent >= 0]
-    assert 3 <= len(sent) < 40 and len(records) == 40
-    assert all(r.status == 0 and r.error == "stopped before an answer came" for r in sent)
-    assert all(r.sent == -1 for r in records[len(sent):])
-
-
 def record(latency: float, ok: bool = True, tokens: int = 10) -> Record:
     return Record(0, "m", 0.0, sent=0.0, latency_s=latency, status=200 if ok else 503, prompt_tokens=tokens,
                   output_tokens=2)
@@ -184,23 +116,3 @@ def test_metrics_on_hand_computed_cases():
     assert math.isnan(latency_summary([])["p99"])
 
 
-def test_compare_runs_every_policy_and_writes_one_report(tmp_path, home_settings):
-    out = tmp_path / "report"
-    proc = subprocess.run(
-        [sys.executable, "-m", "loadgen", "compare", "--stack-file", "stack-emulated.yml", "--model", "llama-7b",
-         "--policies", "quart,static", "--rate", "6", "--cv", "2", "--duration", "5", "--tail", "2",
-         "--out", str(out), "--no-progress", "--home", str(tmp_path / "home"),
-         "--models", str(home_settings.models_dir)],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
-    assert list(results["runs"]) == ["quart", "static"]
-    for policy, run_ in results["runs"].items():
-        s = run_["summary"]
-        assert s["sent"] == s["ok"] > 0 and s["replica_seconds"] > 0
-        assert len(run_["timeline"]["cv"]) == 8 and len(run_["timeline"]["replicas"]) == 8
-        assert len((out / f"records-{policy}.jsonl").read_text().splitlines()) == s["sent"]
-    report = (out / "report.md").read_text()
-    assert "| quart |" in report and "| static |" in report
-    for png in ("latency_cdf.png", "slo_attainment.png", "timelines.png", "stages.png"):
-        assert (out / png).read_bytes()[:4] == b"\x89PNG"

@@ -1,9 +1,9 @@
 """Train the smoother's CV-attention model and report its held-out error per stage against the
 naive baseline (every stage's CV = the entry CV).
 
-    python -m autoscaler.train_smoother --synthetic 600 --out .quart/cv_attention.pt
-    python -m autoscaler.train_smoother --data windows.jsonl --out .quart/cv_attention.pt
-    python -m autoscaler.train_smoother --record smollm2 --stages 4 --out ...   (from Redis records)
+    python -m tools.train_smoother --synthetic 600 --out .quart/cv_attention.pt
+    python -m tools.train_smoother --data windows.jsonl --out .quart/cv_attention.pt
+    python -m tools.train_smoother --record smollm2 --stages 4 --out ...   (from Redis records)
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import numpy as np
 import redis
 import torch
 
-from autoscaler.cv_traces import read_jsonl, recorded, synthetic, write_jsonl
-from autoscaler.smoother import CVAttention, predecessors, stage_features
-from autoscaler.state import StageState
+from autoscaler.policy.smoother import CVAttention, predecessors, stage_features
+from autoscaler.policy.state import StageState
 from contracts.config import add_arguments, settings_from_args
+from tools.cv_traces import read_jsonl, recorded, synthetic, write_jsonl
 
 
 def tensors(sample: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

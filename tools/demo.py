@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from contracts.config import add_arguments, settings_from_args
+from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
 from runtime import __main__ as control
-from runtime.client import GatewayClient
 
 
 def _stage_line(stages: list[dict]) -> str:

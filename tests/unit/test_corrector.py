@@ -6,10 +6,17 @@ import math
 
 import pytest
 
-from autoscaler.corrector import (Corrector, CorrectorMemory, PIDConfig, PIDMemory, pid_step,
-                                  stage_delay, stage_targets)
-from autoscaler.queueing import mmc_sojourn
-from autoscaler.state import PipelineState, StageState
+from autoscaler.policy.corrector import (
+    Corrector,
+    CorrectorMemory,
+    PIDConfig,
+    PIDMemory,
+    pid_step,
+    stage_delay,
+    stage_targets,
+)
+from autoscaler.policy.queueing import mmc_sojourn
+from autoscaler.policy.state import PipelineState, StageState
 
 CFG = PIDConfig()
 

@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from autoscaler.compensator import Compensator, CPUFit, fit_cpu_profile, load_fits, save_fits, sojourn
-from autoscaler.corrector import stage_targets
-from autoscaler.cv_traces import synthetic
-from autoscaler.quart import Quart
-from autoscaler.smoother import CVAttention, Smoother, beta, predecessors
-from autoscaler.state import Decision, PipelineState, StageDecision, StageState
-from autoscaler.train_smoother import evaluate, split, train
+from autoscaler.policy.compensator import Compensator, CPUFit, fit_cpu_profile, load_fits, save_fits, sojourn
+from autoscaler.policy.corrector import stage_targets
+from autoscaler.policy.quart import Quart
+from autoscaler.policy.smoother import CVAttention, Smoother, beta, predecessors
+from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
+from tools.cv_traces import synthetic
+from tools.train_smoother import evaluate, split, train
 
 
 def st(i, lam, s, r, cv=1.0, q=0):
@@ -26,6 +26,7 @@ def proposed(state: PipelineState, replicas: list[int], key: tuple[int, ...] = (
 
 def test_gamma_gaps_reach_their_rate_and_cv():
     import numpy as np
+
     from loadgen.arrivals import gamma_gaps
     gaps = gamma_gaps(np.random.default_rng(1), rate=50.0, cv=4.0, n=20000)
     assert 1 / gaps.mean() == pytest.approx(50.0, rel=0.05)
@@ -122,15 +123,3 @@ def test_quart_policy_runs_corrector_smoother_compensator():
     assert "cpus" in d.stages[0].reason and "predicted_cv" in d.stages[2].reason
 
 
-def test_profile_cpu_fits_and_saves_every_stage(partitioned, home_settings, tmp_path):
-    from autoscaler.compensator import load_fits
-    from autoscaler.profile_cpu import main
-    partitioned("minilm", 3)
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "models").symlink_to(home_settings.models_dir, target_is_directory=True)
-    assert main(["--model", "minilm", "--cpus", "1", "--payloads", "4,16,32", "--repeats", "2",
-                 "--home", str(home)]) == 0
-    fits = load_fits(home / "minilm.cpu_fits.json")
-    assert sorted(fits) == [0, 1, 2]
-    assert all(f.predict(1, 16) > 0 for f in fits.values())

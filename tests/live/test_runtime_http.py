@@ -14,10 +14,10 @@ import torch
 from transformers import AutoTokenizer
 
 from contracts import keys
+from contracts.http_client import GatewayClient
 from contracts.wire import decode_tensors, encode_tensors
 from pipeline.architectures import mean_pool_normalize
 from pipeline.registry import live_replicas
-from runtime.client import GatewayClient
 from tests.openapi_check import checked
 
 
@@ -333,7 +333,7 @@ def test_scale_ups_fork_from_the_cache_repeatedly_under_load(client, r, runtime)
         scale_and_wait(client, r, "smollm2-s1", 2, stage=1)
         new = [x for x in live_replicas(r, "smollm2", 1) if x["replica_id"] not in before]
         assert len(new) == 1 and new[0]["started_by"] == "fork-cow"
-        wait_until(lambda: r.hget(keys.replica(new[0]["replica_id"]), "first_work_at"), 60,
+        wait_until(lambda rid=new[0]["replica_id"]: r.hget(keys.replica(rid), "first_work_at"), 60,
                    "the forked replica to take work")
         scale_and_wait(client, r, "smollm2-s1", 1, stage=1)
     sender.join(timeout=300)

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from autoscaler.corrector import stage_targets
-from autoscaler.queueing import min_servers
-from autoscaler.state import Decision, PipelineState, StageDecision, StageState
+from autoscaler.policy.corrector import stage_targets
+from autoscaler.policy.queueing import min_servers
+from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
 
 FEATURES = 5
 
@@ -69,7 +69,7 @@ class CVAttention(nn.Module):
         torch.save({"state": self.state_dict(), "hidden": self.w.out_features}, path)
 
     @classmethod
-    def load(cls, path: Path) -> "CVAttention":
+    def load(cls, path: Path) -> CVAttention:
         data = torch.load(path, weights_only=True)  # tensors only: nothing here runs code
         model = cls(hidden=data["hidden"])
         model.load_state_dict(data["state"])

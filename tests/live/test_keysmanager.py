@@ -14,17 +14,17 @@ import torch
 
 from contracts import keys
 from contracts.config import Settings, settings_environment
+from contracts.http_client import HttpClient
+from contracts.paths import REPO_ROOT as REPO
+from contracts.paths import STAGE_HANDLER
 from contracts.wire import decode_tensors, encode_tensors
 from keysmanager.client import KeysClient, KeysManagerError
 from pipeline.partition import partition
 from pipeline.registry import live_replicas
 from pipeline.stage_runner import StageRunner
-from runtime.client import HttpClient
-from runtime.functions import STAGE_HANDLER, start_watchdog
+from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def wait_until(predicate, timeout: float, what: str):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autoscaler.compensator import Compensator
-from autoscaler.corrector import Corrector, CorrectorMemory
-from autoscaler.smoother import Smoother, predict_cvs
-from autoscaler.state import Decision, PipelineState
+from autoscaler.policy.compensator import Compensator
+from autoscaler.policy.corrector import Corrector, CorrectorMemory
+from autoscaler.policy.smoother import Smoother, predict_cvs
+from autoscaler.policy.state import Decision, PipelineState
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Each baseline against hand-worked cases."""
 from __future__ import annotations
 
-from autoscaler.baselines import BASELINES, KnativeKPA, OpenFaaSPro, RayServe, Static, UniformQPS
-from autoscaler.state import PipelineState, StageState
+from autoscaler.policy.baselines import BASELINES, KnativeKPA, OpenFaaSPro, RayServe, Static, UniformQPS
+from autoscaler.policy.state import PipelineState, StageState
 
 
 def pipeline(*stages: StageState, rate: float = 10.0, now: float = 0.0) -> PipelineState:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoscaler.state import Decision, PipelineState, StageDecision, StageState
+from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
 
 
 def _decision(state: PipelineState, name: str, replicas: list[int], reasons: list[dict]) -> Decision:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autoscaler.queueing import allen_cunneen_wait
-from autoscaler.state import Decision, PipelineState, StageDecision, StageState
+from autoscaler.policy.queueing import allen_cunneen_wait
+from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
 
 # An unstable stage (λ ≥ c·μ) has an infinite predicted delay: its error is capped here, and
 # the replicas it needs to be stable at all are added at once.

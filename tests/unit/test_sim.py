@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from autoscaler.baselines import BASELINES
 from autoscaler.loop import make_policy
-from autoscaler.queueing import mmc_wait
+from autoscaler.policy.baselines import BASELINES
+from autoscaler.policy.queueing import mmc_wait
 from contracts.config import Settings
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from loadgen.arrivals import gamma_arrivals, poisson_arrivals

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from autoscaler.corrector import stage_targets
-from autoscaler.queueing import allen_cunneen_wait, min_servers
-from autoscaler.state import Decision, PipelineState, StageDecision, StageState
+from autoscaler.policy.corrector import stage_targets
+from autoscaler.policy.queueing import allen_cunneen_wait, min_servers
+from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
 
 
 @dataclass(frozen=True)

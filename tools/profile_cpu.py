@@ -2,7 +2,7 @@
 compensator's linear regression per stage, and save the fits where the autoscaler finds them
 (<home>/<model>.cpu_fits.json).
 
-    python -m autoscaler.profile_cpu --model smollm2 --cpus 1,2 --payloads 16,64,256
+    python -m tools.profile_cpu --model smollm2 --cpus 1,2 --payloads 16,64,256
 
 Runs the real stages in this process, one stage at a time, with the CPUs pinned (affinity and
 torch threads) for each measurement."""
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from autoscaler.compensator import CPUFit, fit_cpu_profile, save_fits
 from autoscaler.loop import CPU_FITS_FILE
+from autoscaler.policy.compensator import CPUFit, fit_cpu_profile, save_fits
 from contracts.config import add_arguments, settings_from_args
 from pipeline.manifest import Manifest
 from pipeline.stage_runner import StageRunner

@@ -2,7 +2,7 @@
 `handle(event, context)` returning {"statusCode", "body", "headers"}, over HTTP, like the
 template's watchdog does. It also answers the watchdog's health path and Prometheus metrics.
 
-    python -m runtime.watchdog --handler functions/stage --port-file /tmp/p
+    python -m pipeline.watchdog --handler functions/stage --port-file /tmp/p
 
 Optional handler hooks: `ready()` (health), `shutdown()` (called on SIGTERM before exiting,
 so a replica being scaled down finishes its work first).

@@ -57,7 +57,7 @@ class GatewayClient(HttpClient):
             self.auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
     @classmethod
-    def for_settings(cls, settings: Settings) -> "GatewayClient":
+    def for_settings(cls, settings: Settings) -> GatewayClient:
         password = settings.password_file.read_text().strip() if settings.password_file.exists() else None
         return cls(settings.gateway_url, settings.gateway_user, password, settings.request_timeout_s + 30)
 

@@ -5,8 +5,7 @@ import math
 
 import pytest
 
-from autoscaler.queueing import (allen_cunneen_wait, erlang_b, erlang_c, min_servers, mmc_sojourn,
-                                 mmc_wait)
+from autoscaler.policy.queueing import allen_cunneen_wait, erlang_b, erlang_c, min_servers, mmc_sojourn, mmc_wait
 
 
 @pytest.mark.parametrize("lam,mu,c,wq", [

@@ -1,0 +1,1 @@
+"""Pure scaling policies: observed state in, decision out, no I/O."""

@@ -1,0 +1,8 @@
+"""Where this repository's own code lies, for the processes that start other processes from it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# The handler every stage function runs (a zygote's forked children run it too).
+STAGE_HANDLER = REPO_ROOT / "functions" / "stage"
