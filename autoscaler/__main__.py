@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -21,28 +20,29 @@ import redis
 from autoscaler.backends import LocalBackend
 from autoscaler.loop import ControlLoop
 from contracts import keys
-from contracts.config import Settings, add_arguments, settings_from_args
+from contracts.config import Settings, add_arguments, exit_on_config_error, settings_from_args
 from contracts.http_client import GatewayClient
-from contracts.stack import read_stack, stage_counts
+from contracts.stack import pipelines, read_stack
 
 
 def run(settings: Settings) -> int:
-    logging.basicConfig(level=os.environ.get("QUART_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    r = redis.Redis.from_url(settings.redis_url)
-    models = stage_counts(read_stack(Path(settings.stack_file)))
-    loop = ControlLoop(settings, LocalBackend(GatewayClient.for_settings(settings), r), r, models)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    r = redis.Redis.from_url(settings.redis.url)
+    models = pipelines(read_stack(Path(settings.stack_file)))
+    loop = exit_on_config_error(
+        lambda: ControlLoop(settings, LocalBackend(GatewayClient.for_settings(settings), models, r), r, models))
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    logging.getLogger("quart.autoscaler").info("policy %s every %.1f s over %s", settings.policy,
-                                               settings.tick_s, models)
+    logging.getLogger("quart.autoscaler").info("policy %s every %.1f s over %s", settings.autoscaler.policy,
+                                               settings.autoscaler.tick_s,
+                                               {m: [s.stages for s in p.stages] for m, p in models.items()})
     loop.run(lambda: bool(stopping))
     return 0
 
 
 def status(settings: Settings, watch: bool) -> int:
-    r = redis.Redis.from_url(settings.redis_url)
-    models = stage_counts(read_stack(Path(settings.stack_file)))
+    r = redis.Redis.from_url(settings.redis.url)
+    models = pipelines(read_stack(Path(settings.stack_file)))
     while True:
         lines = []
         for model in models:
@@ -62,7 +62,7 @@ def status(settings: Settings, watch: bool) -> int:
         print("\n".join(lines), flush=True)
         if not watch:
             return 0
-        time.sleep(settings.tick_s)
+        time.sleep(settings.autoscaler.tick_s)
         print()
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watch", action="store_true", help="with status: refresh every tick")
     add_arguments(parser, "policy", "tick_s", "slo_s", "window_s", "home", "redis_port", "gateway_port", "stack_file")
     args = parser.parse_args(argv)
-    settings = settings_from_args(args)
+    settings = exit_on_config_error(lambda: settings_from_args(args))
     return run(settings) if args.command == "run" else status(settings, args.watch)
 
 

@@ -1,10 +1,10 @@
-"""How decisions take effect: one small interface, and its implementations.
+"""How replica and CPU changes take effect: one small interface, and its implementations.
 
-- GatewayBackend: any OpenFaaS gateway (basic auth): replicas through /system/scale-function.
-  Stage `i` of `model` is the function `<model>-s<i>`. OpenFaaS CE clamps scale-function to
+- GatewayBackend: any OpenFaaS gateway (basic auth): replicas through /system/scale-function,
+  each stage function by the name the stack file gives it. OpenFaaS CE clamps scale-function to
   1..5 replicas; CPU changes would need a redeploy there, so they are not made.
 - LocalBackend: the embedded runtime's gateway, plus live CPU changes: replicas read the wanted
-  CPUs of their stage from Redis and apply them between work items, without a restart.
+  CPUs of their stage function from Redis and apply them between work items, without a restart.
 """
 from __future__ import annotations
 
@@ -15,45 +15,45 @@ import redis
 
 from contracts import keys
 from contracts.http_client import GatewayClient
+from contracts.stack import Pipeline
+from contracts.stage import StageRef
 
 log = logging.getLogger("quart.backend")
 
 
 class Backend(Protocol):
-    def desired_replicas(self, model: str, num_stages: int) -> list[int]: ...
-    def set_replicas(self, model: str, stage: int, replicas: int) -> None: ...
-    def set_cpus(self, model: str, stage: int, cpus: int) -> None: ...
-
-
-def function_name(model: str, stage: int) -> str:
-    return f"{model}-s{stage}"
+    def desired_replicas(self) -> dict[str, list[int]]: ...
+    def set_replicas(self, stage: StageRef, replicas: int) -> None: ...
+    def set_cpus(self, stage: StageRef, cpus: int) -> None: ...
 
 
 class GatewayBackend:
-    def __init__(self, client: GatewayClient) -> None:
+    def __init__(self, client: GatewayClient, pipelines: dict[str, Pipeline]) -> None:
         self.client = client
+        self.pipelines = pipelines
         self._warned = False
 
-    def desired_replicas(self, model: str, num_stages: int) -> list[int]:
+    def desired_replicas(self) -> dict[str, list[int]]:
+        """Each model's stage functions' replica counts, as the gateway reports them."""
         by_name = {f["name"]: int(f["replicas"]) for f in self.client.functions()}
-        return [by_name.get(function_name(model, i), 0) for i in range(num_stages)]
+        return {m: [by_name.get(name, 0) for name in p.functions] for m, p in self.pipelines.items()}
 
-    def set_replicas(self, model: str, stage: int, replicas: int) -> None:
-        reply = self.client.scale(function_name(model, stage), replicas)
+    def set_replicas(self, stage: StageRef, replicas: int) -> None:
+        name = self.pipelines[stage.model].function(stage)
+        reply = self.client.scale(name, replicas)
         if reply.status not in (200, 202):
-            raise RuntimeError(f"scaling {function_name(model, stage)} to {replicas}: "
-                               f"{reply.status} {reply.body[:200]!r}")
+            raise RuntimeError(f"scaling {name} to {replicas}: {reply.status} {reply.body[:200]!r}")
 
-    def set_cpus(self, model: str, stage: int, cpus: int) -> None:
+    def set_cpus(self, stage: StageRef, cpus: int) -> None:
         if not self._warned:
             log.warning("this gateway backend cannot change CPUs of running replicas; CPU decisions are logged only")
             self._warned = True
 
 
 class LocalBackend(GatewayBackend):
-    def __init__(self, client: GatewayClient, r: redis.Redis) -> None:
-        super().__init__(client)
+    def __init__(self, client: GatewayClient, pipelines: dict[str, Pipeline], r: redis.Redis) -> None:
+        super().__init__(client, pipelines)
         self.redis = r
 
-    def set_cpus(self, model: str, stage: int, cpus: int) -> None:
-        self.redis.set(keys.stage_cpus(model, stage), str(cpus))
+    def set_cpus(self, stage: StageRef, cpus: int) -> None:
+        self.redis.set(keys.stage_cpus(stage), str(cpus))

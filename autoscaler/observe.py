@@ -1,6 +1,7 @@
-"""Builds a policy's observed state from what the data plane leaves in Redis: each stage's records
-(arrival time at the stage, queue wait, service time, replica), its stream (items still waiting:
-stream IDs are arrival times), and the replica registry."""
+"""Builds each model's observed state from what the data plane leaves in Redis: per stage
+function its records (arrival time at the stage, queue wait, service time, replica), its stream
+(items still waiting: stream IDs are arrival times) and its registered replicas. Every stage of
+every model is read in two pipelined round trips per tick."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,75 +9,73 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from autoscaler.policy.state import PipelineState, StageState
+from autoscaler.policy.state import PipelineState
+from autoscaler.policy.window import Window, stage_state
 from contracts import keys
-from pipeline.registry import live_replicas, stream_backlog
-
-
-def _cv(times: np.ndarray) -> float:
-    gaps = np.diff(np.sort(times))
-    return float(gaps.std() / gaps.mean()) if len(gaps) >= 2 and gaps.mean() > 0 else 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Window:
-    """What one stage saw in one observation window: how many items arrived and how bursty,
-    and the service and queue-wait times (s) of the items it finished."""
-    arrivals: int = 0
-    arrival_cv: float = 1.0
-    finished: int = 0
-    service_mean: float = 0.0
-    service_cv: float = 1.0
-    wait_mean: float = 0.0
-
-    @classmethod
-    def of(cls, arrivals: np.ndarray, service: np.ndarray, wait: np.ndarray) -> Window:
-        return cls(len(arrivals), _cv(arrivals) if len(arrivals) > 2 else 1.0, len(service),
-                   float(service.mean()) if len(service) else 0.0,
-                   float(service.std() / service.mean()) if len(service) > 1 and service.mean() > 0 else 1.0,
-                   float(wait.mean()) if len(wait) else 0.0)
-
-
-def stage_state(stage: int, window_s: float, w: Window, mean_service: float, replicas: int,
-                live_cpus: list[float], queued: int, in_flight: int) -> StageState:
-    """A stage's observed state from one window and what is waiting and running now. The live
-    Observer and the cluster simulator both build states with it."""
-    return StageState(
-        stage=stage, arrival_rate=w.arrivals / window_s, arrival_cv=w.arrival_cv,
-        service_time_s=mean_service, service_cv=w.service_cv,
-        replicas=replicas, ready_replicas=len(live_cpus),
-        cpus=sum(live_cpus) / len(live_cpus) if live_cpus else 1.0,
-        queue_length=queued, in_flight=in_flight, wait_s=w.wait_mean,
-        latency_s=w.wait_mean + w.service_mean if w.finished else 0.0)
+from contracts.stage import StageRef
 
 
 @dataclass
 class Observer:
-    """Reads one model's stages. Remembers each stage's last known service time, so that a stage
-    with no traffic in the window still has one."""
+    """Remembers each stage's last known service time, so that a stage with no traffic in the
+    window still has one."""
     r: redis.Redis
-    model: str
-    num_stages: int
+    pipelines: dict[str, tuple[StageRef, ...]]
     window_s: float
-    service_s: dict[int, float] = field(default_factory=dict)
+    service_s: dict[StageRef, float] = field(default_factory=dict)
 
-    def stage(self, stage: int, now: float, replicas: int) -> StageState:
+    def observe(self, now: float, desired: dict[str, list[int]], slo_s: float) -> dict[str, PipelineState]:
+        """Every model's state; `desired`: the replicas each stage function is asked to have."""
         since_ms = int((now - self.window_s) * 1000)
-        done = self.r.xrange(keys.records_stream(self.model, stage), min=f"{since_ms}-0")
-        stream = keys.stage_stream(self.model, stage)
-        waiting = self.r.xrange(stream, min=f"{since_ms}-0")
-        queued, in_flight = stream_backlog(self.r, self.model, stage)
+        refs = [ref for model in self.pipelines for ref in self.pipelines[model]]
+        pipe = self.r.pipeline(transaction=False)
+        for ref in refs:
+            stream = keys.stage_stream(ref.model, ref.first)
+            pipe.xrange(keys.records_stream(ref.model, ref.first), min=f"{since_ms}-0")
+            pipe.xrange(stream, min=f"{since_ms}-0")
+            pipe.xlen(stream)
+            pipe.xpending(stream, keys.GROUP)
+            pipe.smembers(keys.stage_replicas(ref.model, ref.first))
+        raw = pipe.execute(raise_on_error=False)
+        per_ref = {ref: raw[5 * i:5 * i + 5] for i, ref in enumerate(refs)}
+        cpus = self._replica_cpus({ref: per_ref[ref][4] for ref in refs})
+        out = {}
+        for model, stages in self.pipelines.items():
+            states = tuple(self._stage(i, ref, now, desired[model][i], per_ref[ref], cpus[ref])
+                           for i, ref in enumerate(stages))
+            out[model] = PipelineState(model, states, slo_s=slo_s, entry_rate=states[0].arrival_rate, now=now)
+        return out
+
+    def _replica_cpus(self, members: dict[StageRef, set]) -> dict[StageRef, list[float]]:
+        """CPUs of each stage's live replicas (a registration that expired is not live)."""
+        ids = {ref: sorted(m.decode() for m in ms) for ref, ms in members.items()}
+        pipe = self.r.pipeline(transaction=False)
+        for ref in ids:
+            for rid in ids[ref]:
+                pipe.hget(keys.replica(rid), "cpus")
+        values = iter(pipe.execute())
+        out, prune = {}, self.r.pipeline(transaction=False)
+        for ref, rids in ids.items():
+            got = [(rid, next(values)) for rid in rids]
+            out[ref] = [float(v) for _, v in got if v is not None]
+            dead = [rid for rid, v in got if v is None]
+            if dead:
+                prune.srem(keys.stage_replicas(ref.model, ref.first), *dead)
+        prune.execute()
+        return out
+
+    def _stage(self, index: int, ref: StageRef, now: float, replicas: int, raw: list, live_cpus: list[float]):
+        done, waiting, length, pending, _ = raw
+        # A stream or group that does not exist yet reads as an error here: nothing waits.
+        done = [] if isinstance(done, Exception) else done
+        waiting = [] if isinstance(waiting, Exception) else waiting
+        in_flight = 0 if isinstance(pending, Exception) else int(pending["pending"])
+        queued = max(0, (0 if isinstance(length, Exception) else length) - in_flight)
         arrivals = [float(f[b"t"]) for _, f in done if float(f[b"t"]) >= now - self.window_s]
         arrivals += [int(i.split(b"-")[0]) / 1000.0 for i, _ in waiting]
         service = np.array([float(f[b"s"]) for _, f in done]) / 1000.0
         wait = np.array([float(f[b"q"]) for _, f in done]) / 1000.0
         if len(service):
-            self.service_s[stage] = float(service.mean())
-        mean_service = self.service_s.get(stage, 0.0)
-        cpus = [float(x.get("cpus", 1)) for x in live_replicas(self.r, self.model, stage)]
-        return stage_state(stage, self.window_s, Window.of(np.array(arrivals), service, wait), mean_service,
-                           replicas, cpus, queued, in_flight)
-
-    def observe(self, now: float, replicas: list[int], slo_s: float) -> PipelineState:
-        stages = tuple(self.stage(i, now, replicas[i]) for i in range(self.num_stages))
-        return PipelineState(self.model, stages, slo_s=slo_s, entry_rate=stages[0].arrival_rate, now=now)
+            self.service_s[ref] = float(service.mean())
+        return stage_state(index, self.window_s, Window.of(np.array(arrivals), service, wait),
+                           self.service_s.get(ref, 0.0), replicas, live_cpus, queued, in_flight)

@@ -62,7 +62,7 @@ def one_policy(policy: str, send_at: np.ndarray, tail_s: float) -> dict:
                             policy=policy, slo_s=1.0, window_s=5.0)
     if control.up(settings, timeout=600) != 0:
         raise SystemExit(f"the runtime did not come up for {policy}")
-    r = redis.Redis(port=settings.redis_port)
+    r = redis.Redis(port=settings.redis.port)
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
 
@@ -72,7 +72,7 @@ def one_policy(policy: str, send_at: np.ndarray, tail_s: float) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     try:
         sampler.start()
-        results = replay(f"{settings.gateway_url}/function/{MODEL}", send_at)
+        results = replay(f"{settings.gateway.url}/function/{MODEL}", send_at)
         time.sleep(tail_s)
     finally:
         stop.set()

@@ -25,6 +25,7 @@ from benchmarks.report import conditions, table, write
 from contracts import keys
 from contracts.config import Settings, load_settings, settings_environment
 from contracts.paths import STAGE_HANDLER
+from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, Header, pack
 from keysmanager.client import KeysClient
 from pipeline.manifest import Manifest
@@ -89,7 +90,7 @@ def one_start(settings: Settings, client: KeysClient, r: redis.Redis, manifest: 
     if mode == "cold":
         pid = start_cold(settings, manifest.model, stages, log)
     else:
-        pid = client.fork(manifest.model, stages, f"{manifest.model}-s{stages}", cow=mode == "fork-cow")["pid"]
+        pid = client.fork(StageRef.parse(manifest.model, stages), f"{manifest.model}-s{stages}", cow=mode == "fork-cow")["pid"]
     _, latency = first_work_latency(r, manifest.model, stage, known, t0)
     stop(r, manifest.model, stage, pid)
     return latency * 1000.0
@@ -102,7 +103,7 @@ def pss(pid: int) -> int:
 
 def measure_pss(settings: Settings, client: KeysClient, r: redis.Redis, model: str, stages: str, log: Path) -> dict:
     stage = int(stages)
-    zygote = client.cache(model, stages)
+    zygote = client.cache(StageRef.parse(model, stages))
     out: dict[str, float] = {}
     cold_pid = start_cold(settings, model, stages, log)
     wait_registered(r, model, stage, 1)
@@ -110,7 +111,7 @@ def measure_pss(settings: Settings, client: KeysClient, r: redis.Redis, model: s
     out["cold replica"] = pss(cold_pid) / 1e6
     stop(r, model, stage, cold_pid)
     for n in (1, 4, 8):
-        pids = [client.fork(model, stages, f"{model}-s{stages}")["pid"] for _ in range(n)]
+        pids = [client.fork(StageRef.parse(model, stages), f"{model}-s{stages}")["pid"] for _ in range(n)]
         wait_registered(r, model, stage, n)
         time.sleep(SETTLE_S)
         total = (sum(pss(p) for p in pids) + pss(zygote["pid"])) / 1e6
@@ -138,19 +139,19 @@ def main(repeats: int = 5) -> dict:
                             keysmanager_port=free_port(), server="bench", threads=1)
     (home / "logs").mkdir()
     log = home / "logs" / "replicas.log"
-    redis_proc = start_redis("127.0.0.1", settings.redis_port, home / "redis", home / "logs" / "redis.log")
+    redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
     env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO)}
     km = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
                           stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
-    client = KeysClient(f"http://127.0.0.1:{settings.keysmanager_port}", timeout=600)
-    r = redis.Redis(port=settings.redis_port)
+    client = KeysClient(f"http://127.0.0.1:{settings.cache.port}", timeout=600)
+    r = redis.Redis(port=settings.redis.port)
     try:
         while not client.healthy():
             time.sleep(0.1)
         samples: dict[tuple[str, str], list[float]] = {}
         for model, stages in CASES:
             manifest = Manifest.load(settings.model_dir(model))
-            client.cache(model, stages)
+            client.cache(StageRef.parse(model, stages))
             for i in range(repeats):
                 for mode in MODES:
                     samples.setdefault((model, mode), []).append(

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from benchmarks.report import RESULTS, conditions, table, write
-from contracts.config import Settings
+from contracts.config import Settings, load_settings
 from loadgen.arrivals import gamma_arrivals
 from sim.config import embedded_runtime, quart_testbed
 from sim.models import table1
@@ -39,7 +39,7 @@ NO_HOME = "/nonexistent-quart-home"
 
 def _settings(**changes: object) -> Settings:
     """No trained CV model or CPU fits: the policies as a fresh installation runs them."""
-    return Settings(home=NO_HOME, **changes)
+    return load_settings(environ={}, home=NO_HOME, **changes)
 
 
 def speed() -> dict:
@@ -121,7 +121,7 @@ def cv_training(traces: int = 48, duration: float = 400.0, window_s: float = 30.
         heaviest = max(m.profile.stage_ms(i) for i in range(m.num_stages)) / 1000.0
         rate = float(rng.uniform(0.3, 0.95)) * replicas / heaviest
         cv = float(rng.choice([0.1, 0.5, 1, 2, 4, 8]))
-        settings = _settings(policy_params=json.dumps({"replicas": replicas}))
+        settings = _settings(policy_params={"replicas": replicas})
         trace = simulate(quart_testbed(seed=k, tail_s=0.0), [m], {m.name: gamma_arrivals(rate, cv, duration, seed=k)},
                          "static", settings)
         means = [m.profile.stage_ms(i) / 1000.0 for i in range(m.num_stages)]

@@ -1,12 +1,114 @@
-"""One configuration for every component: defaults in code, overridden by QUART_* environment
-variables, and by command-line flags where a command offers them (see `add_arguments`)."""
+"""One configuration for every component: typed sections with defaults in code, a file named by
+QUART_CONFIG, QUART_* environment variables, and command-line flags, in that order of precedence.
+
+Every variable is declared once in `VARIABLES`, with a line of documentation; the README's
+configuration table is generated from it (`python -m contracts.config --markdown`). A value that
+does not parse or is out of range stops the component at start with a message naming the variable.
+What a replica serves (its model and stage range) is not configuration: see `ReplicaIdentity`."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A setting that does not parse or is out of range; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Replicas a stage function may have. Policies see them in their state; the controller
+    applies them once to every decision."""
+    r_min: int = 1
+    r_max: int = 16
+
+    def clamp(self, replicas: int) -> int:
+        return max(self.r_min, min(self.r_max, replicas))
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    host: str = "127.0.0.1"
+    port: int = 6390
+    db: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/{self.db}"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    user: str = "admin"
+    namespace: str = "openfaas-fn"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    request_timeout_s: float = 120.0
+    reclaim_idle_ms: int = 5000
+    heartbeat_s: float = 1.0
+    replica_ttl_s: float = 5.0
+    block_ms: int = 500
+    records_maxlen: int = 10000
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_prompt_tokens: int = 2048
+    max_new_tokens: int = 64
+    max_batch: int = 64
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 1
+    emulate: str = ""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    port: int = 8091
+    stages: str = "all"
+    memory_threshold: float = 0.85
+    fork_cow: bool = True
+
+
+@dataclass(frozen=True)
+class AutoscalerConfig:
+    policy: str = "quart"
+    tick_s: float = 1.0
+    slo_s: float = 2.0
+    window_s: float = 10.0
+    cpu_max: int = 2
+    policy_params: dict = field(default_factory=dict)
+    bounds: Bounds = field(default_factory=Bounds)
+
+
+@dataclass(frozen=True)
+class ServersConfig:
+    virtual: int = 1
+    slots: int = 64
+    cache_bytes: int = 0
+    bandwidth: float = 1e9
+    cold_deadline_s: float = 60.0
+    scheduler_params: dict = field(default_factory=dict)
 
 
 def _default_home() -> str:
@@ -15,82 +117,19 @@ def _default_home() -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    # Where runtime state lives: model shards, the password file, logs, pid files.
     home: str = field(default_factory=_default_home)
-    # Partitioned models; empty means <home>/models.
     models: str = ""
-    redis_host: str = "127.0.0.1"
-    redis_port: int = 6390
-    redis_db: int = 0
-    gateway_host: str = "127.0.0.1"
-    gateway_port: int = 8080
-    gateway_user: str = "admin"
-    # Namespace reported for functions; the embedded runtime has just this one.
-    namespace: str = "openfaas-fn"
     stack_file: str = "stack.yml"
-    # Name of this server (virtual servers on the embedded runtime get their own).
     server: str = field(default_factory=lambda: os.uname().nodename)
-    # Data plane timing.
-    request_timeout_s: float = 120.0
-    reclaim_idle_ms: int = 5000
-    heartbeat_s: float = 1.0
-    replica_ttl_s: float = 5.0
-    block_ms: int = 500
-    records_maxlen: int = 10000
-    # Bounds on user input.
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_prompt_tokens: int = 2048
-    max_new_tokens: int = 64
-    max_batch: int = 64
-    # What a function replica serves (set per function in stack.yml): the model, and for a
-    # stage function its stage range "a" or "a-b" (b exclusive), and how the replica was started.
-    model: str = ""
-    stages: str = ""
-    started_by: str = "cold"
-    # Emulated compute: a profile name from pipeline/emulated.py, or empty for real weights.
-    emulate: str = ""
-    # Stage execution.
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int = 1
-    # KeysManager: its port, which stages it caches at start ("all", "none", or
-    # "model:stages,..."), and the host-memory use above which it evicts zygotes (LRU).
-    keysmanager_port: int = 8091
-    cache_stages: str = "all"
-    cache_memory_threshold: float = 0.85
-    # Replicas forked from a zygote share its pages copy-on-write; false clones them first.
-    fork_cow: bool = True
-    # Autoscaler: policy ("quart" or a baseline's name), tick, end-to-end SLO, observation window.
-    policy: str = "quart"
-    tick_s: float = 1.0
-    slo_s: float = 2.0
-    window_s: float = 10.0
-    r_max: int = 16
-    cpu_max: int = 2
-    # The policy's own parameters as JSON, e.g. '{"kp": 0.5, "ki": 0.1}' for QUART's PID or
-    # '{"target_concurrency": 2}' for Knative's KPA; names are the policy's dataclass fields.
-    policy_params: str = ""
-    # How long a replica being scaled down may take to finish its work.
-    drain_timeout_s: float = 30.0
-    # Embedded runtime: how many virtual servers, each with its own KeysManager (on
-    # keysmanager_port + i), replica slots, host-memory budget for cached stages in bytes (0: only
-    # cache_memory_threshold applies) and the bandwidth a cold start reads its shard at (bytes/s).
-    virtual_servers: int = 1
-    server_slots: int = 64
-    server_cache_bytes: int = 0
-    server_bandwidth: float = 1e9
-    # A cold start must have read its shard this long after it began (HydraServe's deadline).
-    cold_deadline_s: float = 60.0
-    # The scheduler's parameters as JSON; names are scheduler.placement.SchedulerParams fields.
-    scheduler_params: str = ""
-
-    @property
-    def redis_url(self) -> str:
-        return f"redis://{self.redis_host}:{self.redis_port}/{self.redis_db}"
-
-    @property
-    def gateway_url(self) -> str:
-        return f"http://{self.gateway_host}:{self.gateway_port}"
+    log_level: str = "INFO"
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    data: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    limits: Limits = field(default_factory=Limits)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
+    servers: ServersConfig = field(default_factory=ServersConfig)
 
     @property
     def models_dir(self) -> Path:
@@ -101,81 +140,351 @@ class Settings:
         # OpenFaaS's own name for the admin password file.
         return Path(self.home) / "basic-auth-password"
 
-    def model_dir(self, model: str | None = None) -> Path:
-        return self.models_dir / (model or self.model)
-
-    def stage_range(self) -> tuple[int, int]:
-        """The stage range of a stage function: "2" is [2, 3), "2-4" is [2, 4)."""
-        first, _, last = self.stages.partition("-")
-        a = int(first)
-        return a, int(last) if last else a + 1
+    def model_dir(self, model: str) -> Path:
+        return self.models_dir / model
 
     def virtual_server_names(self) -> list[str]:
         """One server keeps this server's name; several are <server>-0, <server>-1, ..."""
-        if self.virtual_servers <= 1:
+        if self.servers.virtual <= 1:
             return [self.server]
-        return [f"{self.server}-{i}" for i in range(self.virtual_servers)]
+        return [f"{self.server}-{i}" for i in range(self.servers.virtual)]
+
+    def flat(self) -> dict[str, object]:
+        """Every setting under its variable's short name (QUART_REDIS_PORT: redis_port)."""
+        return {v.name: _get(self, v.path) for v in VARIABLES if v.section == "settings"}
 
     def replace(self, **changes: object) -> Settings:
-        return dataclasses.replace(self, **changes)
+        """A copy with settings changed by short name, validated like the environment."""
+        unknown = sorted(set(changes) - set(self.flat()))
+        if unknown:
+            raise ConfigError(f"unknown settings {unknown}")
+        return _build({**self.flat(), **changes})
 
 
-def env_name(name: str) -> str:
-    return "QUART_" + name.upper()
+@dataclass(frozen=True)
+class ReplicaIdentity:
+    """What one function replica serves, set per function (the stack's environment) and per
+    replica by the runtime: not configuration, and not part of Settings."""
+    model: str = ""
+    stages: str = ""
+    started_by: str = "cold"
 
 
-def _coerce(kind: type, raw: str) -> object:
-    if kind is bool:
-        return raw.lower() in ("1", "true", "yes", "on")
-    return kind(raw)
+# -- the registry -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Var:
+    env: str
+    path: str              # "redis.port" into Settings, "identity.model" into ReplicaIdentity, "" for neither
+    doc: str
+    check: Callable[[object], str | None] | None = None
+    default: object = None  # only for variables outside Settings and ReplicaIdentity
+
+    @property
+    def name(self) -> str:
+        return self.env.removeprefix("QUART_").lower()
+
+    @property
+    def section(self) -> str:
+        return "identity" if self.path.startswith("identity.") else "settings" if self.path else "other"
 
 
-def _field_type(f: dataclasses.Field) -> type:
-    return {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)]
+def _positive(v: object) -> str | None:
+    return None if v > 0 else "must be greater than 0"
+
+
+def _not_negative(v: object) -> str | None:
+    return None if v >= 0 else "must be 0 or more"
+
+
+def _port(v: object) -> str | None:
+    return None if 0 < v < 65536 else "must be a port number, 1 to 65535"
+
+
+def _fraction(v: object) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def _one_of(*choices: str) -> Callable[[object], str | None]:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+
+
+def _device(v: object) -> str | None:
+    ok = v == "cpu" or v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit())
+    return None if ok else "must be cpu, cuda or cuda:N"
+
+
+def _no_bounds(v: object) -> str | None:
+    clash = sorted({"r_min", "r_max"} & set(v))
+    return f"{clash} are set by QUART_R_MIN and QUART_R_MAX, for every policy" if clash else None
+
+
+VARIABLES: tuple[Var, ...] = (
+    Var("QUART_CONFIG", "", "a YAML file of settings by short name (`redis_port: 6391`); the environment overrides it",
+        default=""),
+    Var("QUART_HOME", "home", "runtime state: partitioned models, logs, pid files, the admin password file"),
+    Var("QUART_MODELS", "models", "partitioned models; empty means `<home>/models`"),
+    Var("QUART_STACK_FILE", "stack_file", "the OpenFaaS stack file whose functions run"),
+    Var("QUART_SERVER", "server", "this server's name (default: the host name); virtual servers are `<server>-<i>`"),
+    Var("QUART_LOG_LEVEL", "log_level", "log level of every component", _one_of("DEBUG", "INFO", "WARNING", "ERROR")),
+    Var("QUART_REDIS_HOST", "redis.host", "Redis host"),
+    Var("QUART_REDIS_PORT", "redis.port", "Redis port (the embedded runtime starts its own redis-server there)", _port),
+    Var("QUART_REDIS_DB", "redis.db", "Redis database number", _not_negative),
+    Var("QUART_GATEWAY_HOST", "gateway.host", "the gateway's host (the embedded runtime listens there)"),
+    Var("QUART_GATEWAY_PORT", "gateway.port", "the gateway's port", _port),
+    Var("QUART_GATEWAY_USER", "gateway.user", "basic-auth user of `/system/*`"),
+    Var("QUART_NAMESPACE", "gateway.namespace", "the functions' namespace"),
+    Var("QUART_REQUEST_TIMEOUT_S", "data.request_timeout_s", "a request not answered by then gets 504", _positive),
+    Var("QUART_RECLAIM_IDLE_MS", "data.reclaim_idle_ms", "work held this long by a dead replica is claimed again", _positive),
+    Var("QUART_HEARTBEAT_S", "data.heartbeat_s", "how often a replica renews its registration", _positive),
+    Var("QUART_REPLICA_TTL_S", "data.replica_ttl_s", "a registration not renewed for this long expires", _positive),
+    Var("QUART_BLOCK_MS", "data.block_ms", "how long a replica's read of its stream blocks", _positive),
+    Var("QUART_RECORDS_MAXLEN", "data.records_maxlen", "length cap of every records and events stream", _positive),
+    Var("QUART_DRAIN_TIMEOUT_S", "data.drain_timeout_s", "a replica being removed may finish its work for this long",
+        _not_negative),
+    Var("QUART_MAX_BODY_BYTES", "limits.max_body_bytes", "largest request body (413 above)", _positive),
+    Var("QUART_MAX_PROMPT_TOKENS", "limits.max_prompt_tokens", "longest prompt (413 above)", _positive),
+    Var("QUART_MAX_NEW_TOKENS", "limits.max_new_tokens", "most tokens one request may generate", _positive),
+    Var("QUART_MAX_BATCH", "limits.max_batch", "most inputs in one embedding request", _positive),
+    Var("QUART_DEVICE", "compute.device", "where stages compute", _device),
+    Var("QUART_DTYPE", "compute.dtype", "stage weights' dtype", _one_of("float32", "bfloat16", "float16")),
+    Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),
+    Var("QUART_EMULATE", "compute.emulate", "an emulation profile (`pipeline/emulated.py`) instead of real weights"),
+    Var("QUART_KEYSMANAGER_PORT", "cache.port", "the KeysManager's API port (virtual server i: port + i)", _port),
+    Var("QUART_CACHE_STAGES", "cache.stages", "stage ranges cached at start: `all`, `none` or `smollm2:1,minilm:0`"),
+    Var("QUART_CACHE_MEMORY_THRESHOLD", "cache.memory_threshold", "host memory use above which zygotes are evicted (LRU)",
+        _fraction),
+    Var("QUART_FORK_COW", "cache.fork_cow", "forked replicas share the zygote's pages copy-on-write; false clones them"),
+    Var("QUART_POLICY", "autoscaler.policy", "`quart`, a baseline's name, or `none` (no autoscaler)"),
+    Var("QUART_TICK_S", "autoscaler.tick_s", "the control loop's period", _positive),
+    Var("QUART_SLO_S", "autoscaler.slo_s", "end-to-end latency objective of one pipeline pass", _positive),
+    Var("QUART_WINDOW_S", "autoscaler.window_s", "observation window of rates, CVs and service times", _positive),
+    Var("QUART_CPU_MAX", "autoscaler.cpu_max", "most CPUs the compensator gives one replica", _positive),
+    Var("QUART_POLICY_PARAMS", "autoscaler.policy_params",
+        "the policy's own parameters as JSON, e.g. `{\"kp\": 0.5}` (QUART's PID) or `{\"target_concurrency\": 2}` (KPA)",
+        _no_bounds),
+    Var("QUART_R_MIN", "autoscaler.bounds.r_min", "fewest replicas of a stage function the autoscaler keeps", _not_negative),
+    Var("QUART_R_MAX", "autoscaler.bounds.r_max",
+        "most replicas of a stage function (the autoscaler's bound and the embedded gateway's cap)", _positive),
+    Var("QUART_VIRTUAL_SERVERS", "servers.virtual", "servers the embedded runtime emulates, each with its own KeysManager",
+        _positive),
+    Var("QUART_SERVER_SLOTS", "servers.slots", "replica slots per server", _positive),
+    Var("QUART_SERVER_CACHE_BYTES", "servers.cache_bytes", "host-memory budget for cached stages per server (0: none)",
+        _not_negative),
+    Var("QUART_SERVER_BANDWIDTH", "servers.bandwidth", "bytes/s a cold start reads its shard at", _positive),
+    Var("QUART_COLD_DEADLINE_S", "servers.cold_deadline_s", "a cold start must have read its shard by then (HydraServe)",
+        _positive),
+    Var("QUART_SCHEDULER_PARAMS", "servers.scheduler_params", "the scheduler's parameters as JSON (`SchedulerParams`)"),
+    Var("QUART_MODEL", "identity.model", "set per function: the model it serves"),
+    Var("QUART_STAGES", "identity.stages", "set per stage function: its stage range, `2` or `1-3` (end exclusive)"),
+    Var("QUART_STARTED_BY", "identity.started_by", "set per replica by the runtime: `cold`, `fork-cow` or `fork-copy`"),
+    Var("QUART_TEST_HOME", "", "tests: where partitioned test models are kept between runs", default=".quart/test"),
+    Var("QUART_OPENFAAS_SPEC", "", "tests: an upstream OpenFaaS spec to check `docs/openapi.yml` against",
+        default="../shared/openfaas/spec.openapi.yml"),
+)
+BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def _get(obj: object, path: str) -> object:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _field(root: type, path: str) -> dataclasses.Field:
+    """The dataclass field a dotted path ends at."""
+    cls = root
+    *parents, leaf = path.split(".")
+    for part in parents:
+        cls = {f.name: f for f in fields(cls)}[part].default_factory
+    return {f.name: f for f in fields(cls)}[leaf]
+
+
+def kind_of(v: Var) -> type:
+    if v.section == "other":
+        return str
+    root, path = (ReplicaIdentity, v.path.split(".", 1)[1]) if v.section == "identity" else (Settings, v.path)
+    return {"int": int, "float": float, "str": str, "bool": bool, "dict": dict}[str(_field(root, path).type)]
+
+
+def default_of(v: Var) -> object:
+    if v.section == "other":
+        return v.default
+    root, path = (ReplicaIdentity(), v.path.split(".", 1)[1]) if v.section == "identity" else (Settings(), v.path)
+    return _get(root, path)
+
+
+def parse(v: Var, raw: object) -> object:
+    """A raw value (a string from the environment, or a value from a file or a flag) as the
+    variable's type, checked; ConfigError naming the variable otherwise."""
+    kind = kind_of(v)
+    try:
+        if kind is bool:
+            value = raw if isinstance(raw, bool) else _bool(str(raw))
+        elif kind is dict:
+            value = raw if isinstance(raw, dict) else (json.loads(raw) if str(raw).strip() else {})
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+        elif kind in (int, float) and isinstance(raw, bool):
+            raise ValueError("not a number")
+        else:
+            value = kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{v.env}={raw!r}: {exc}") from None
+    problem = v.check(value) if v.check else None
+    if problem:
+        raise ConfigError(f"{v.env}={raw!r}: {problem}")
+    return value
+
+
+def _bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("not a boolean (true/false)")
+
+
+def _nest(values: Mapping[str, object]) -> dict:
+    tree: dict = {}
+    for name, value in values.items():
+        node = tree
+        *parents, leaf = BY_NAME[name].path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def _construct(cls: type, tree: dict) -> object:
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in tree:
+            sub = tree[f.name]
+            kwargs[f.name] = _construct(f.default_factory, sub) if isinstance(sub, dict) and \
+                dataclasses.is_dataclass(f.default_factory) else sub
+    return cls(**kwargs)
+
+
+def _build(values: Mapping[str, object]) -> Settings:
+    parsed = {name: parse(BY_NAME[name], raw) for name, raw in values.items()}
+    settings = _construct(Settings, _nest(parsed))
+    _check_together(settings)
+    return settings
+
+
+def _check_together(s: Settings) -> None:
+    b = s.autoscaler.bounds
+    if b.r_min > b.r_max:
+        raise ConfigError(f"QUART_R_MIN={b.r_min} is above QUART_R_MAX={b.r_max}")
+    if s.data.replica_ttl_s <= s.data.heartbeat_s:
+        raise ConfigError(f"QUART_REPLICA_TTL_S={s.data.replica_ttl_s} must exceed QUART_HEARTBEAT_S="
+                          f"{s.data.heartbeat_s}, or live replicas expire between heartbeats")
 
 
 def _from_file(path: str) -> dict[str, object]:
-    """A YAML (or JSON) mapping of setting names to values."""
     import yaml
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    names = {f.name for f in fields(Settings)}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"QUART_CONFIG={path!r}: {exc}") from None
+    names = {v.name for v in VARIABLES if v.section == "settings"}
     if not isinstance(data, dict) or not set(data) <= names:
         unknown = sorted(set(data) - names) if isinstance(data, dict) else data
-        raise SystemExit(f"{path}: not a mapping of settings (unknown: {unknown})")
+        raise ConfigError(f"QUART_CONFIG={path!r}: not a mapping of settings by short name (unknown: {unknown})")
     return data
 
 
-def load_settings(environ: dict[str, str] | None = None, **overrides: object) -> Settings:
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
     """Settings from defaults, then the file named by QUART_CONFIG, then QUART_* variables, then
-    explicit overrides (flags)."""
+    explicit overrides by short name (flags). ConfigError names what is wrong."""
     environ = os.environ if environ is None else environ
     values: dict[str, object] = _from_file(environ["QUART_CONFIG"]) if environ.get("QUART_CONFIG") else {}
-    for f in fields(Settings):
-        raw = environ.get(env_name(f.name))
-        if raw is not None and raw != "":
-            try:
-                values[f.name] = _coerce(_field_type(f), raw)
-            except ValueError as exc:
-                raise SystemExit(f"{env_name(f.name)}={raw!r}: {exc}") from exc
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return Settings(**values)
+    for v in VARIABLES:
+        if v.section == "settings" and environ.get(v.env, "") != "":
+            values[v.name] = environ[v.env]
+    unknown = sorted(set(overrides) - set(BY_NAME))
+    if unknown:
+        raise ConfigError(f"unknown settings {unknown}")
+    values.update({k: val for k, val in overrides.items() if val is not None})
+    return _build(values)
+
+
+def replica_identity(environ: Mapping[str, str] | None = None) -> ReplicaIdentity:
+    environ = os.environ if environ is None else environ
+    return ReplicaIdentity(**{v.path.split(".", 1)[1]: parse(v, environ[v.env])
+                              for v in VARIABLES if v.section == "identity" and environ.get(v.env)})
 
 
 def add_arguments(parser: argparse.ArgumentParser, *names: str) -> None:
-    """Adds --flag options for the named settings; `settings_from_args` applies them."""
-    for f in fields(Settings):
-        if f.name in names:
-            kind = _field_type(f)
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
-                                type=lambda raw, kind=kind: _coerce(kind, raw), default=None,
-                                help=f"overrides {env_name(f.name)}")
+    """Adds --flag options for the named settings (short names); `settings_from_args` applies them."""
+    for name in names:
+        v = BY_NAME[name]
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                            help=f"{v.doc} (overrides {v.env})")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    names = {f.name for f in fields(Settings)}
-    return load_settings(**{k: v for k, v in vars(args).items() if k in names})
+    return load_settings(**{k: v for k, v in vars(args).items() if k in BY_NAME and BY_NAME[k].section == "settings"})
 
 
 def settings_environment(settings: Settings) -> dict[str, str]:
     """The QUART_* variables that reproduce these settings in a child process."""
-    return {env_name(f.name): str(getattr(settings, f.name)) for f in fields(Settings)}
+    out = {}
+    for v in VARIABLES:
+        if v.section == "settings":
+            value = _get(settings, v.path)
+            out[v.env] = json.dumps(value) if isinstance(value, dict) else str(value)
+    return out
+
+
+def child_environment(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment of a process this repository starts: ours, the settings, the repository
+    on PYTHONPATH, and `extra` (identity variables) on top."""
+    from contracts.paths import REPO_ROOT
+    return {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO_ROOT), **extra}
+
+
+def from_params(base: object, params: Mapping[str, object], variable: str) -> object:
+    """`base` (a parameters dataclass, or an instance of one to start from) with the fields a
+    JSON object sets (QUART_POLICY_PARAMS and the like); ConfigError naming the variable and the
+    fields it takes when a name or a value is wrong."""
+    cls = base if isinstance(base, type) else type(base)
+    names = {f.name for f in fields(cls)} - {"name"}
+    unknown = sorted(set(params) - names)
+    if unknown:
+        raise ConfigError(f"{variable}: {cls.__name__} has no {unknown}; it takes {sorted(names)}")
+    try:
+        return cls(**params) if isinstance(base, type) else dataclasses.replace(base, **params)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{variable}: {exc}") from None
+
+
+def exit_on_config_error(load: Callable[[], Settings]) -> Settings:
+    """For a command's start: a bad setting ends it with the message, not a traceback."""
+    try:
+        return load()
+    except ConfigError as exc:
+        raise SystemExit(f"configuration: {exc}") from None
+
+
+def markdown_table() -> str:
+    """The README's configuration table, one row per variable."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for v in VARIABLES:
+        default = default_of(v)
+        if v.name == "home":
+            default = "./.quart"
+        elif v.name == "server":
+            default = "(host name)"
+        shown = json.dumps(default) if isinstance(default, dict) else str(default).lower() \
+            if isinstance(default, bool) else str(default)
+        rows.append(f"| `{v.env}` | {f'`{shown}`' if shown != '' else '(empty)'} | {v.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        raise SystemExit("usage: python -m contracts.config --markdown")
+    sys.stdout.write(markdown_table())

@@ -1,6 +1,8 @@
 """Every Redis key the components share. Nothing else in the code base spells a key."""
 from __future__ import annotations
 
+from contracts.stage import StageRef
+
 PREFIX = "quart"
 # Consumer group that every replica of a stage joins: one shared queue per stage.
 GROUP = "replicas"
@@ -31,9 +33,9 @@ def stage_replicas(model: str, stage: int) -> str:
     return f"{PREFIX}:replicas:{model}:{stage}"
 
 
-def zygote(server: str, model: str, stages: str) -> str:
+def zygote(server: str, stage: StageRef) -> str:
     """Hash describing one KeysManager zygote (cached stage range) on a server."""
-    return f"{PREFIX}:zygote:{server}:{model}:{stages}"
+    return f"{PREFIX}:zygote:{server}:{stage.key}"
 
 
 def zygotes(server: str) -> str:
@@ -47,7 +49,8 @@ def cache_events(server: str) -> str:
 
 
 def key_stages(model: str) -> str:
-    """The autoscaler's current key stages of a model: a set of stage ranges ("2", "1-3").
+    """The autoscaler's current key stages of a model: a set of StageRef.stages ("2", "1-3"), the
+    ranges of the stage functions that are key.
     Every KeysManager caches the key stages it does not hold yet."""
     return f"{PREFIX}:key-stages:{model}"
 
@@ -55,9 +58,9 @@ def key_stages(model: str) -> str:
 KEY_STAGES_PATTERN = f"{PREFIX}:key-stages:*"
 
 
-def stage_cpus(model: str, stage: int) -> str:
-    """CPUs each replica of a stage should use; replicas apply a change between work items."""
-    return f"{PREFIX}:cpus:{model}:{stage}"
+def stage_cpus(stage: StageRef) -> str:
+    """CPUs each replica of a stage function should use; replicas apply a change between work items."""
+    return f"{PREFIX}:cpus:{stage.key}"
 
 
 def decisions(model: str) -> str:

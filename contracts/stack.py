@@ -1,5 +1,7 @@
 """Reads an OpenFaaS stack file (version 1.0) into FunctionDeployment requests, the body that
-faas-cli sends to a gateway's POST /system/functions."""
+faas-cli sends to a gateway's POST /system/functions, and each function's identity, once: the
+model it serves and, for a stage function, its StageRef (from QUART_MODEL and QUART_STAGES, the
+environment the function's replicas see)."""
 from __future__ import annotations
 
 import re
@@ -8,15 +10,27 @@ from pathlib import Path
 
 import yaml
 
+from contracts.stage import StageRef
+
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-STAGE_NAME_RE = re.compile(r"^(?P<model>[a-z0-9-]+)-s(?P<stage>\d+)$")
 
 
-@dataclass
+@dataclass(frozen=True)
 class StackFunction:
     name: str
     handler: Path
     deployment: dict
+    model: str                    # "" for a function that is neither an entry nor a stage
+    stage: StageRef | None        # None for an entry
+
+
+def identity(deployment: dict) -> tuple[str, StageRef | None]:
+    """(model, stage range) of a function deployment; ValueError for a malformed range."""
+    env = deployment.get("envVars") or {}
+    model, stages = env.get("QUART_MODEL", ""), env.get("QUART_STAGES", "")
+    if stages and not model:
+        raise ValueError("QUART_STAGES needs QUART_MODEL")
+    return model, StageRef.parse(model, stages) if stages else None
 
 
 def _strings(value: object, what: str) -> dict[str, str]:
@@ -49,15 +63,44 @@ def read_stack(path: Path) -> list[StackFunction]:
         for kind in ("limits", "requests"):
             if spec.get(kind):
                 deployment[kind] = _strings(spec[kind], f"{name}.{kind}")
-        functions.append(StackFunction(name, (path.parent / spec["handler"]).resolve(), deployment))
+        try:
+            model, stage = identity(deployment)
+        except ValueError as exc:
+            raise ValueError(f"{path}: function {name}: {exc}") from None
+        functions.append(StackFunction(name, (path.parent / spec["handler"]).resolve(), deployment, model, stage))
+    pipelines(functions)  # refuses stage ranges that overlap or leave gaps
     return functions
 
 
-def stage_counts(functions: list[StackFunction]) -> dict[str, int]:
-    """Number of stage functions `<model>-s<i>` per model in the stack."""
-    counts: dict[str, int] = {}
+@dataclass(frozen=True)
+class Pipeline:
+    """A model's stage functions in order: their ranges cover [0, num_stages) without gaps."""
+    model: str
+    stages: tuple[StageRef, ...]
+    functions: tuple[str, ...]        # the stage function serving each range
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages[-1].last
+
+    def function(self, stage: StageRef) -> str:
+        return self.functions[self.stages.index(stage)]
+
+
+def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
+    """Each model's pipeline of stage functions; ValueError where ranges overlap or leave a gap."""
+    by_model: dict[str, list[StackFunction]] = {}
     for f in functions:
-        m = STAGE_NAME_RE.match(f.name)
-        if m:
-            counts[m["model"]] = max(counts.get(m["model"], 0), int(m["stage"]) + 1)
-    return counts
+        if f.stage is not None:
+            by_model.setdefault(f.model, []).append(f)
+    out = {}
+    for model, fns in by_model.items():
+        fns.sort(key=lambda f: f.stage)
+        end = 0
+        for f in fns:
+            if f.stage.first != end:
+                raise ValueError(f"{model}: function {f.name} serves {f.stage.stages}, but the stages before "
+                                 f"it end at {end} (ranges must cover 0.. without gaps or overlaps)")
+            end = f.stage.last
+        out[model] = Pipeline(model, tuple(f.stage for f in fns), tuple(f.name for f in fns))
+    return out

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 import redis
 from aiohttp import web
 
-from contracts.config import add_arguments, settings_from_args
+from contracts.config import add_arguments, exit_on_config_error, settings_from_args
 from keysmanager.api import build_app
 from keysmanager.manager import KeysManager
 
@@ -18,11 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     add_arguments(parser, "home", "keysmanager_port", "server", "redis_port", "cache_memory_threshold")
     args = parser.parse_args(argv)
-    settings = settings_from_args(args)
-    logging.basicConfig(level=os.environ.get("QUART_LOG_LEVEL", "INFO"),
+    settings = exit_on_config_error(lambda: settings_from_args(args))
+    logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    manager = KeysManager(settings, redis.Redis.from_url(settings.redis_url))
-    web.run_app(build_app(manager), host="127.0.0.1", port=settings.keysmanager_port, print=None,
+    manager = KeysManager(settings, redis.Redis.from_url(settings.redis.url))
+    web.run_app(build_app(manager), host="127.0.0.1", port=settings.cache.port, print=None,
                 access_log=None)
     return 0
 

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 
 from aiohttp import web
 
+from contracts.loops import every
+from contracts.stage import StageRef
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, StaleShard
 
+log = logging.getLogger("quart.keysmanager")
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -40,7 +44,7 @@ async def _json(request: web.Request) -> dict:
     return body
 
 
-def _stage_range(body: dict) -> tuple[str, str]:
+def _stage_range(body: dict) -> StageRef:
     model, stages = body.get("model"), body.get("stages")
     if not isinstance(model, str) or not NAME_RE.match(model):
         raise Invalid("'model' must be a model name")
@@ -48,7 +52,10 @@ def _stage_range(body: dict) -> tuple[str, str]:
         stages = str(stages)
     if not isinstance(stages, str) or not STAGES_RE.match(stages):
         raise Invalid("'stages' must be a stage index or a range 'a-b'")
-    return model, stages
+    try:
+        return StageRef.parse(model, stages)
+    except ValueError as exc:
+        raise Invalid(str(exc)) from None
 
 
 def _env(body: dict) -> dict[str, str]:
@@ -67,36 +74,36 @@ def build_app(manager: KeysManager, watch_period_s: float = 1.0) -> web.Applicat
         return asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     async def cache(request: web.Request) -> web.Response:
-        model, stages = _stage_range(await _json(request))
+        stage = _stage_range(await _json(request))
         try:
-            z = await run(manager.cache, model, stages)
+            z = await run(manager.cache, stage)
         except OverBudget as exc:
             return web.json_response({"error": str(exc)}, status=507)
         return web.json_response(z.describe())
 
     async def fork(request: web.Request) -> web.Response:
         body = await _json(request)
-        model, stages = _stage_range(body)
-        function = body.get("function", f"{model}-s{stages}")
+        stage = _stage_range(body)
+        function = body.get("function", f"{stage.model}-s{stage.stages}")
         if not isinstance(function, str) or not NAME_RE.match(function):
             raise Invalid("'function' must be a function name")
         cow = body.get("cow", True)
         if not isinstance(cow, bool):
             raise Invalid("'cow' must be true or false")
         try:
-            return web.json_response(await run(manager.fork, model, stages, function, _env(body), cow))
+            return web.json_response(await run(manager.fork, stage, function, _env(body), cow))
         except NotCached:
-            return web.json_response({"error": f"{model} stages {stages} are not cached here"}, status=404)
+            return web.json_response({"error": f"{stage.model} stages {stage.stages} are not cached here"}, status=404)
         except StaleShard as exc:
             return web.json_response({"error": str(exc)}, status=409)
 
     async def evict(request: web.Request) -> web.Response:
-        model, stages = _stage_range(await _json(request))
+        stage = _stage_range(await _json(request))
         try:
-            await run(manager.evict, model, stages)
+            await run(manager.evict, stage)
         except NotCached:
-            return web.json_response({"error": f"{model} stages {stages} are not cached here"}, status=404)
-        return web.json_response({"evicted": f"{model}:{stages}"})
+            return web.json_response({"error": f"{stage.model} stages {stage.stages} are not cached here"}, status=404)
+        return web.json_response({"evicted": stage.key})
 
     async def config(request: web.Request) -> web.Response:
         threshold = (await _json(request)).get("memory_threshold")
@@ -117,11 +124,7 @@ def build_app(manager: KeysManager, watch_period_s: float = 1.0) -> web.Applicat
             return web.json_response({"error": str(exc)}, status=400)
 
     async def watch(app: web.Application) -> None:
-        async def loop() -> None:
-            while True:
-                await run(manager.watch_once)
-                await asyncio.sleep(watch_period_s)
-        app["watcher"] = asyncio.create_task(loop())
+        app["watcher"] = asyncio.create_task(every(watch_period_s, lambda: run(manager.watch_once), log, "watcher"))
 
     async def stop(app: web.Application) -> None:
         app["watcher"].cancel()

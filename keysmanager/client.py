@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from contracts.http_client import HttpClient
+from contracts.stage import StageRef
 
 
 class KeysManagerError(RuntimeError):
@@ -21,16 +22,15 @@ class KeysClient(HttpClient):
             raise KeysManagerError(reply.status, f"{method} {path}: {reply.status} {message}")
         return reply.json()
 
-    def cache(self, model: str, stages: str) -> dict:
-        return self._call("POST", "/cache", {"model": model, "stages": stages})
+    def cache(self, stage: StageRef) -> dict:
+        return self._call("POST", "/cache", {"model": stage.model, "stages": stage.stages})
 
-    def fork(self, model: str, stages: str, function: str, env: dict[str, str] | None = None,
-             cow: bool = True) -> dict:
-        return self._call("POST", "/fork", {"model": model, "stages": stages, "function": function,
+    def fork(self, stage: StageRef, function: str, env: dict[str, str] | None = None, cow: bool = True) -> dict:
+        return self._call("POST", "/fork", {"model": stage.model, "stages": stage.stages, "function": function,
                                             "env": env or {}, "cow": cow})
 
-    def evict(self, model: str, stages: str) -> dict:
-        return self._call("POST", "/evict", {"model": model, "stages": stages})
+    def evict(self, stage: StageRef) -> dict:
+        return self._call("POST", "/evict", {"model": stage.model, "stages": stage.stages})
 
     def zygotes(self) -> list[dict]:
         return self._call("GET", "/zygotes")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -19,8 +18,9 @@ import psutil
 import redis
 
 from contracts import keys
-from contracts.config import Settings, settings_environment
+from contracts.config import Settings, child_environment, settings_environment
 from contracts.paths import REPO_ROOT, STAGE_HANDLER
+from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from pipeline.emulated import PROFILES as EMULATION_PROFILES
 from pipeline.manifest import Manifest
@@ -40,8 +40,7 @@ class StaleShard(RuntimeError):
 
 @dataclass
 class Zygote:
-    model: str
-    stages: str
+    stage: StageRef
     proc: subprocess.Popen
     socket: Path
     sha256: list[str]
@@ -53,13 +52,13 @@ class Zygote:
 
     @property
     def key(self) -> str:
-        return f"{self.model}:{self.stages}"
+        return self.stage.key
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def describe(self) -> dict:
-        return {"model": self.model, "stages": self.stages, "pid": self.proc.pid, "sha256": self.sha256,
+        return {"model": self.stage.model, "stages": self.stage.stages, "pid": self.proc.pid, "sha256": self.sha256,
                 "bytes": self.bytes, "started_at": self.started_at, "last_use": self.last_use,
                 "forks": self.forks}
 
@@ -80,14 +79,14 @@ class KeysManager:
         self.settings = settings
         self.redis = r
         self.server = settings.server
-        self.threshold = settings.cache_memory_threshold
+        self.threshold = settings.cache.memory_threshold
         self.run_dir = Path(settings.home) / "run" / f"keysmanager-{self.server}"
         self.log_dir = Path(settings.home) / "logs"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.zygotes: dict[str, Zygote] = {}
+        self.zygotes: dict[StageRef, Zygote] = {}
         self._lock = threading.RLock()
-        self._starting: dict[str, threading.Event] = {}
+        self._starting: dict[StageRef, threading.Event] = {}
 
     # -- cache ---------------------------------------------------------------------------------
 
@@ -96,58 +95,57 @@ class KeysManager:
         imports, which is what makes a forked replica start fast."""
         return model in EMULATION_PROFILES and not (self.settings.model_dir(model) / "manifest.json").exists()
 
-    def shards(self, model: str, stages: str) -> tuple[list[str], int]:
+    def shards(self, stage: StageRef) -> tuple[list[str], int]:
         """The sha256 and total size of the shards a stage range needs, as the manifest says now."""
-        if self.emulated(model):
-            profile = EMULATION_PROFILES[model]
-            first, last = self.settings.replace(stages=stages).stage_range()
-            if not 0 <= first < last <= profile.num_stages:
-                raise ValueError(f"{model} has stages 0..{profile.num_stages - 1}; got {stages!r}")
-            return [], profile.stage_bytes(first, last)  # nominal: counts against the budget
-        manifest = Manifest.load(self.settings.model_dir(model))
-        first, last = self.settings.replace(stages=stages).stage_range()
-        if not 0 <= first < last <= manifest.num_stages:
-            raise ValueError(f"{model} has stages 0..{manifest.num_stages - 1}; got {stages!r}")
-        infos = manifest.stages[first:last]
-        return [s.sha256 for s in infos], sum(s.bytes for s in infos)
+        if self.emulated(stage.model):
+            profile = EMULATION_PROFILES[stage.model]
+            num_stages, shas, size = profile.num_stages, [], None
+        else:
+            manifest = Manifest.load(self.settings.model_dir(stage.model))
+            num_stages, infos = manifest.num_stages, manifest.stages[stage.first:stage.last]
+            shas, size = [s.sha256 for s in infos], sum(s.bytes for s in infos)
+        if stage.last > num_stages:
+            raise ValueError(f"{stage.model} has stages 0..{num_stages - 1}; got {stage.stages!r}")
+        if size is None:
+            size = profile.stage_bytes(stage.first, stage.last)  # nominal: counts against the budget
+        return shas, size
 
-    def cache(self, model: str, stages: str) -> Zygote:
+    def cache(self, stage: StageRef) -> Zygote:
         """Starts a zygote for the stage range unless a live, current one exists."""
-        key = f"{model}:{stages}"
-        shas, size = self.shards(model, stages)
+        shas, size = self.shards(stage)
         while True:
             with self._lock:
-                z = self.zygotes.get(key)
+                z = self.zygotes.get(stage)
                 if z is not None and z.alive() and z.sha256 == shas:
                     z.last_use = time.time()
                     return z
                 if z is not None:
                     self._evict_locked(z, "stale shard" if z.alive() else "zygote died")
-                waiting = self._starting.get(key)
+                waiting = self._starting.get(stage)
                 if waiting is None:
                     self._make_room_locked(size)
-                    self._starting[key] = threading.Event()
+                    self._starting[stage] = threading.Event()
                     break
             waiting.wait(ZYGOTE_START_TIMEOUT_S)
         try:
-            z = self._start(model, stages, shas, size)
+            z = self._start(stage, shas, size)
             with self._lock:
-                self.zygotes[key] = z
+                self.zygotes[stage] = z
             self._publish(z)
             self._event("cache", z)
             return z
         finally:
             with self._lock:
-                self._starting.pop(key).set()
+                self._starting.pop(stage).set()
 
-    def _start(self, model: str, stages: str, shas: list[str], size: int) -> Zygote:
+    def _start(self, stage: StageRef, shas: list[str], size: int) -> Zygote:
+        model, stages = stage.model, stage.stages
         path = self.run_dir / f"{model}.{stages}.{uuid.uuid4().hex[:8]}.sock"
-        env = {**os.environ, **settings_environment(self.settings), "PYTHONPATH": str(REPO_ROOT)}
         with open(self.log_dir / f"zygote-{model}-{stages}.log", "ab") as out:
             emulate = ["--emulate", model] if self.emulated(model) else []
             proc = subprocess.Popen([sys.executable, "-m", "keysmanager.zygote", "--model", model,
                                      "--stages", stages, "--socket", str(path), *emulate],
-                                    env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    env=child_environment(self.settings), cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + ZYGOTE_START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -158,7 +156,7 @@ class KeysManager:
                 try:
                     zygote_call(path, {"op": "ping"}, timeout=5)
                     log.info("cached %s stages %s in zygote pid %d", model, stages, proc.pid)
-                    return Zygote(model, stages, proc, path, shas, size)
+                    return Zygote(stage, proc, path, shas, size)
                 except OSError:
                     pass
             time.sleep(0.05)
@@ -168,10 +166,10 @@ class KeysManager:
     def _make_room_locked(self, size: int) -> None:
         """Within a byte budget, evicts what `cache_policy.evictions` picks (idle zygotes that are
         not key stages, least recently used first); OverBudget when nothing can make room."""
-        key_stages = {f"{m}:{s}" for m, s in self.key_stages()} if self.settings.server_cache_bytes > 0 else set()
+        key_stages = {s.key for s in self.key_stages()} if self.settings.servers.cache_bytes > 0 else set()
         held = [Held(z.key, z.bytes, z.last_use, z.forking > 0) for z in self.zygotes.values()]
-        for key in evictions(held, key_stages, self.settings.server_cache_bytes, size):
-            self._evict_locked(self.zygotes[key], f"making room within the {self.settings.server_cache_bytes} B budget")
+        for key in evictions(held, key_stages, self.settings.servers.cache_bytes, size):
+            self._evict_locked(self.zygotes[StageRef.from_key(key)], f"making room within the {self.settings.servers.cache_bytes} B budget")
 
     def cached_bytes(self) -> int:
         with self._lock:
@@ -179,22 +177,21 @@ class KeysManager:
 
     # -- fork ----------------------------------------------------------------------------------
 
-    def fork(self, model: str, stages: str, function: str, env: dict[str, str], cow: bool = True) -> dict:
+    def fork(self, stage: StageRef, function: str, env: dict[str, str], cow: bool = True) -> dict:
         """Forks a stage replica from the zygote; never from parameters older than the shard."""
-        key = f"{model}:{stages}"
         with self._lock:
-            z = self.zygotes.get(key)
+            z = self.zygotes.get(stage)
             if z is None or not z.alive():
-                raise NotCached(key)
-            if self.shards(model, stages)[0] != z.sha256:
+                raise NotCached(stage.key)
+            if self.shards(stage)[0] != z.sha256:
                 self._evict_locked(z, "stale shard")
-                raise StaleShard(f"the shard of {key} changed; its cache was dropped")
+                raise StaleShard(f"the shard of {stage} changed; its cache was dropped")
             z.forking += 1
         port_file = self.run_dir / f"{function}.{uuid.uuid4().hex[:8]}.port"
         request = {"op": "fork", "cow": cow, "handler": str(STAGE_HANDLER), "port_file": str(port_file),
                    "log_file": str(self.log_dir / f"{function}.log"),
                    "env": {**settings_environment(self.settings), **env,
-                           "QUART_MODEL": model, "QUART_STAGES": stages}}
+                           "QUART_MODEL": stage.model, "QUART_STAGES": stage.stages}}
         try:
             pid = zygote_call(z.socket, request)["pid"]
         finally:
@@ -207,15 +204,15 @@ class KeysManager:
 
     # -- evict and watch -----------------------------------------------------------------------
 
-    def evict(self, model: str, stages: str, reason: str = "requested") -> None:
+    def evict(self, stage: StageRef, reason: str = "requested") -> None:
         with self._lock:
-            z = self.zygotes.get(f"{model}:{stages}")
+            z = self.zygotes.get(stage)
             if z is None:
-                raise NotCached(f"{model}:{stages}")
+                raise NotCached(stage.key)
             self._evict_locked(z, reason)
 
     def _evict_locked(self, z: Zygote, reason: str) -> None:
-        self.zygotes.pop(z.key, None)
+        self.zygotes.pop(z.stage, None)
         if z.alive():
             z.proc.terminate()
             try:
@@ -224,7 +221,7 @@ class KeysManager:
                 z.proc.kill()
                 z.proc.wait()
         z.socket.unlink(missing_ok=True)
-        self.redis.delete(keys.zygote(self.server, z.model, z.stages))
+        self.redis.delete(keys.zygote(self.server, z.stage))
         self.redis.srem(keys.zygotes(self.server), z.key)
         self._event("evict", z, reason=reason)
         log.info("evicted %s (%s)", z.key, reason)
@@ -233,7 +230,7 @@ class KeysManager:
         vm = psutil.virtual_memory()
         return 1.0 - vm.available / vm.total
 
-    def key_stages(self) -> list[tuple[str, str]]:
+    def key_stages(self) -> list[StageRef]:
         """Stage ranges the autoscaler marked as key stages, in every model."""
         return key_stage_ranges(self.redis)
 
@@ -242,23 +239,23 @@ class KeysManager:
         over the memory threshold."""
         with self._lock:
             held = set(self.zygotes) | set(self._starting)
-        for model, stages in self.key_stages():
-            if not (self.settings.model_dir(model) / "manifest.json").exists() and not self.emulated(model):
+        for stage in self.key_stages():
+            if not (self.settings.model_dir(stage.model) / "manifest.json").exists() and not self.emulated(stage.model):
                 continue  # not partitioned here
-            if f"{model}:{stages}" not in held and self.memory_used() < self.threshold:
+            if stage not in held and self.memory_used() < self.threshold:
                 try:
-                    self.cache(model, stages)
+                    self.cache(stage)
                 except OverBudget as exc:
-                    log.info("not caching key stage %s %s here: %s", model, stages, exc)
+                    log.info("not caching key stage %s here: %s", stage, exc)
                 except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
-                    log.error("caching key stage %s %s failed: %s", model, stages, exc)
+                    log.error("caching key stage %s failed: %s", stage, exc)
         with self._lock:
             crashed = [z for z in self.zygotes.values() if not z.alive()]
         for z in crashed:
             log.warning("zygote %s (pid %d) died with %s; re-caching", z.key, z.proc.pid, z.proc.returncode)
             self._event("crash", z, code=z.proc.returncode)
             try:
-                self.cache(z.model, z.stages)
+                self.cache(z.stage)
             except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
                 log.error("re-caching %s failed: %s", z.key, exc)
         while self.memory_used() > self.threshold:
@@ -276,12 +273,12 @@ class KeysManager:
 
     def list(self) -> list[dict]:
         with self._lock:
-            return [z.describe() for z in sorted(self.zygotes.values(), key=lambda z: z.key)]
+            return [z.describe() for z in sorted(self.zygotes.values(), key=lambda z: z.stage)]
 
     def stats(self) -> dict:
         zs = self.list()
         return {"server": self.server, "memory_used": round(self.memory_used(), 4),
-                "memory_threshold": self.threshold, "cache_budget_bytes": self.settings.server_cache_bytes,
+                "memory_threshold": self.threshold, "cache_budget_bytes": self.settings.servers.cache_bytes,
                 "zygotes": len(zs),
                 "cached_bytes": sum(z["bytes"] for z in zs), "forks": sum(z["forks"] for z in zs)}
 
@@ -290,7 +287,7 @@ class KeysManager:
     def _publish(self, z: Zygote) -> None:
         d = z.describe()
         pipe = self.redis.pipeline()
-        pipe.hset(keys.zygote(self.server, z.model, z.stages),
+        pipe.hset(keys.zygote(self.server, z.stage),
                   mapping={**{k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in d.items()},
                            "server": self.server})
         pipe.sadd(keys.zygotes(self.server), z.key)
@@ -299,5 +296,5 @@ class KeysManager:
     def _event(self, what: str, z: Zygote, **extra: object) -> None:
         fields = {"event": what, "zygote": z.key, "pid": str(z.proc.pid), "t": f"{time.time():.6f}",
                   **{k: str(v) for k, v in extra.items()}}
-        self.redis.xadd(keys.cache_events(self.server), fields, maxlen=self.settings.records_maxlen,
+        self.redis.xadd(keys.cache_events(self.server), fields, maxlen=self.settings.data.records_maxlen,
                         approximate=True)

@@ -30,9 +30,9 @@ import redis  # noqa: F401
 import torch
 
 from contracts.config import load_settings
-from keysmanager import inherited
+from contracts.stage import StageRef
+from pipeline import inherited, watchdog
 from pipeline import replica as _replica  # noqa: F401
-from pipeline import watchdog
 from pipeline.emulated import EmulatedRunner
 from pipeline.emulated import profile as emulation_profile
 from pipeline.manifest import Manifest
@@ -63,7 +63,7 @@ def _become_replica(runner: StageRunner | EmulatedRunner, request: dict, server:
     if isinstance(runner, StageRunner):
         if not request.get("cow", True):
             runner.clone_parameters()
-        runner.to(settings.device, settings.dtype)
+        runner.to(settings.compute.device, settings.compute.dtype)
     else:
         runner.reseed()
     print(f"forked: parameters ready in {(time.perf_counter() - t0) * 1000:.1f} ms "
@@ -123,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--emulate", default="", help="an emulation profile: no shard to hold")
     args = parser.parse_args(argv)
-    settings = load_settings().replace(model=args.model, stages=args.stages, emulate=args.emulate)
-    first, last = settings.stage_range()
-    if settings.emulate:
-        runner = EmulatedRunner(emulation_profile(settings.emulate), settings.model, first, last)
+    settings = load_settings()
+    stage = StageRef.parse(args.model, args.stages)
+    if args.emulate:
+        runner = EmulatedRunner(emulation_profile(args.emulate), stage.model, stage.first, stage.last)
     else:
-        runner = StageRunner(Manifest.load(settings.model_dir()), first, last, device="cpu", dtype="float32")
+        runner = StageRunner(Manifest.load(settings.model_dir(stage.model)), stage.first, stage.last,
+                             device="cpu", dtype="float32")
     assert not torch.cuda.is_initialized()
     serve(runner, args.socket)
     return 0

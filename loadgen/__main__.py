@@ -25,7 +25,7 @@ import redis
 
 from contracts.config import Settings, add_arguments, settings_from_args
 from contracts.http_client import GatewayClient, HttpClient
-from contracts.stack import read_stack, stage_counts
+from contracts.stack import pipelines, read_stack
 from loadgen import arrivals as arr
 from loadgen.client import run as replay
 from loadgen.metrics import summarize
@@ -96,7 +96,7 @@ def make_requests(a: argparse.Namespace, settings: Settings) -> list[Request]:
     times, prompt_tokens, answer_tokens = arrival_times(a, models)
     pool = None if all(kind_of(m) == "emulated" for m in models) else PromptPool.sharegpt(seed=a.seed)
     requests = build(times, pool, a.seed, a.max_new_tokens, prompt_tokens, answer_tokens,
-                     max_emulated_tokens=settings.max_prompt_tokens)
+                     max_emulated_tokens=settings.limits.max_prompt_tokens)
     if not requests:
         raise SystemExit("the schedule is empty: no arrivals in the chosen window")
     return requests
@@ -119,12 +119,13 @@ def profile_latency(gateway: str, request: Request, count: int = 8) -> float:
 def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) -> dict:
     """Profile, replay with timelines sampled, and summarise, against the runtime `settings` names."""
     model = requests[0].model
-    stages = stage_counts(read_stack(Path(settings.stack_file))).get(model, 0)
-    r = redis.Redis(port=settings.redis_port)
-    profiled = profile_latency(settings.gateway_url, requests[0])
+    found = pipelines(read_stack(Path(settings.stack_file))).get(model)
+    stages = found.num_stages if found else 0
+    r = redis.Redis(port=settings.redis.port)
+    profiled = profile_latency(settings.gateway.url, requests[0])
     sampler = Sampler(r, model, stages).start()
     try:
-        records, start = replay(settings.gateway_url, requests, timeout_s=settings.request_timeout_s + 30,
+        records, start = replay(settings.gateway.url, requests, timeout_s=settings.data.request_timeout_s + 30,
                                 progress=not a.no_progress)
         time.sleep(a.tail)
     finally:
@@ -139,7 +140,7 @@ def conditions(a: argparse.Namespace, settings: Settings, requests: list[Request
     return {"model": a.model, "arrivals": a.arrivals, "requests": len(requests),
             **({"rate_rps": a.rate, "cv": a.cv if a.arrivals == "gamma" else 1.0, "duration_s": a.duration}
                if a.arrivals in ("gamma", "poisson") else {"trace": Path(a.trace).name}),
-            "seed": a.seed, "slo_s": settings.slo_s, "tick_s": settings.tick_s, "window_s": settings.window_s,
+            "seed": a.seed, "slo_s": settings.autoscaler.slo_s, "tick_s": settings.autoscaler.tick_s, "window_s": settings.autoscaler.window_s,
             "emulated": all(kind_of(m) == "emulated" for m in a.model.split(","))}
 
 
@@ -172,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "compare":
         runs = compare(a, settings, requests)
     else:
-        if not GatewayClient(settings.gateway_url).healthy():
-            raise SystemExit(f"no gateway at {settings.gateway_url}: start one with `make up`")
-        runs = {a.label or settings.policy: one_run(a, settings, requests)}
+        if not GatewayClient(settings.gateway.url).healthy():
+            raise SystemExit(f"no gateway at {settings.gateway.url}: start one with `make up`")
+        runs = {a.label or settings.autoscaler.policy: one_run(a, settings, requests)}
     path = write(out, f"Replay of {a.model}", conditions(a, settings, requests), runs)
     print(path.read_text().split("![")[0])
     print(f"report: {path}")

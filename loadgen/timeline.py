@@ -4,6 +4,7 @@ observed inter-arrival CV per stage (QUART Fig. 2a), and the samples the mean qu
 stage (Fig. 2b) and the replica-seconds."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,10 @@ import numpy as np
 import redis
 
 from contracts import keys
+from contracts.loops import start_thread
 from pipeline.registry import live_replicas, stream_backlog
+
+log = logging.getLogger("quart.loadgen")
 
 
 @dataclass
@@ -32,14 +36,9 @@ class Sampler:
         self.samples.append((now, replicas, queues))
 
     def start(self) -> Sampler:
-        def loop() -> None:
-            while not self._stop.wait(self.period_s):
-                try:
-                    self.sample()
-                except redis.RedisError:
-                    pass  # the runtime is going down; the samples so far stand
-        self._thread = threading.Thread(target=loop, name="timeline", daemon=True)
-        self._thread.start()
+        # A failed sample (the runtime going down at the end of a replay) is logged; the samples
+        # so far stand and sampling goes on.
+        self._thread = start_thread(self.period_s, self.sample, self._stop, log, "timeline")
         return self
 
     def stop(self) -> None:

@@ -38,14 +38,14 @@ class StageFailed(Exception):
 
 
 class Entry:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, model: str) -> None:
         self.settings = settings
-        self.model = settings.model
-        if settings.emulate:
+        self.model = model
+        if settings.compute.emulate:
             self.arch = "emulated"
-            emulation_profile(settings.emulate)  # an unknown profile fails at start, not per request
+            emulation_profile(settings.compute.emulate)  # an unknown profile fails at start, not per request
         else:
-            self.manifest = Manifest.load(settings.model_dir())
+            self.manifest = Manifest.load(settings.model_dir(model))
             self.arch = self.manifest.arch
             self.config = self.manifest.config_object()
             self.tokenizer = AutoTokenizer.from_pretrained(self.manifest.tokenizer_path())
@@ -70,7 +70,7 @@ class Entry:
             return exc.status, {"error": str(exc), "id": request_id}
         except TimeoutError:
             return 504, {"error": f"request {request_id} did not finish within "
-                                  f"{self.settings.request_timeout_s:g} s", "id": request_id}
+                                  f"{self.settings.data.request_timeout_s:g} s", "id": request_id}
         answer["id"] = request_id
         answer["latency_ms"] = round((time.time() - started) * 1000.0, 3)
         return 200, answer
@@ -78,15 +78,15 @@ class Entry:
     # -- the two kinds of model ----------------------------------------------------------------
 
     async def _generate(self, data: dict, request_id: str, started: float) -> dict:
-        req = parse_generate(data, self.settings.max_new_tokens)
+        req = parse_generate(data, self.settings.limits.max_new_tokens)
         if req.prompt is not None:
             ids = self.tokenizer(req.prompt)["input_ids"]
         else:
             ids = list(self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
                                                           tokenize=True, return_dict=True)["input_ids"])
-        check_prompt_length(len(ids), req.max_new_tokens, self.settings.max_prompt_tokens,
+        check_prompt_length(len(ids), req.max_new_tokens, self.settings.limits.max_prompt_tokens,
                             self.config.max_position_embeddings)
-        deadline = started + self.settings.request_timeout_s
+        deadline = started + self.settings.data.request_timeout_s
         eos = self.config.eos_token_id
         eos = set(eos) if isinstance(eos, list) else {eos}
         new: list[int] = []
@@ -102,17 +102,17 @@ class Entry:
                 "passes": len(passes), "stages": _sum_timings(passes)}
 
     async def _embed(self, data: dict, request_id: str, started: float) -> dict:
-        inputs = parse_embed(data, self.settings.max_batch)
+        inputs = parse_embed(data, self.settings.limits.max_batch)
         enc = self.tokenizer(inputs, padding=True, truncation=True, max_length=EMBED_MAX_TOKENS,
                              return_tensors="pt")
         header, out = await self._round_trip(f"{request_id}.0", dict(enc),
-                                             started + self.settings.request_timeout_s)
+                                             started + self.settings.data.request_timeout_s)
         return {"embeddings": out["embeddings"].tolist(), "stages": _sum_timings([header.timings])}
 
     async def _emulated(self, data: dict, request_id: str, started: float) -> dict:
-        tokens = parse_emulated(data, self.settings.max_prompt_tokens)
+        tokens = parse_emulated(data, self.settings.limits.max_prompt_tokens)
         header, _ = await self._round_trip(f"{request_id}.0", {"hidden": torch.zeros(1, tokens, EMULATED_WIDTH)},
-                                           started + self.settings.request_timeout_s)
+                                           started + self.settings.data.request_timeout_s)
         return {"emulated": True, "tokens": tokens, "stages": _sum_timings([header.timings])}
 
     # -- talking to the pipeline ---------------------------------------------------------------
@@ -135,14 +135,14 @@ class Entry:
 
     async def _connection(self) -> aioredis.Redis:
         if self._redis is None:
-            self._redis = aioredis.Redis.from_url(self.settings.redis_url)
+            self._redis = aioredis.Redis.from_url(self.settings.redis.url)
             await self._redis.ping()
             self._dispatcher = asyncio.create_task(self._dispatch())
         return self._redis
 
     async def _dispatch(self) -> None:
         """One reader of this entry's reply list hands each answer to the request awaiting it."""
-        r = aioredis.Redis.from_url(self.settings.redis_url)
+        r = aioredis.Redis.from_url(self.settings.redis.url)
         while True:
             try:
                 item = await r.blpop([self.reply_key], timeout=1)

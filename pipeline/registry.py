@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from contracts import keys
+from contracts.stage import StageRef
 
 
 @dataclass
@@ -70,12 +71,12 @@ def live_replicas(r: redis.Redis, model: str, stage: int) -> list[dict[str, str]
     return live
 
 
-def key_stage_ranges(r: redis.Redis) -> list[tuple[str, str]]:
-    """(model, stage range) of every key stage the autoscaler has published, in every model."""
+def key_stage_ranges(r: redis.Redis) -> list[StageRef]:
+    """Every key stage the autoscaler has published, in every model."""
     wanted = []
     for key in r.scan_iter(match=keys.KEY_STAGES_PATTERN, count=100):
         model = key.decode().rsplit(":", 1)[1]
-        wanted += [(model, stages.decode()) for stages in r.smembers(key)]
+        wanted += [StageRef.parse(model, stages.decode()) for stages in r.smembers(key)]
     return sorted(wanted)
 
 
@@ -84,8 +85,7 @@ def cached_stages(r: redis.Redis, server: str) -> tuple[frozenset[str], int]:
     members = sorted(m.decode() for m in r.smembers(keys.zygotes(server)))
     pipe = r.pipeline()
     for member in members:
-        model, stages = member.split(":", 1)
-        pipe.hget(keys.zygote(server, model, stages), "bytes")
+        pipe.hget(keys.zygote(server, StageRef.from_key(member)), "bytes")
     sizes = pipe.execute()
     return frozenset(members), sum(int(b) for b in sizes if b is not None)
 

@@ -14,6 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from contracts import keys
 from contracts.config import Settings
+from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
 from pipeline.emulated import EmulatedRunner
 from pipeline.emulated import profile as emulation_profile
@@ -40,26 +41,28 @@ def ensure_group(r: redis.Redis, stream: str) -> None:
 
 
 class Replica:
-    def __init__(self, settings: Settings, runner: StageRunner | None = None) -> None:
+    def __init__(self, settings: Settings, stage: StageRef, started_by: str = "cold",
+                 runner: StageRunner | None = None) -> None:
         """`runner`: stages already loaded (inherited from a KeysManager zygote); else loads them."""
         self.settings = settings
-        first, last = settings.stage_range()
-        torch.set_num_threads(max(1, settings.threads))
-        started_by = settings.started_by
-        if runner is None and settings.emulate:
-            runner = EmulatedRunner(emulation_profile(settings.emulate), settings.model, first, last)
+        first, last = stage.first, stage.last
+        torch.set_num_threads(max(1, settings.compute.threads))
+        if runner is None and settings.compute.emulate:
+            runner = EmulatedRunner(emulation_profile(settings.compute.emulate), stage.model, first, last)
         if runner is None:
-            runner = StageRunner(Manifest.load(settings.model_dir()), first, last, settings.device, settings.dtype)
+            runner = StageRunner(Manifest.load(settings.model_dir(stage.model)), first, last, settings.compute.device,
+                                 settings.compute.dtype)
             started_by = "cold"  # whatever started this process, it loaded the shard itself
         self.runner = runner
         self.manifest = runner.manifest
-        self.model, self.first, self.last = settings.model, first, last
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.stage = stage
+        self.model, self.first, self.last = stage.model, first, last
+        self.redis = redis.Redis.from_url(settings.redis.url)
         pid = os.getpid()
         self.info = ReplicaInfo(
-            replica_id=f"{self.model}-s{first}.{settings.server}.{pid}", model=self.model,
+            replica_id=f"{self.model}-s{stage.stages}.{settings.server}.{pid}", model=self.model,
             stage_start=first, stage_end=last, server=settings.server, pid=pid,
-            device="emulated" if settings.emulate else settings.device, cpus=max(1, settings.threads),
+            device="emulated" if settings.compute.emulate else settings.compute.device, cpus=max(1, settings.compute.threads),
             started_by=started_by, started_at=time.time())
         self.stream = keys.stage_stream(self.model, first)
         self.next_stream = None if self.runner.is_last else keys.stage_stream(self.model, last)
@@ -69,7 +72,7 @@ class Replica:
         self._inflight: bytes | None = None
         self.first_work_at: float | None = None
         self._allowed_cpus = sorted(os.sched_getaffinity(0))
-        self.cpus = max(1, settings.threads)
+        self.cpus = max(1, settings.compute.threads)
         self._wanted_cpus = self.cpus
         self._threads: list[threading.Thread] = []
 
@@ -81,7 +84,7 @@ class Replica:
         ensure_group(self.redis, self.stream)
         if self.next_stream:
             ensure_group(self.redis, self.next_stream)
-        register(self.redis, self.info, self.settings.replica_ttl_s)
+        register(self.redis, self.info, self.settings.data.replica_ttl_s)
         for target in (self._work_loop, self._heartbeat_loop):
             thread = threading.Thread(target=target, name=target.__name__, daemon=True)
             thread.start()
@@ -92,7 +95,7 @@ class Replica:
         """Stops taking work, finishes the item in hand, and leaves the registry."""
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=self.settings.drain_timeout_s)
+            thread.join(timeout=self.settings.data.drain_timeout_s)
         deregister(self.redis, self.info)
         log.info("replica %s stopped", self.replica_id)
 
@@ -107,7 +110,7 @@ class Replica:
                 entry = None
                 if time.monotonic() >= next_reclaim:
                     entry = self._claim_abandoned()
-                    next_reclaim = time.monotonic() + self.settings.reclaim_idle_ms / 2000.0
+                    next_reclaim = time.monotonic() + self.settings.data.reclaim_idle_ms / 2000.0
                 if entry is None:
                     entry = self._read_new()
                 if entry is not None:
@@ -125,7 +128,7 @@ class Replica:
 
     def _read_new(self) -> tuple[bytes, dict] | None:
         answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, {self.stream: ">"},
-                                       count=1, block=self.settings.block_ms)
+                                       count=1, block=self.settings.data.block_ms)
         if not answer:
             return None
         return answer[0][1][0]
@@ -133,7 +136,7 @@ class Replica:
     def _claim_abandoned(self) -> tuple[bytes, dict] | None:
         """Takes over one item that a dead replica held for longer than the reclaim idle time."""
         _, entries, *_ = self.redis.xautoclaim(self.stream, keys.GROUP, self.replica_id,
-                                               min_idle_time=self.settings.reclaim_idle_ms,
+                                               min_idle_time=self.settings.data.reclaim_idle_ms,
                                                start_id="0-0", count=1)
         for msg_id, fields in entries:
             if fields:
@@ -171,14 +174,14 @@ class Replica:
         pipe.xadd(keys.records_stream(self.model, self.first),
                   {"id": header.request_id, "t": f"{header.enqueued_at:.6f}", "q": f"{queue_ms:.3f}",
                    "s": f"{service_ms:.3f}", "r": self.replica_id},
-                  maxlen=self.settings.records_maxlen, approximate=True)
+                  maxlen=self.settings.data.records_maxlen, approximate=True)
         self._finish(msg_id, pipe)
 
     def _compute(self, header: Header, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         INFLIGHT.labels(**self._labels).inc()
         try:
             with self._compute_lock:
-                out = self.runner.checked_run(tensors, self.settings.max_batch)
+                out = self.runner.checked_run(tensors, self.settings.limits.max_batch)
             REQUESTS.labels(**self._labels, outcome="ok").inc()
             return out
         except BadRequest as exc:
@@ -194,7 +197,7 @@ class Replica:
     def _hand_off(self, pipe: redis.client.Pipeline, header: Header, out: dict[str, torch.Tensor]) -> None:
         if header.error is not None or self.next_stream is None:
             pipe.lpush(header.reply_to, pack(header, out))
-            pipe.pexpire(header.reply_to, int(self.settings.request_timeout_s * 2000))
+            pipe.pexpire(header.reply_to, int(self.settings.data.request_timeout_s * 2000))
             return
         header.stage, header.enqueued_at = self.last, time.time()
         pipe.xadd(self.next_stream, {MESSAGE_FIELD: pack(header, out)})
@@ -227,10 +230,10 @@ class Replica:
     # -- liveness ------------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_s):
+        while not self._stop.wait(self.settings.data.heartbeat_s):
             try:
-                heartbeat(self.redis, self.info, self.settings.replica_ttl_s)
-                wanted = self.redis.get(keys.stage_cpus(self.model, self.first))
+                heartbeat(self.redis, self.info, self.settings.data.replica_ttl_s)
+                wanted = self.redis.get(keys.stage_cpus(self.stage))
                 if wanted is not None and wanted.isdigit() and int(wanted) > 0:
                     self._wanted_cpus = int(wanted)
                 msg_id = self._inflight
@@ -247,5 +250,5 @@ class Replica:
         """Runs this replica's stages on safetensors bytes and answers safetensors bytes."""
         tensors = decode_tensors(body)
         with self._compute_lock:
-            out = self.runner.checked_run(tensors, self.settings.max_batch)
+            out = self.runner.checked_run(tensors, self.settings.limits.max_batch)
         return encode_tensors(out)

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = load_settings()
     handler = load_handler(args.handler.resolve())
-    asyncio.run(serve(handler, args.host, args.port_file, settings.max_body_bytes))
+    asyncio.run(serve(handler, args.host, args.port_file, settings.limits.max_body_bytes))
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from contracts.config import Settings, add_arguments, settings_environment, settings_from_args
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
-from contracts.stack import read_stack, stage_counts
+from contracts.stack import pipelines, read_stack
 
 PID_FILE = "runtime.pid"
 
@@ -27,9 +27,9 @@ def ensure_partitioned(settings: Settings) -> None:
     from pipeline.partition import ensure_partitioned as ensure
     stack = read_stack(Path(settings.stack_file))
     emulated = {f.deployment["envVars"].get("QUART_MODEL") for f in stack if f.deployment["envVars"].get("QUART_EMULATE")}
-    for model, stages in stage_counts(stack).items():
+    for model, pipeline in pipelines(stack).items():
         if model not in emulated:  # an emulated model has no weights to partition
-            ensure(settings.models_dir, model, stages)
+            ensure(settings.models_dir, model, pipeline.num_stages)
 
 
 def _pid(settings: Settings) -> int | None:
@@ -63,7 +63,7 @@ def up(settings: Settings, timeout: float) -> int:
         print(f"up: {exc}; see {home / 'logs'}", file=sys.stderr)
         down(settings)
         return 1
-    print(f"ready: gateway {settings.gateway_url}, admin password in {settings.password_file}")
+    print(f"ready: gateway {settings.gateway.url}, admin password in {settings.password_file}")
     return 0
 
 
@@ -74,7 +74,7 @@ def wait_ready(settings: Settings, proc: subprocess.Popen, timeout: float) -> No
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the runtime exited with code {proc.returncode}")
-        if client is None and settings.password_file.exists() and GatewayClient(settings.gateway_url).healthy():
+        if client is None and settings.password_file.exists() and GatewayClient(settings.gateway.url).healthy():
             client = GatewayClient.for_settings(settings)
         if client is not None:
             functions = client.functions()
@@ -98,7 +98,7 @@ def down(settings: Settings) -> int:
         print("the runtime is not running")
         return 0
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + settings.drain_timeout_s + 15
+    deadline = time.monotonic() + settings.data.drain_timeout_s + 15
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.2)
     # Whatever is left of the runtime's process group (replicas, redis) goes now.

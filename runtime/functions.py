@@ -15,8 +15,10 @@ from datetime import UTC, datetime
 from itertools import count
 from pathlib import Path
 
-from contracts.config import Settings, settings_environment
+from contracts.config import Settings, child_environment
 from contracts.paths import REPO_ROOT
+from contracts.stack import identity
+from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 
 log = logging.getLogger("quart.functions")
@@ -29,7 +31,7 @@ def start_watchdog(settings: Settings, handler: Path, env: dict[str, str], port_
     cmd = [sys.executable, "-m", "pipeline.watchdog", "--handler", str(handler)]
     if port_file is not None:
         cmd += ["--port-file", str(port_file)]
-    full_env = {**os.environ, **settings_environment(settings), **env, "PYTHONPATH": str(REPO_ROOT)}
+    full_env = child_environment(settings, **env)
     with open(log_path, "ab") as out:
         return subprocess.Popen(cmd, env=full_env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
@@ -105,12 +107,15 @@ class FunctionState:
         return self.deployment["service"]
 
     @property
+    def stage(self) -> StageRef | None:
+        """The stage range of a stage function (the provider validated it), else None."""
+        return identity(self.deployment)[1]
+
+    @property
     def stage_key(self) -> str:
-        """"model:stages" for a stage function (what a KeysManager caches), else the name."""
-        env = self.deployment.get("envVars") or {}
-        if env.get("QUART_MODEL") and env.get("QUART_STAGES"):
-            return f"{env['QUART_MODEL']}:{env['QUART_STAGES']}"
-        return self.name
+        """The scheduler's name of what this function runs: its StageRef's key (what a
+        KeysManager caches) for a stage function, else the function's name."""
+        return self.stage.key if self.stage is not None else self.name
 
     def serving(self) -> list[ReplicaProcess]:
         return [r for r in self.replicas if r.draining_since is None]
@@ -146,13 +151,12 @@ class ProcessManager:
         return replica
 
     def _fork(self, fn: FunctionState, server: str) -> ReplicaProcess | None:
-        env = fn.deployment.get("envVars") or {}
-        model, stages, keys = env.get("QUART_MODEL"), env.get("QUART_STAGES"), self.keys.get(server)
-        if keys is None or not model or not stages:
+        env, keys = fn.deployment.get("envVars") or {}, self.keys.get(server)
+        if keys is None or fn.stage is None:
             return None
         try:
-            answer = keys.fork(model, stages, fn.name, {k: v for k, v in env.items() if k.startswith("QUART_")},
-                               cow=self.settings.fork_cow)
+            answer = keys.fork(fn.stage, fn.name, {k: v for k, v in env.items() if k.startswith("QUART_")},
+                               cow=self.settings.cache.fork_cow)
         except (KeysManagerError, OSError) as exc:
             log.info("no fork for %s on %s (%s); cold start", fn.name, server, exc)
             return None
@@ -182,7 +186,7 @@ class ProcessManager:
                 if replica.draining_since is None:
                     log.warning("%s replica pid %d exited with code %s; replacing it", fn.name, replica.pid, code)
             elif replica.draining_since is not None:
-                if time.time() - replica.draining_since > self.settings.drain_timeout_s:
+                if time.time() - replica.draining_since > self.settings.data.drain_timeout_s:
                     _signal(replica, signal.SIGKILL)
             elif replica.port is None and replica.port_file.exists():
                 replica.port = int(replica.port_file.read_text())

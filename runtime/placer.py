@@ -4,7 +4,6 @@ what each server holds (slots in use, zygotes, cold starts under way) and the ke
 cold) and drains them. Every decision is logged and added to the `quart:placements` stream."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter
@@ -22,20 +21,13 @@ from scheduler.state import Change, ClusterState, Fetch, Replica, Schedule, Serv
 log = logging.getLogger("quart.placer")
 
 
-def scheduler_params(settings: Settings) -> SchedulerParams:
-    try:
-        return SchedulerParams(**json.loads(settings.scheduler_params or "{}"))
-    except (TypeError, ValueError) as exc:
-        raise SystemExit(f"QUART_SCHEDULER_PARAMS={settings.scheduler_params!r}: {exc}") from exc
-
-
 class Placer:
     def __init__(self, settings: Settings, processes: ProcessManager, r: redis.Redis,
                  scheduler: Scheduler | None = None) -> None:
         self.settings = settings
         self.processes = processes
         self.redis = r
-        self.scheduler = scheduler or Scheduler(scheduler_params(settings))
+        self.scheduler = scheduler or Scheduler(SchedulerParams.of(settings.servers.scheduler_params))
         self.servers = settings.virtual_server_names()
         self._bytes: dict[str, int] = {}
         self._unplaced: set[tuple[str, str]] = set()
@@ -47,7 +39,7 @@ class Placer:
             delta = fn.desired - len(fn.serving())
             by_stage[fn.stage_key] = fn
             if delta:
-                changes.append(Change(fn.stage_key, delta, self.shard_bytes(fn), self.settings.cold_deadline_s))
+                changes.append(Change(fn.stage_key, delta, self.shard_bytes(fn), self.settings.servers.cold_deadline_s))
         if not changes:
             return None
         schedule = self.scheduler.schedule(self.state(functions, draining), changes)
@@ -56,12 +48,9 @@ class Placer:
 
     def shard_bytes(self, fn: FunctionState) -> int:
         if fn.stage_key not in self._bytes:
-            env = fn.deployment.get("envVars") or {}
-            size = 0
-            if env.get("QUART_STAGES"):
-                first, last = self.settings.replace(stages=env["QUART_STAGES"]).stage_range()
-                size = stage_bytes(self.settings.models_dir, env["QUART_MODEL"], first, last)
-            self._bytes[fn.stage_key] = size
+            stage = fn.stage
+            self._bytes[fn.stage_key] = 0 if stage is None else \
+                stage_bytes(self.settings.models_dir, stage.model, stage.first, stage.last)
         return self._bytes[fn.stage_key]
 
     def state(self, functions: list[FunctionState], draining: list[FunctionState]) -> ClusterState:
@@ -71,21 +60,21 @@ class Placer:
         servers = []
         for name in self.servers:
             cached, held = cached_stages(self.redis, name)
-            budget = self.settings.server_cache_bytes
+            budget = self.settings.servers.cache_bytes
             cold = [(fn, r) for fn, r in replicas if r.server == name and r.started_by == "cold" and not r.ready]
-            servers.append(Server(name, max(0, self.settings.server_slots - leaving[name]),
-                                  self.settings.server_bandwidth, cached, budget > 0 and held >= budget,
+            servers.append(Server(name, max(0, self.settings.servers.slots - leaving[name]),
+                                  self.settings.servers.bandwidth, cached, budget > 0 and held >= budget,
                                   self._fetches(cold, now)))
         return ClusterState(
             tuple(servers),
             tuple(Replica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started) for fn, r in replicas),
-            frozenset(f"{m}:{s}" for m, s in key_stage_ranges(self.redis)), now)
+            frozenset(s.key for s in key_stage_ranges(self.redis)), now)
 
     def _fetches(self, cold: list[tuple[FunctionState, ReplicaProcess]], now: float) -> tuple[Fetch, ...]:
         """Cold starts under way, each assumed to have read its equal share of the bandwidth."""
-        share = self.settings.server_bandwidth / max(1, len(cold))
+        share = self.settings.servers.bandwidth / max(1, len(cold))
         return tuple(Fetch(max(0.0, self.shard_bytes(fn) - share * (now - r.started)),
-                           r.started + self.settings.cold_deadline_s) for fn, r in cold)
+                           r.started + self.settings.servers.cold_deadline_s) for fn, r in cold)
 
     def _apply(self, schedule: Schedule, by_stage: dict[str, FunctionState]) -> None:
         records = []
@@ -109,5 +98,5 @@ class Placer:
             log.info("%s", record)
             pipe.xadd(keys.placements(), {"t": f"{time.time():.6f}", "contention": schedule.contention,
                                           **{k: str(v) for k, v in record.items()}},
-                      maxlen=self.settings.records_maxlen, approximate=True)
+                      maxlen=self.settings.data.records_maxlen, approximate=True)
         pipe.execute()

@@ -20,7 +20,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from contracts.config import Settings
-from contracts.stack import NAME_RE, StackFunction
+from contracts.loops import every
+from contracts.stack import NAME_RE, StackFunction, identity
 from keysmanager.client import KeysClient
 from runtime.functions import FunctionState, ProcessManager
 from runtime.placer import Placer
@@ -44,11 +45,12 @@ class BadDeployment(ValueError):
 
 class LocalProvider:
     def __init__(self, settings: Settings, stack: list[StackFunction], password: str,
-                 keys: dict[str, KeysClient | None], r: redis.Redis, max_replicas: int = 16) -> None:
+                 keys: dict[str, KeysClient | None], r: redis.Redis) -> None:
         """`keys`: the KeysManager of each virtual server; the scheduler places every replica."""
         self.settings = settings
         self.password = password
-        self.max_replicas = max_replicas
+        # One bound for every function: QUART_R_MAX, lowered per function by com.openfaas.scale.max.
+        self.max_replicas = settings.autoscaler.bounds.r_max
         # The local provider runs handlers, not images: an image is known by the stack entry
         # that builds it.
         self.handlers = {f.deployment["image"]: f.handler for f in stack}
@@ -105,6 +107,10 @@ class LocalProvider:
             if value is not None and (not isinstance(value, dict)
                                       or not all(isinstance(v, str) for v in value.values())):
                 raise BadDeployment(f"'{key}' must be an object of strings")
+        try:
+            identity(d)
+        except ValueError as exc:
+            raise BadDeployment(f"envVars: {exc}") from None
         return d
 
     def _initial_replicas(self, d: dict) -> int:
@@ -136,7 +142,7 @@ class LocalProvider:
     def status(self, fn: FunctionState) -> dict:
         d = fn.deployment
         out = {
-            "name": fn.name, "image": d["image"], "namespace": self.settings.namespace,
+            "name": fn.name, "image": d["image"], "namespace": self.settings.gateway.namespace,
             "envProcess": d.get("envProcess", ""), "envVars": d.get("envVars") or {},
             "labels": d.get("labels") or {}, "annotations": d.get("annotations") or {},
             "invocationCount": fn.invocations, "replicas": fn.desired,
@@ -151,20 +157,18 @@ class LocalProvider:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-            total=self.settings.request_timeout_s + 10))
+            total=self.settings.data.request_timeout_s + 10))
         self._reconciler = asyncio.create_task(self._reconcile_forever())
 
     async def _reconcile_forever(self) -> None:
-        while True:
-            for fn in list(self.functions.values()) + self._draining:
-                self.processes.refresh(fn)
-                await self._probe(fn)
-            self._draining = [fn for fn in self._draining if fn.replicas]
-            try:
-                self.converge()
-            except redis.RedisError as exc:
-                log.warning("placement round skipped: %s", exc)
-            await asyncio.sleep(0.2)
+        await every(0.2, self._reconcile, log, "reconciler")
+
+    async def _reconcile(self) -> None:
+        for fn in list(self.functions.values()) + self._draining:
+            self.processes.refresh(fn)
+            await self._probe(fn)
+        self._draining = [fn for fn in self._draining if fn.replicas]
+        self.converge()
 
     async def _probe(self, fn: FunctionState) -> None:
         """Health checks: starting replicas every tick, ready ones every PROBE_PERIOD_S."""
@@ -193,14 +197,14 @@ class LocalProvider:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.processes.stop_all,
                                    list(self.functions.values()) + self._draining,
-                                   self.settings.drain_timeout_s)
+                                   self.settings.data.drain_timeout_s)
         if self._session:
             await self._session.close()
 
     # -- HTTP ----------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=self.settings.max_body_bytes + 1)
+        app = web.Application(middlewares=[self._auth], client_max_size=self.settings.limits.max_body_bytes + 1)
         r = app.router
         r.add_get("/healthz", lambda _: web.Response(text="OK"))
         r.add_get("/metrics", self._metrics)
@@ -211,7 +215,7 @@ class LocalProvider:
         r.add_delete("/system/functions", self._delete)
         r.add_get("/system/function/{name}", self._get)
         r.add_post("/system/scale-function/{name}", self._scale)
-        r.add_get("/system/namespaces", lambda _: web.json_response([self.settings.namespace]))
+        r.add_get("/system/namespaces", lambda _: web.json_response([self.settings.gateway.namespace]))
         r.add_route("*", "/function/{name}", self._invoke)
         r.add_route("*", "/function/{name}/{tail:.*}", self._invoke)
         app.on_startup.append(lambda _: self.start())
@@ -233,7 +237,7 @@ class LocalProvider:
             user, _, password = base64.b64decode(value, validate=True).decode().partition(":")
         except (binascii.Error, UnicodeDecodeError):
             return False
-        expected = f"{self.settings.gateway_user}:{self.password}".encode()
+        expected = f"{self.settings.gateway.user}:{self.password}".encode()
         return hmac.compare_digest(f"{user}:{password}".encode(), expected)
 
     async def _metrics(self, _: web.Request) -> web.Response:
@@ -307,7 +311,7 @@ class LocalProvider:
         name = request.match_info["name"]
         name, _, namespace = name.partition(".")
         fn = self.functions.get(name)
-        if fn is None or namespace not in ("", self.settings.namespace):
+        if fn is None or namespace not in ("", self.settings.gateway.namespace):
             return error(404, f"function {request.match_info['name']!r} not found")
         started = time.time()
         response = await self._forward(fn, request)

@@ -6,7 +6,6 @@ use that."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -16,9 +15,10 @@ from pathlib import Path
 import redis
 from aiohttp import web
 
-from contracts.config import Settings, load_settings, settings_environment
+from contracts.config import Settings, child_environment, exit_on_config_error, load_settings
 from contracts.paths import REPO_ROOT
 from contracts.stack import StackFunction, read_stack
+from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 from runtime.provider import LocalProvider, read_or_create_password
 from runtime.redis_server import start_redis
@@ -28,9 +28,8 @@ log = logging.getLogger("quart.server")
 
 def _start(settings: Settings, module: str, *args: str, log_name: str = "") -> subprocess.Popen:
     """A component of the runtime as a child process (in the runtime's process group)."""
-    env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO_ROOT)}
     with open(Path(settings.home) / "logs" / f"{log_name or module}.log", "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=REPO_ROOT,
+        return subprocess.Popen([sys.executable, "-m", module, *args], env=child_environment(settings), cwd=REPO_ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
@@ -38,10 +37,10 @@ def start_keysmanagers(settings: Settings) -> dict[str, tuple[subprocess.Popen, 
     """One KeysManager per virtual server, the i-th on keysmanager_port + i."""
     started = {}
     for i, name in enumerate(settings.virtual_server_names()):
-        own = settings.replace(server=name, keysmanager_port=settings.keysmanager_port + i)
-        log_name = "keysmanager" if settings.virtual_servers <= 1 else f"keysmanager-{name}"
+        own = settings.replace(server=name, keysmanager_port=settings.cache.port + i)
+        log_name = "keysmanager" if settings.servers.virtual <= 1 else f"keysmanager-{name}"
         started[name] = (_start(own, "keysmanager", log_name=log_name),
-                         KeysClient(f"http://127.0.0.1:{own.keysmanager_port}", timeout=600))
+                         KeysClient(f"http://127.0.0.1:{own.cache.port}", timeout=600))
     deadline = time.monotonic() + 60
     for name, (proc, client) in started.items():
         while not client.healthy():
@@ -51,38 +50,40 @@ def start_keysmanagers(settings: Settings) -> dict[str, tuple[subprocess.Popen, 
     return started
 
 
-def stages_to_cache(settings: Settings, stack: list[StackFunction]) -> list[tuple[str, str]]:
+def stages_to_cache(settings: Settings, stack: list[StackFunction]) -> list[StageRef]:
     """The stage ranges named by QUART_CACHE_STAGES: "all", "none", or "model:stages,..."."""
-    stage_fns = [(f.deployment["envVars"]["QUART_MODEL"], f.deployment["envVars"]["QUART_STAGES"])
-                 for f in stack if "QUART_STAGES" in f.deployment.get("envVars", {})]
-    choice = settings.cache_stages.strip()
+    stage_fns = [f.stage for f in stack if f.stage is not None]
+    choice = settings.cache.stages.strip()
     if choice == "all":
         return stage_fns
     if choice in ("", "none"):
         return []
-    wanted = {tuple(item.strip().split(":", 1)) for item in choice.split(",")}
+    try:
+        wanted = {StageRef.from_key(item.strip()) for item in choice.split(",")}
+    except ValueError as exc:
+        raise SystemExit(f"configuration: QUART_CACHE_STAGES={choice!r}: {exc}") from None
     return [s for s in stage_fns if s in wanted]
 
 
-def cache_in_background(clients: list[KeysClient], ranges: list[tuple[str, str]]) -> None:
+def cache_in_background(clients: list[KeysClient], ranges: list[StageRef]) -> None:
     """Each stage range on one server, round robin: several virtual servers hold different
     stages at start, and key stages get cached further as the autoscaler names them."""
     def work() -> None:
-        for i, (model, stages) in enumerate(ranges):
+        for i, stage in enumerate(ranges):
             try:
-                clients[i % len(clients)].cache(model, stages)
+                clients[i % len(clients)].cache(stage)
             except (KeysManagerError, OSError) as exc:
-                log.error("caching %s stages %s failed: %s", model, stages, exc)
+                log.error("caching %s failed: %s", stage, exc)
     threading.Thread(target=work, name="cache", daemon=True).start()
 
 
 def main() -> int:
-    settings = load_settings()
+    settings = exit_on_config_error(load_settings)
     home = Path(settings.home)
     (home / "logs").mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=os.environ.get("QUART_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    redis_proc = start_redis(settings.redis_host, settings.redis_port, home / "redis", home / "logs" / "redis.log")
+    redis_proc = start_redis(settings.redis.host, settings.redis.port, home / "redis", home / "logs" / "redis.log")
     keysmanagers: dict[str, tuple[subprocess.Popen, KeysClient]] = {}
     autoscaler_proc = None
     try:
@@ -90,12 +91,12 @@ def main() -> int:
         keysmanagers = start_keysmanagers(settings)
         clients = {name: client for name, (_, client) in keysmanagers.items()}
         provider = LocalProvider(settings, stack, read_or_create_password(settings.password_file), clients,
-                                 redis.Redis.from_url(settings.redis_url))
+                                 redis.Redis.from_url(settings.redis.url))
         for fn in stack:
             provider.deploy(fn.deployment)
         cache_in_background(list(clients.values()), stages_to_cache(settings, stack))
         app = provider.app()
-        if settings.policy != "none":
+        if settings.autoscaler.policy != "none":
             autoscaler_proc = _start(settings, "autoscaler", "run")
 
             async def stop_autoscaler(_: web.Application) -> None:
@@ -103,7 +104,7 @@ def main() -> int:
                 autoscaler_proc.terminate()
                 autoscaler_proc.wait(timeout=30)
             app.on_shutdown.insert(0, stop_autoscaler)
-        web.run_app(app, host=settings.gateway_host, port=settings.gateway_port,
+        web.run_app(app, host=settings.gateway.host, port=settings.gateway.port,
                     print=None, access_log=None, shutdown_timeout=5)
     finally:
         for proc in (autoscaler_proc, *(p for p, _ in keysmanagers.values()), redis_proc):

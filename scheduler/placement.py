@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from contracts.config import from_params
 from scheduler.fetch import admits
 from scheduler.kl import descend, round_counts
 from scheduler.state import Change, ClusterState, Fetch, Placement, Removal, Replica, Schedule
@@ -32,6 +33,11 @@ class SchedulerParams:
     kl_rate: float = 0.5
     kl_threshold: float = 0.02    # mean divergence per instance at which descent stops
     kl_max_iters: int = 40
+
+    @classmethod
+    def of(cls, params: dict) -> SchedulerParams:
+        """From QUART_SCHEDULER_PARAMS; ConfigError naming a wrong field."""
+        return from_params(cls, params, "QUART_SCHEDULER_PARAMS")
 
 
 @dataclass

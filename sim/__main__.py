@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from contracts.config import Settings
+from contracts.config import load_settings
 from loadgen.__main__ import add_arrival_arguments, arrival_times
 from loadgen.report import write
 from sim.config import SimConfig, embedded_runtime, quart_testbed
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(exc)) from None
     cfg = config(a)
     times, _, _ = arrival_times(a, [m.name for m in models])
-    settings = Settings(home=a.home) if a.home else Settings()
+    settings = load_settings(home=a.home)
     runs = {}
     for policy in [p.strip() for p in a.policies.split(",") if p.strip()]:
         started = time.perf_counter()

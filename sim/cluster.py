@@ -8,6 +8,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from scheduler.placement import Scheduler
 from scheduler.state import Change, ClusterState, Fetch, Schedule
@@ -57,7 +58,7 @@ class SimCluster:
                         for i in range(cfg.servers)]
         self._startup: deque = deque()
         self._by_name = {s.name: s for s in self.servers}
-        self.key_stages: dict[str, tuple[int, ...]] = {}
+        self.key_stages: dict[str, tuple[StageRef, ...]] = {}
         self._event, self._start_serving = schedule_event, start_serving
         self._ids = 0
         self.placements: list[dict] = []
@@ -65,20 +66,17 @@ class SimCluster:
 
     # -- the autoscaler's Backend ------------------------------------------------------------
 
-    def desired_replicas(self, model: str, num_stages: int) -> list[int]:
-        return [s.desired for s in self.by_model[model][:num_stages]]
+    def set_replicas(self, stage: StageRef, replicas: int) -> None:
+        self.by_model[stage.model][stage.first].desired = replicas
 
-    def set_replicas(self, model: str, stage: int, replicas: int) -> None:
-        self.by_model[model][stage].desired = replicas
+    def set_cpus(self, stage: StageRef, cpus: int) -> None:
+        self.by_model[stage.model][stage.first].cpus = cpus
 
-    def set_cpus(self, model: str, stage: int, cpus: int) -> None:
-        self.by_model[model][stage].cpus = cpus
-
-    def publish_key_stages(self, model: str, stages: tuple[int, ...]) -> None:
+    def publish_key_stages(self, model: str, stages: tuple[StageRef, ...]) -> None:
         self.key_stages[model] = stages
 
     def key_stage_keys(self) -> frozenset[str]:
-        return frozenset(f"{m}:{i}" for m, ks in self.key_stages.items() for i in ks)
+        return frozenset(s.key for ks in self.key_stages.values() for s in ks)
 
     # -- placement ---------------------------------------------------------------------------
 

@@ -1,28 +1,30 @@
 """The discrete-event core: requests arrive at a model's entry, visit its stages through one
 shared FCFS queue per stage, and come back; every tick the configured policy decides on what it
-observed, exactly as the live control loop does (autoscaler.loop.make_policy and enact), and the
-cluster carries the decision out through the placement scheduler."""
+observed with the live control loop's own step (autoscaler.policy.controller: the policies, the
+bounds, the key stages), and the cluster carries the actions out through the placement scheduler."""
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from autoscaler.loop import enact, make_policy
+from autoscaler.policy.controller import Controller, enact
 from autoscaler.policy.state import PipelineState
-from contracts.config import Settings
+from contracts.config import Settings, load_settings
+from contracts.stage import StageRef
 from loadgen.client import Record
-from runtime.placer import scheduler_params
-from scheduler.placement import Scheduler
+from scheduler.placement import Scheduler, SchedulerParams
 from sim.cluster import SimCluster
 from sim.config import SimConfig
 from sim.models import SimModel
 from sim.stage import Replica, Stage
 
 TIMEOUT_STATUS = 504
+log = logging.getLogger("quart.sim")
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Simulation:
                  policy: str = "quart", settings: Settings | None = None,
                  scheduler: Scheduler | None = None, record_arrivals: bool = True) -> None:
         self.cfg, self.models = cfg, models
-        self.settings = (settings or Settings()).replace(policy=policy, tick_s=cfg.tick_s,
+        self.settings = (settings or load_settings(environ={})).replace(policy=policy, tick_s=cfg.tick_s,
                                                           window_s=cfg.window_s, slo_s=cfg.slo_s)
         self._heap: list = []
         self._seq = itertools.count()
@@ -83,10 +85,11 @@ class Simulation:
             self.chains[m.name] = chain
             self.hop[m.name] = cfg.hop(m.activation_bytes)
         self.stages = {s.key: s for chain in self.chains.values() for s in chain}
-        self.cluster = SimCluster(cfg, self.chains, scheduler or Scheduler(scheduler_params(self.settings)),
+        self.cluster = SimCluster(cfg, self.chains,
+                                  scheduler or Scheduler(SchedulerParams.of(self.settings.servers.scheduler_params)),
                                   self.schedule, self._serve_next)
-        self.policies = {m.name: make_policy(self.settings, m.name) for m in models}
-        self.memory: dict[str, object] = {}
+        self.controller = Controller.from_settings(
+            self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models})
         # Requests, in arrival order over all models.
         names = [m.name for m in models]
         order = [(float(t), k) for k, m in enumerate(names) for t in np.asarray(arrivals.get(m, []))]
@@ -242,12 +245,13 @@ class Simulation:
     # -- control plane -----------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
+        observations = {}
         for m in self.models:
             states = tuple(st.observe(now, self.cfg.window_s) for st in self.chains[m.name])
-            state = PipelineState(m.name, states, slo_s=self.cfg.slo_s, entry_rate=states[0].arrival_rate, now=now)
-            decision, self.memory[m.name] = self.policies[m.name].decide(state, self.memory.get(m.name))
-            self.cluster.publish_key_stages(m.name, decision.key_stages)
-            enact(self.cluster, state, decision)
+            observations[m.name] = PipelineState(m.name, states, slo_s=self.cfg.slo_s,
+                                                 entry_rate=states[0].arrival_rate, now=now)
+        for actions in self.controller.step(now, observations):
+            enact(self.cluster, actions, log)
             self.decisions += 1
         self.cluster.converge(now)
         self.cluster.watch(now)

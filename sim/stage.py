@@ -7,8 +7,8 @@ from collections import deque
 
 import numpy as np
 
-from autoscaler.observe import Window, stage_state
 from autoscaler.policy.state import StageState
+from autoscaler.policy.window import Window, stage_state
 
 DRAWS = 4096
 

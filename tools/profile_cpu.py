@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from autoscaler.loop import CPU_FITS_FILE
 from autoscaler.policy.compensator import CPUFit, fit_cpu_profile, save_fits
+from autoscaler.policy.controller import CPU_FITS_FILE
 from contracts.config import add_arguments, settings_from_args
 from pipeline.manifest import Manifest
 from pipeline.stage_runner import StageRunner

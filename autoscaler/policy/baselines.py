@@ -34,14 +34,12 @@ class UniformQPS:
     """Whole-pipeline scaling on QPS, as INFless and Cocktail scale a model: every stage gets the
     same count, enough for the slowest stage to run at the target utilisation."""
     target_utilization: float = 0.8
-    r_min: int = 1
-    r_max: int = 64
     name: str = "uniform-qps"
 
     def decide(self, state: PipelineState, memory: object = None) -> tuple[Decision, object]:
         bottleneck = max(s.service_time_s for s in state.stages)
         wanted = math.ceil(state.entry_rate * bottleneck / self.target_utilization)
-        r = _clamp(wanted, self.r_min, self.r_max)
+        r = state.bounds.clamp(wanted)
         why = {"qps": round(state.entry_rate, 4), "bottleneck_service_s": bottleneck}
         return _decision(state, self.name, [r] * len(state.stages), [why] * len(state.stages)), memory
 
@@ -49,16 +47,15 @@ class UniformQPS:
 @dataclass(frozen=True)
 class OpenFaaSPro:
     """OpenFaaS Pro's autoscaler in rps mode, per function (stage):
-    replicas = ceil(current rps / (target rps per replica × target proportion))."""
-    target_rps: float = 5.0
+    replicas = ceil(current rps / (target rps per replica × target proportion)). Defaults are
+    OpenFaaS Pro's (com.openfaas.scale.target 50, target-proportion 0.9)."""
+    target_rps: float = 50.0
     target_proportion: float = 0.9
-    r_min: int = 1
-    r_max: int = 64
     name: str = "openfaas-pro-rps"
 
     def decide(self, state: PipelineState, memory: object = None) -> tuple[Decision, object]:
-        replicas = [_clamp(math.ceil(s.arrival_rate / (self.target_rps * self.target_proportion)),
-                           self.r_min, self.r_max) for s in state.stages]
+        replicas = [state.bounds.clamp(math.ceil(s.arrival_rate / (self.target_rps * self.target_proportion)))
+                    for s in state.stages]
         reasons = [{"rps": round(s.arrival_rate, 4), "target_rps": self.target_rps} for s in state.stages]
         return _decision(state, self.name, replicas, reasons), memory
 
@@ -74,15 +71,15 @@ class KPAMemory:
 class KnativeKPA:
     """Knative's KPA: concurrency averaged over a 60 s stable and a 6 s panic window; panic when
     the panic-window want reaches 200 % of the ready replicas; in panic it never scales down, and
-    it leaves panic after a stable window without the condition. Scale rates bounded."""
-    target_concurrency: float = 1.0
+    it leaves panic after a stable window without the condition. Scale rates bounded. Defaults
+    are Knative's: container-concurrency-target-default 100 at target-percentage 70 %."""
+    target_concurrency: float = 100.0
+    target_utilization: float = 0.7
     stable_window_s: float = 60.0
     panic_window_s: float = 6.0
     panic_threshold: float = 2.0
     max_scale_up_rate: float = 1000.0
     max_scale_down_rate: float = 2.0
-    r_min: int = 1
-    r_max: int = 64
     name: str = "knative-kpa"
 
     def decide(self, state: PipelineState, memory: KPAMemory | None = None) -> tuple[Decision, KPAMemory]:
@@ -94,12 +91,17 @@ class KnativeKPA:
             window = tuple((t, c) for t, c in memory.samples[i] if t > state.now - self.stable_window_s)
             window += ((state.now, float(s.concurrency)),)
             r, since, peak, why = self._stage(s, window, state.now, memory.panic_since[i], memory.panic_peak[i])
+            r = state.bounds.clamp(r)
             samples.append(window)
             panic_since.append(since)
             peaks.append(peak)
             replicas.append(r)
             reasons.append(why)
         return _decision(state, self.name, replicas, reasons), KPAMemory(tuple(samples), tuple(panic_since), tuple(peaks))
+
+    @property
+    def target(self) -> float:
+        return self.target_concurrency * self.target_utilization
 
     def _stage(self, s: StageState, window: tuple, now: float, since: float | None,
                peak: int) -> tuple[int, float | None, int, dict]:
@@ -109,8 +111,8 @@ class KnativeKPA:
         panic = sum(recent) / len(recent)
         up_limit = math.ceil(self.max_scale_up_rate * ready)
         down_limit = math.floor(ready / self.max_scale_down_rate)
-        want_stable = _clamp(math.ceil(stable / self.target_concurrency), down_limit, up_limit)
-        want_panic = _clamp(math.ceil(panic / self.target_concurrency), down_limit, up_limit)
+        want_stable = _clamp(math.ceil(stable / self.target), down_limit, up_limit)
+        want_panic = _clamp(math.ceil(panic / self.target), down_limit, up_limit)
         over = want_panic / ready >= self.panic_threshold
         if over:
             since = now
@@ -123,7 +125,7 @@ class KnativeKPA:
             desired = want_stable
         why = {"stable_concurrency": round(stable, 3), "panic_concurrency": round(panic, 3),
                "panic": since is not None}
-        return _clamp(desired, self.r_min, self.r_max), since, peak, why
+        return desired, since, peak, why
 
 
 @dataclass(frozen=True)
@@ -134,15 +136,13 @@ class RayServe:
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     period_s: float = 1.0
-    r_min: int = 1
-    r_max: int = 64
     name: str = "ray-serve"
 
     def decide(self, state: PipelineState, memory: tuple[int, ...] | None = None) -> tuple[Decision, tuple[int, ...]]:
         counters = list(memory) if memory and len(memory) == len(state.stages) else [0] * len(state.stages)
         replicas, reasons = [], []
         for i, s in enumerate(state.stages):
-            want = _clamp(math.ceil(s.concurrency / self.target_ongoing_requests), self.r_min, self.r_max)
+            want = state.bounds.clamp(math.ceil(s.concurrency / self.target_ongoing_requests))
             new = s.replicas
             if want > s.replicas:
                 counters[i] = max(counters[i], 0) + 1
@@ -159,4 +159,12 @@ class RayServe:
         return _decision(state, self.name, replicas, reasons), tuple(counters)
 
 
-BASELINES = {p.name: p for p in (Static(), UniformQPS(), OpenFaaSPro(), KnativeKPA(), RayServe())}
+# Each system's rule at its documented defaults, and tuned for stage replicas that take one work
+# item at a time and serve a few items per second (named -tuned): OpenFaaS Pro at 5 rps per
+# replica, Knative at the target it documents for single-concurrency containers (1 × 70 %), Ray
+# Serve reacting within seconds instead of its 30 s / 600 s delays.
+BASELINES = {p.name: p for p in (
+    Static(), UniformQPS(),
+    OpenFaaSPro(), OpenFaaSPro(target_rps=5.0, name="openfaas-pro-rps-tuned"),
+    KnativeKPA(), KnativeKPA(target_concurrency=1.0, name="knative-kpa-tuned"),
+    RayServe(), RayServe(upscale_delay_s=3.0, downscale_delay_s=30.0, name="ray-serve-tuned"))}

@@ -52,7 +52,6 @@ def sojourn(s: StageState, service_s: float, replicas: int) -> float:
 class Compensator:
     fits: dict[int, CPUFit]
     cpu_max: int = 8
-    r_max: int = 64
 
     def allocate(self, state: PipelineState, decision: Decision) -> Decision:
         targets = stage_targets(state)
@@ -64,13 +63,13 @@ class Compensator:
             if fit is None or d.replicas >= s.replicas:
                 out.append(d)
                 continue
-            cpus, replicas, met = self._cpus_for(s, fit, d.replicas, target)
+            cpus, replicas, met = self._cpus_for(s, fit, d.replicas, target, state.bounds.r_max)
             out.append(StageDecision(d.stage, replicas, float(cpus), d.key, {
                 **d.reason, "cpus": cpus, "cpu_delay_s": sojourn(s, fit.predict(cpus, s.payload), replicas),
                 "cpu_target_met": met}))
         return Decision(decision.model, decision.policy, tuple(out))
 
-    def _cpus_for(self, s: StageState, fit: CPUFit, replicas: int, target: float) -> tuple[int, int, bool]:
+    def _cpus_for(self, s: StageState, fit: CPUFit, replicas: int, target: float, r_max: int) -> tuple[int, int, bool]:
         # More CPUs never slow a stage down on the fit, so the fewest that meet the target is
         # found by bisection.
         if sojourn(s, fit.predict(self.cpu_max, s.payload), replicas) <= target:
@@ -82,11 +81,14 @@ class Compensator:
                 else:
                     low = mid + 1
             return low, replicas, True
-        # Even CPU_max misses the target: hand replicas back until it is met (or r_max).
+        # Even CPU_max misses the target: hand back the reclaimed replicas until it is met, never
+        # more than the stage had before the smoother reclaimed (more would be a scale-up, the
+        # corrector's call). Where the service time alone exceeds the target, replicas cannot
+        # help: the stage keeps what it had.
         fastest = fit.predict(self.cpu_max, s.payload)
         if fastest >= target:
-            return self.cpu_max, self.r_max if s.arrival_rate > 0 else replicas, False
+            return self.cpu_max, s.replicas, False
         needed = min_servers(s.arrival_rate, 1.0 / fastest, target - fastest, s.arrival_cv ** 2,
-                             s.service_cv ** 2, limit=self.r_max)
-        replicas = max(replicas, needed)
+                             s.service_cv ** 2, limit=r_max)
+        replicas = min(s.replicas, max(replicas, needed))
         return self.cpu_max, replicas, sojourn(s, fastest, replicas) <= target

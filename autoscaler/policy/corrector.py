@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from autoscaler.policy.queueing import allen_cunneen_wait
 from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
+from contracts.config import Bounds
 
 # An unstable stage (λ ≥ c·μ) has an infinite predicted delay: its error is capped here, and
 # the replicas it needs to be stable at all are added at once.
@@ -26,8 +27,6 @@ class PIDConfig:
     kd: float = 0.1
     period_s: float = 1.0            # the controller's fixed period
     integral_limit: float = 5.0      # anti-windup: |∫e| never exceeds this
-    r_min: int = 1
-    r_max: int = 64
     max_up: int = 4                  # replicas added in one tick at most
     max_down: int = 1                # replicas removed in one tick at most
     down_band: float = 0.3           # scale down only when the delay is this far under target
@@ -66,7 +65,7 @@ def stage_delay(s: StageState) -> float:
 
 
 def pid_step(cfg: PIDConfig, mem: PIDMemory, delay: float, target: float,
-             replicas: int) -> tuple[int, PIDMemory, dict]:
+             replicas: int, bounds: Bounds = Bounds()) -> tuple[int, PIDMemory, dict]:
     """One controller period for one stage: new replica count, new memory, and the terms."""
     measured = min(delay, target * (1 + MAX_ERROR))  # an infinite delay counts as MAX_ERROR
     error = (measured - target) / target
@@ -77,7 +76,7 @@ def pid_step(cfg: PIDConfig, mem: PIDMemory, delay: float, target: float,
     raw = cfg.kp * error + cfg.ki * integral + cfg.kd * derivative
     wanted = replicas + raw
     # Anti-windup: the integral stops growing while the output is pinned at a bound.
-    if (wanted > cfg.r_max and error > 0) or (wanted < cfg.r_min and error < 0):
+    if (wanted > bounds.r_max and error > 0) or (wanted < bounds.r_min and error < 0):
         integral = mem.integral
     integral = max(-cfg.integral_limit, min(cfg.integral_limit, integral))
     below = mem.below_ticks + 1 if error < -cfg.down_band else 0
@@ -87,7 +86,7 @@ def pid_step(cfg: PIDConfig, mem: PIDMemory, delay: float, target: float,
         new = replicas - min(cfg.max_down, math.ceil(-raw))
     else:
         new = replicas
-    new = max(cfg.r_min, min(cfg.r_max, new))
+    new = bounds.clamp(new)
     terms = {"error": error, "p": cfg.kp * error, "i": cfg.ki * integral, "d": cfg.kd * derivative,
              "below_ticks": below}
     return new, PIDMemory(integral, measured, below), terms
@@ -111,7 +110,7 @@ class Corrector:
         longest_queue = max(range(len(state.stages)), key=lambda i: state.stages[i].queue_length)
         decisions, new_mems = [], []
         for s, target, delay, mem in zip(state.stages, targets, delays, mems):
-            replicas, new_mem, terms = pid_step(self.config, mem, delay, target, s.replicas)
+            replicas, new_mem, terms = pid_step(self.config, mem, delay, target, s.replicas, state.bounds)
             if s.scaling_up and replicas > s.replicas:
                 # The last scale-up has not taken effect yet: wait for it instead of piling more
                 # on, and do not let the integral wind up meanwhile.
@@ -119,7 +118,7 @@ class Corrector:
                 terms["waiting_for_replicas"] = s.replicas - (s.ready_replicas or 0)
             mem = new_mem
             # Fast scale-up: an unstable stage gets the replicas that make it stable at once.
-            replicas = min(self.config.r_max, max(replicas, _stability_floor(s)))
+            replicas = min(state.bounds.r_max, max(replicas, _stability_floor(s)))
             key = delay > target or (s.queue_length > 0 and s.stage == state.stages[longest_queue].stage)
             terms.update({"lambda": s.arrival_rate, "mu": s.service_rate, "predicted_delay_s": delay,
                           "target_s": target})

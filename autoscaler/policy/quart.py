@@ -24,12 +24,14 @@ class Quart:
                     ) -> list[tuple[Decision, CorrectorMemory]]:
         """One tick for many pipelines: the same as `decide` on each, with the CV prediction batched."""
         all_cvs = predict_cvs(self.smoother.model, states)
-        out = []
-        for state, memory, cvs in zip(states, memories, all_cvs):
-            decision, memory = self.corrector.decide(state, memory)
-            settled = [m.below_ticks >= self.corrector.config.down_ticks for m in memory.stages]
-            decision = self.smoother.smooth(state, decision, cvs, settled)
-            if self.compensator is not None:
-                decision = self.compensator.allocate(state, decision)
-            out.append((Decision(decision.model, self.name, decision.stages), memory))
-        return out
+        return [self.decide_with_cvs(s, m, cvs) for s, m, cvs in zip(states, memories, all_cvs)]
+
+    def decide_with_cvs(self, state: PipelineState, memory: CorrectorMemory | None,
+                        cvs: list[float]) -> tuple[Decision, CorrectorMemory]:
+        """`decide` with the stages' predicted CVs computed by the caller (batched)."""
+        decision, memory = self.corrector.decide(state, memory)
+        settled = [m.below_ticks >= self.corrector.config.down_ticks for m in memory.stages]
+        decision = self.smoother.smooth(state, decision, cvs, settled)
+        if self.compensator is not None:
+            decision = self.compensator.allocate(state, decision)
+        return Decision(decision.model, self.name, decision.stages), memory

@@ -112,7 +112,6 @@ def beta(cv: float) -> float:
 @dataclass(frozen=True)
 class Smoother:
     model: CVAttention | None = field(default=None, compare=False)
-    r_min: int = 1
     name: str = "quart-smoother"
 
     def smooth(self, state: PipelineState, proposed: Decision, cvs: list[float] | None = None,
@@ -142,7 +141,7 @@ class Smoother:
                 continue
             others = [need(j) for j in groups[i]] or [need(i)]
             blended = beta(cvs[i]) * need(i) + (1 - beta(cvs[i])) * sum(others) / len(others)
-            floor = max(self.r_min, math.floor(s.arrival_rate * s.service_time_s) + 1 if s.arrival_rate else 0)
+            floor = max(state.bounds.r_min, math.floor(s.arrival_rate * s.service_time_s) + 1 if s.arrival_rate else 0)
             replicas = min(d.replicas, max(floor, math.ceil(blended)))
             reason = {**d.reason, "predicted_cv": cvs[i], "need": need(i), "smoothed": replicas}
             out.append(StageDecision(d.stage, replicas, d.cpus, d.key, reason))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from contracts.config import Bounds
+
 
 @dataclass(frozen=True, slots=True)
 class StageState:
@@ -47,6 +49,9 @@ class PipelineState:
     now: float = 0.0             # seconds; policies with windows use it
     # Edges (from, to) of the stage graph; None means a chain 0 -> 1 -> ... -> S-1.
     edges: tuple[tuple[int, int], ...] | None = None
+    # Replicas a stage may have: policies may read them (the PID's anti-windup, the smoother's
+    # floor); the controller applies them to every decision, once.
+    bounds: Bounds = field(default_factory=Bounds)
 
     def graph(self) -> tuple[tuple[int, int], ...]:
         if self.edges is not None:
@@ -76,3 +81,12 @@ class Decision:
 
     def replicas(self) -> list[int]:
         return [s.replicas for s in self.stages]
+
+    def bounded(self, bounds: Bounds) -> Decision:
+        """The decision with every stage's replicas within `bounds`; the clamp noted in its reason."""
+        out = []
+        for d in self.stages:
+            n = bounds.clamp(d.replicas)
+            out.append(d if n == d.replicas else
+                       StageDecision(d.stage, n, d.cpus, d.key, {**d.reason, "bounded_from": d.replicas}))
+        return Decision(self.model, self.policy, tuple(out))

@@ -1,9 +1,9 @@
 """Entry function of a model (python3-http template shape): the one endpoint users call.
 It sends the request through the model's stage functions and answers JSON."""
-from contracts.config import load_settings
+from contracts.config import load_settings, replica_identity
 from pipeline.entry import Entry
 
-ENTRY = Entry(load_settings())
+ENTRY = Entry(load_settings(), replica_identity().model)
 
 
 async def handle(event, context):

@@ -3,13 +3,15 @@ QUART_STAGES of the model in QUART_MODEL: in the background it pulls work from t
 Redis Stream; over HTTP it answers a direct single-stage invoke (safetensors in, safetensors out).
 A replica forked by a KeysManager zygote uses the parameters it inherited instead of loading them.
 """
-from contracts.config import load_settings
+from contracts.config import load_settings, replica_identity
+from contracts.stage import StageRef
 from contracts.wire import CONTENT_TYPE, BadRequest
 from pipeline.inherited import inherited_runner
 from pipeline.replica import Replica
 
-SETTINGS = load_settings()
-REPLICA = Replica(SETTINGS, runner=inherited_runner(SETTINGS.model, *SETTINGS.stage_range()))
+IDENTITY = replica_identity()
+STAGE = StageRef.parse(IDENTITY.model, IDENTITY.stages)
+REPLICA = Replica(load_settings(), STAGE, IDENTITY.started_by, runner=inherited_runner(STAGE))
 REPLICA.start()
 
 

@@ -17,6 +17,7 @@ from contracts.config import Settings, settings_environment
 from contracts.http_client import HttpClient
 from contracts.paths import REPO_ROOT as REPO
 from contracts.paths import STAGE_HANDLER
+from contracts.stage import StageRef
 from contracts.wire import decode_tensors, encode_tensors
 from keysmanager.client import KeysClient, KeysManagerError
 from pipeline.partition import partition
@@ -46,15 +47,15 @@ def km(home_settings: Settings, partitioned, tmp_path_factory):
     settings = home_settings.replace(home=str(home), models=str(home_settings.models_dir),
                                      redis_port=free_port(), keysmanager_port=free_port(), server="km-test")
     (home / "logs").mkdir()
-    redis_proc = start_redis("127.0.0.1", settings.redis_port, home / "redis", home / "logs" / "redis.log")
+    redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
     env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
                             stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
-    client = KeysClient(f"http://127.0.0.1:{settings.keysmanager_port}", timeout=300)
+    client = KeysClient(f"http://127.0.0.1:{settings.cache.port}", timeout=300)
     wait_until(client.healthy, 60, "the KeysManager")
     children: list[int] = []
     try:
-        yield settings, client, redis.Redis(port=settings.redis_port), children
+        yield settings, client, redis.Redis(port=settings.redis.port), children
     finally:
         for pid in children:
             _kill(pid)
@@ -72,7 +73,7 @@ def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def start_forked(client: KeysClient, children: list, model: str, stages: str, cow: bool = True) -> tuple[int, int]:
-    answer = client.fork(model, stages, f"{model}-s{stages}", cow=cow)
+    answer = client.fork(StageRef.parse(model, stages), f"{model}-s{stages}", cow=cow)
     children.append(answer["pid"])
     port_file = Path(answer["port_file"])
     wait_until(port_file.exists, 60, "the forked replica to listen")
@@ -106,7 +107,7 @@ def pss_bytes(pid: int) -> int:
 
 def test_forked_replicas_compute_exactly_what_a_cold_one_does(km, partitioned):
     settings, client, r, children = km
-    client.cache("smollm2", "1")
+    client.cache(StageRef.parse("smollm2", "1"))
     manifest = partitioned("smollm2", 4)
     hidden = StageRunner(manifest, 0, 1).run({"input_ids": torch.tensor([[504, 3575, 282, 4649, 314]])})
     _, cow_port = start_forked(client, children, "smollm2", "1", cow=True)
@@ -121,7 +122,7 @@ def test_forked_replicas_compute_exactly_what_a_cold_one_does(km, partitioned):
 
 def test_cow_children_share_the_zygote_pages(km):
     settings, client, r, children = km
-    zygote = client.cache("smollm2", "2")
+    zygote = client.cache(StageRef.parse("smollm2", "2"))
     start_cold(settings, children, "smollm2", "2")
     cold_pid = children[-1]
     pids = [start_forked(client, children, "smollm2", "2")[0] for _ in range(4)]
@@ -138,7 +139,7 @@ def test_cow_children_share_the_zygote_pages(km):
 def test_eviction_under_a_lowered_threshold_is_lru_and_spares_children(km):
     settings, client, r, children = km
     for stages in ("0", "1", "2"):
-        client.cache("minilm", stages)
+        client.cache(StageRef.parse("minilm", stages))
     _, child_port = start_forked(client, children, "minilm", "0")  # minilm:0 is now the most recent
     since = r.xrevrange(keys.cache_events(settings.server), count=1)[0][0]
     client.set_threshold(0.0)
@@ -156,7 +157,7 @@ def test_eviction_under_a_lowered_threshold_is_lru_and_spares_children(km):
 
 def test_a_crashed_zygote_is_noticed_and_cached_again(km):
     settings, client, r, children = km
-    before = client.cache("minilm", "2")
+    before = client.cache(StageRef.parse("minilm", "2"))
     os.kill(before["pid"], signal.SIGKILL)
     after = wait_until(lambda: next((z for z in client.zygotes()
                                      if z["model"] == "minilm" and z["stages"] == "2" and z["pid"] != before["pid"]),
@@ -170,13 +171,13 @@ def test_a_changed_shard_is_never_served_from_the_stale_cache(km, sources, home_
     settings, client, r, children = km
     out = home_settings.model_dir("minilm-swap")
     partition(sources["minilm"], 3, out, "balanced")
-    old = client.cache("minilm-swap", "1")
+    old = client.cache(StageRef.parse("minilm-swap", "1"))
     partition(sources["minilm"], 3, out, "uniform")  # stage 1 now holds other layers
     with pytest.raises(KeysManagerError) as info:
-        client.fork("minilm-swap", "1", "minilm-swap-s1")
+        client.fork(StageRef.parse("minilm-swap", "1"), "minilm-swap-s1")
     assert info.value.status == 409
     assert not any(z["model"] == "minilm-swap" for z in client.zygotes())
-    new = client.cache("minilm-swap", "1")
+    new = client.cache(StageRef.parse("minilm-swap", "1"))
     assert new["sha256"] != old["sha256"]
     _, port = start_forked(client, children, "minilm-swap", "1")
     from pipeline.manifest import Manifest
@@ -198,7 +199,7 @@ def test_bad_cache_requests(km, body, status):
 def test_bad_fork_requests(km):
     _, client, _, _ = km
     assert client.request("POST", "/fork", {"model": "smollm2", "stages": "3"}).status == 404  # not cached
-    client.cache("smollm2", "1")
+    client.cache(StageRef.parse("smollm2", "1"))
     bad_env = {"model": "smollm2", "stages": "1", "env": {"LD_PRELOAD": "/tmp/x.so"}}
     assert client.request("POST", "/fork", bad_env).status == 400
     assert client.request("POST", "/fork", b"{oops").status == 400

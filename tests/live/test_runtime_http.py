@@ -28,7 +28,7 @@ def client(runtime) -> GatewayClient:
 
 @pytest.fixture(scope="module")
 def r(runtime) -> redis.Redis:
-    return redis.Redis(host=runtime.redis_host, port=runtime.redis_port)
+    return redis.Redis(host=runtime.redis.host, port=runtime.redis.port)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_bad_requests_get_a_clear_4xx(client, function, body, status, text):
 
 
 def test_oversized_bodies_are_refused(client, runtime):
-    reply = client.invoke("smollm2", b"x" * (runtime.max_body_bytes + 10))
+    reply = client.invoke("smollm2", b"x" * (runtime.limits.max_body_bytes + 10))
     assert reply.status == 413
 
 
@@ -183,8 +183,8 @@ def test_garbage_bytes_and_wrong_methods_in_a_direct_invoke(client):
 # -- the gateway API and its auth --------------------------------------------------------------
 
 def test_auth_rules(client, runtime):
-    anonymous = GatewayClient(runtime.gateway_url)
-    wrong = GatewayClient(runtime.gateway_url, "admin", "wrong")
+    anonymous = GatewayClient(runtime.gateway.url)
+    wrong = GatewayClient(runtime.gateway.url, "admin", "wrong")
     for c in (anonymous, wrong):
         reply = c.request("GET", "/system/functions")
         assert reply.status == 401 and "Basic" in reply.headers.get("WWW-Authenticate", "")
@@ -312,7 +312,7 @@ def test_a_request_that_cannot_finish_gets_504_naming_it(client, r, runtime):
         assert reply.status == 504
         body = reply.json()
         assert body["id"] in body["error"]
-        assert time.monotonic() - started >= runtime.request_timeout_s - 1
+        assert time.monotonic() - started >= runtime.data.request_timeout_s - 1
     finally:
         scale_and_wait(client, r, "smollm2-s3", 1, stage=3)
     assert client.invoke("smollm2", {"prompt": "Back again", "max_new_tokens": 1}).status == 200
@@ -322,7 +322,7 @@ def test_a_request_that_cannot_finish_gets_504_naming_it(client, r, runtime):
 
 def test_scale_ups_fork_from_the_cache_repeatedly_under_load(client, r, runtime):
     from keysmanager.client import KeysClient
-    keys_client = KeysClient(f"http://127.0.0.1:{runtime.keysmanager_port}", timeout=300)
+    keys_client = KeysClient(f"http://127.0.0.1:{runtime.cache.port}", timeout=300)
     wait_until(lambda: any(z["model"] == "smollm2" and z["stages"] == "1" for z in keys_client.zygotes()),
                300, "smollm2 stage 1 to be cached")
     results: list = []

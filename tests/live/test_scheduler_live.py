@@ -10,8 +10,9 @@ import pytest
 import redis
 
 from contracts import keys
+from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
-from tests.test_autoscaler_live import burst, emulated_settings
+from tests.live.test_autoscaler_live import burst, emulated_settings
 
 MODEL = "llama-7b"
 STAGE3 = f"{MODEL}:3"
@@ -28,12 +29,12 @@ def three_servers(home_settings, tmp_path_factory):
         cache_stages=STAGE3)  # cached at start on the first server only
     try:
         assert control.up(settings, timeout=600) == 0
-        clients = [KeysClient(f"http://127.0.0.1:{settings.keysmanager_port + i}", timeout=120) for i in range(3)]
-        clients[1].cache(MODEL, "3")  # pre-warmed by hand on a second server
+        clients = [KeysClient(f"http://127.0.0.1:{settings.cache.port + i}", timeout=120) for i in range(3)]
+        clients[1].cache(StageRef.parse(MODEL, "3"))  # pre-warmed by hand on a second server
         deadline = time.time() + 120
         while not any(z["stages"] == "3" for z in clients[0].zygotes()) and time.time() < deadline:
             time.sleep(0.5)
-        yield settings, redis.Redis(port=settings.redis_port), clients
+        yield settings, redis.Redis(port=settings.redis.port), clients
     finally:
         control.down(settings)
 
@@ -51,7 +52,7 @@ def test_initial_replicas_are_packed_and_every_placement_is_recorded(three_serve
     assert [c.stats()["server"] for c in clients] == ["vs-0", "vs-1", "vs-2"]
     # The budget holds: the whole model (14 GB nominal) does not fit, and nothing is evicted trying.
     with pytest.raises(KeysManagerError) as refused:
-        clients[1].cache(MODEL, "0-8")
+        clients[1].cache(StageRef.parse(MODEL, "0-8"))
     assert refused.value.status == 507
     assert [z["stages"] for z in clients[1].zygotes()] == ["3"]
 
@@ -59,7 +60,7 @@ def test_initial_replicas_are_packed_and_every_placement_is_recorded(three_serve
 def test_a_burst_forks_the_key_stage_on_servers_that_cache_it_and_spreads_it(three_servers):
     settings, r, clients = three_servers
     before = len(placements(r))
-    statuses = burst(f"{settings.gateway_url}/function/{MODEL}", rate=30, seconds=15)
+    statuses = burst(f"{settings.gateway.url}/function/{MODEL}", rate=30, seconds=15)
     assert statuses == [200] * len(statuses), {s: statuses.count(s) for s in set(statuses)}
     grown = [p for p in placements(r)[before:] if p["op"] == "add" and p["stage"] == STAGE3]
     assert grown, "stage 3 was not scaled up"

@@ -26,7 +26,7 @@ def test_uniform_qps_sizes_every_stage_for_the_bottleneck():
 
 def test_openfaas_pro_rps_formula_per_stage():
     # ceil(rps / (5 * 0.9)): 10 -> 3, 4 -> 1, 23 -> 6
-    d, _ = OpenFaaSPro().decide(pipeline(st(0, lam=10), st(1, lam=4), st(2, lam=23)))
+    d, _ = OpenFaaSPro(target_rps=5.0).decide(pipeline(st(0, lam=10), st(1, lam=4), st(2, lam=23)))
     assert d.replicas() == [3, 1, 6]
 
 
@@ -45,7 +45,7 @@ def test_ray_serve_waits_for_the_upscale_delay():
 
 
 def test_knative_kpa_stable_mode_averages_the_window():
-    kpa = KnativeKPA(target_concurrency=1.0)
+    kpa = KnativeKPA(target_concurrency=1.0, target_utilization=1.0)
     memory = None
     for t in range(10):
         d, memory = kpa.decide(pipeline(st(r=2, inflight=2), now=t), memory)
@@ -53,7 +53,7 @@ def test_knative_kpa_stable_mode_averages_the_window():
 
 
 def test_knative_kpa_panics_at_double_and_never_scales_down_in_panic():
-    kpa = KnativeKPA(target_concurrency=1.0, stable_window_s=60, panic_window_s=6)
+    kpa = KnativeKPA(target_concurrency=1.0, target_utilization=1.0, stable_window_s=60, panic_window_s=6)
     memory = None
     for t in range(10):
         d, memory = kpa.decide(pipeline(st(r=2, inflight=2), now=t), memory)
@@ -70,7 +70,7 @@ def test_knative_kpa_panics_at_double_and_never_scales_down_in_panic():
 
 
 def test_knative_scale_down_rate_is_bounded():
-    kpa = KnativeKPA(target_concurrency=1.0, max_scale_down_rate=2.0)
+    kpa = KnativeKPA(target_concurrency=1.0, target_utilization=1.0, max_scale_down_rate=2.0)
     d, _ = kpa.decide(pipeline(st(r=10, inflight=0), now=0))
     assert d.replicas() == [5]  # at most halved in one step
 
@@ -83,14 +83,22 @@ def test_every_baseline_runs_on_a_dag_and_keeps_stage_ids():
 
 
 def test_policies_come_from_one_configuration(tmp_path):
-    from autoscaler.loop import make_policy
+    from autoscaler.policy.controller import make_policy
     from contracts.config import load_settings
     config = tmp_path / "quart.yml"
     config.write_text("policy: knative-kpa\npolicy_params: '{\"target_concurrency\": 3.0}'\ntick_s: 2.0\n")
     settings = load_settings(environ={"QUART_CONFIG": str(config), "QUART_TICK_S": "0.5"})
-    assert settings.tick_s == 0.5  # the environment overrides the file
+    assert settings.autoscaler.tick_s == 0.5  # the environment overrides the file
     policy = make_policy(settings, "m")
     assert isinstance(policy, KnativeKPA) and policy.target_concurrency == 3.0
     quart = make_policy(load_settings(environ={"QUART_POLICY": "quart", "QUART_POLICY_PARAMS": '{"kp": 2.0}',
                                                "QUART_HOME": str(tmp_path)}), "m")
     assert quart.corrector.config.kp == 2.0 and quart.corrector.config.period_s == 1.0
+
+
+def test_plain_names_run_the_documented_defaults_and_tuned_ones_say_so():
+    assert BASELINES["openfaas-pro-rps"].target_rps == 50.0 and BASELINES["openfaas-pro-rps"].target_proportion == 0.9
+    assert BASELINES["knative-kpa"].target == 70.0  # 100 concurrent at 70 %
+    assert BASELINES["ray-serve"].target_ongoing_requests == 2.0 and BASELINES["ray-serve"].upscale_delay_s == 30.0
+    assert {"openfaas-pro-rps-tuned", "knative-kpa-tuned", "ray-serve-tuned"} <= set(BASELINES)
+    assert BASELINES["knative-kpa-tuned"].target == 0.7  # Knative's target for single-concurrency containers

@@ -17,6 +17,7 @@ from autoscaler.policy.corrector import (
 )
 from autoscaler.policy.queueing import mmc_sojourn
 from autoscaler.policy.state import PipelineState, StageState
+from contracts.config import Bounds
 
 CFG = PIDConfig()
 
@@ -44,18 +45,18 @@ def test_pid_direction(name, delay, target, replicas, mem, expect):
 
 
 def test_bounds_and_step_limits():
-    cfg = PIDConfig(kp=100.0, r_max=10, max_up=4)
-    new, _, _ = pid_step(cfg, PIDMemory(), math.inf, 1.0, 3)
+    cfg, bounds = PIDConfig(kp=100.0, max_up=4), Bounds(1, 10)
+    new, _, _ = pid_step(cfg, PIDMemory(), math.inf, 1.0, 3, bounds)
     assert new == 7  # at most max_up per tick
-    new, _, _ = pid_step(cfg, PIDMemory(), math.inf, 1.0, 9)
+    new, _, _ = pid_step(cfg, PIDMemory(), math.inf, 1.0, 9, bounds)
     assert new == 10  # never above r_max
 
 
 def test_anti_windup_stops_the_integral_at_the_ceiling():
-    cfg = PIDConfig(r_max=4, integral_limit=100.0)
+    cfg = PIDConfig(integral_limit=100.0)
     mem = PIDMemory()
     for _ in range(50):
-        _, mem, _ = pid_step(cfg, mem, 5.0, 1.0, 4)  # pinned at r_max, error positive
+        _, mem, _ = pid_step(cfg, mem, 5.0, 1.0, 4, Bounds(1, 4))  # pinned at r_max, error positive
     assert mem.integral == 0.0
     mem = PIDMemory()
     for _ in range(50):

@@ -19,6 +19,7 @@ def test_balanced_bounds_follow_deepspeed():
     assert max(sizes) - min(sizes) <= 28
 
 
+@pytest.mark.parametrize("stages", [0, 40])
 def test_impossible_stage_counts_are_refused(stages):
     with pytest.raises(ValueError):
         stage_bounds([1] * 32, stages, "balanced")

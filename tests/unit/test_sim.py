@@ -3,15 +3,14 @@ paths, and the live system's policy objects driven unmodified."""
 from __future__ import annotations
 
 import heapq
-import json
 
 import numpy as np
 import pytest
 
-from autoscaler.loop import make_policy
 from autoscaler.policy.baselines import BASELINES
+from autoscaler.policy.controller import make_policy
 from autoscaler.policy.queueing import mmc_wait
-from contracts.config import Settings
+from contracts.config import Settings, load_settings
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from loadgen.arrivals import gamma_arrivals, poisson_arrivals
 from loadgen.metrics import summarize
@@ -43,7 +42,7 @@ def finish_starts(sim: Simulation) -> dict[str, float]:
 
 
 def static(replicas: int, home) -> Settings:
-    return Settings(home=str(home), policy_params=json.dumps({"replicas": replicas}))
+    return load_settings(environ={}, home=str(home), policy_params={"replicas": replicas})
 
 
 @pytest.mark.parametrize("servers,rho", [(1, 0.7), (3, 0.8)])
@@ -63,7 +62,7 @@ def test_a_seed_gives_the_same_run_and_another_seed_another(tmp_path):
     models = table1(["llama-7b", "bert-21b"])
     arrivals = {m.name: gamma_arrivals(6.0, 4.0, 40.0, seed=k) for k, m in enumerate(models)}
     cfg = quart_testbed(seed=3, tail_s=5.0)
-    settings = Settings(home=str(tmp_path))
+    settings = load_settings(environ={}, home=str(tmp_path))
     a = simulate(cfg, models, arrivals, "quart", settings)
     b = simulate(cfg, models, arrivals, "quart", settings)
     c = simulate(cfg.replace(seed=4), models, arrivals, "quart", settings)
@@ -76,7 +75,7 @@ def test_every_request_is_answered_or_counted_as_failed(tmp_path):
     """Overload with a short timeout: some requests fail, none is lost."""
     cfg = embedded_runtime(request_timeout_s=2.0, tail_s=1.0)
     arrivals = {"llama-7b": gamma_arrivals(40.0, 4.0, 20.0, seed=1)}
-    trace = simulate(cfg, table1(["llama-7b"]), arrivals, "static", Settings(home=str(tmp_path)))
+    trace = simulate(cfg, table1(["llama-7b"]), arrivals, "static", load_settings(environ={}, home=str(tmp_path)))
     ok, failed = int((trace.status == 200).sum()), int((trace.status == 504).sum())
     assert ok + failed == len(arrivals["llama-7b"]) and failed > 0 and ok > 0
     assert np.all(trace.latency[trace.status == 200] <= 2.0)
@@ -86,11 +85,11 @@ def test_every_request_is_answered_or_counted_as_failed(tmp_path):
 
 @pytest.mark.parametrize("policy", ["quart", *sorted(BASELINES)])
 def test_the_live_policy_objects_run_unmodified(tmp_path, policy):
-    settings = Settings(home=str(tmp_path))
+    settings = load_settings(environ={}, home=str(tmp_path))
     arrivals = {"llama-7b": gamma_arrivals(20.0, 4.0, 30.0, seed=4)}
     sim = Simulation(embedded_runtime(), table1(["llama-7b"]), arrivals, policy, settings)
     live = make_policy(settings.replace(policy=policy, tick_s=sim.cfg.tick_s), "llama-7b")
-    assert sim.policies["llama-7b"] == live     # the very object the live loop builds
+    assert sim.controller.policies["llama-7b"] == live     # the very object the live loop builds
     trace = sim.run()
     assert trace.decisions >= 30
     assert int((trace.status == 200).sum()) == len(arrivals["llama-7b"])
@@ -102,7 +101,7 @@ def test_a_burst_makes_a_key_stage_that_is_forked_up_on_the_testbed(tmp_path):
     """QUART on 12 servers: the heaviest stage becomes key, the KeysManagers cache it, and its
     later replicas are forks; cold starts take seconds, forks milliseconds."""
     arrivals = {"llama-7b": gamma_arrivals(12.0, 4.0, 120.0, seed=2)}
-    sim = Simulation(quart_testbed(tail_s=5.0), table1(["llama-7b"]), arrivals, "quart", Settings(home=str(tmp_path)))
+    sim = Simulation(quart_testbed(tail_s=5.0), table1(["llama-7b"]), arrivals, "quart", load_settings(environ={}, home=str(tmp_path)))
     trace = sim.run()
     assert trace.starts["fork"] > 0
     assert max(max(row) for row in trace.samples["llama-7b"]["replicas"]) > 1
@@ -137,7 +136,7 @@ def test_initialisations_share_the_hosts_cores(tmp_path):
 def test_stage_cvs_fall_behind_a_busy_stage(tmp_path):
     """QUART Fig. 2a's effect: a busy stage smooths a bursty stream for the stages after it."""
     arrivals = {"llama-7b": gamma_arrivals(18.0, 4.0, 200.0, seed=5)}
-    trace = simulate(embedded_runtime(), table1(["llama-7b"]), arrivals, "static", Settings(home=str(tmp_path)))
+    trace = simulate(embedded_runtime(), table1(["llama-7b"]), arrivals, "static", load_settings(environ={}, home=str(tmp_path)))
     cvs = stage_timeline(trace, embedded_runtime(), table1(["llama-7b"])[0])["cv"]
     assert cvs[0] > 3.0 and cvs[-1] < 0.5 * cvs[0]
 

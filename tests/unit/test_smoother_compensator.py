@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from autoscaler.policy.corrector import stage_targets
 from autoscaler.policy.quart import Quart
 from autoscaler.policy.smoother import CVAttention, Smoother, beta, predecessors
 from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
+from contracts.config import Bounds
 from tools.cv_traces import synthetic
 from tools.train_smoother import evaluate, split, train
 
@@ -35,11 +37,11 @@ def test_gamma_gaps_reach_their_rate_and_cv():
 
 def test_smoother_never_adds_and_never_goes_below_r_min():
     state = PipelineState("m", tuple(st(i, 2.0, 0.1, 1) for i in range(4)), slo_s=2.0, entry_rate=2.0)
-    d = Smoother(r_min=2).smooth(state, proposed(state, [1, 5, 9, 3]))
+    d = Smoother().smooth(replace(state, bounds=Bounds(2, 16)), proposed(state, [1, 5, 9, 3]))
     assert all(r <= p or r == 2 for r, p in zip(d.replicas(), [1, 5, 9, 3]))
     assert all(r >= 1 for r in d.replicas())
     assert d.replicas()[2] < 9  # surplus reclaimed
-    d = Smoother(r_min=3).smooth(state, proposed(state, [8, 8, 8, 8]))
+    d = Smoother().smooth(replace(state, bounds=Bounds(3, 16)), proposed(state, [8, 8, 8, 8]))
     assert min(d.replicas()) >= 3
 
 
@@ -100,6 +102,16 @@ def test_compensator_hands_back_replicas_when_cpus_are_not_enough():
     state = PipelineState("m", (stage,), slo_s=0.35, entry_rate=20.0)
     d = Compensator({0: fit}, cpu_max=4).allocate(state, proposed(state, [2]))
     assert d.stages[0].cpus == 4 and d.replicas()[0] > 2
+
+
+def test_compensator_never_scales_up_past_what_the_stage_had():
+    # The service time alone (0.4 s at CPU_max) misses the 0.3 s target: no replica count helps,
+    # so the stage keeps the 2 replicas it had; before, it got r_max (a jump 2 -> 64).
+    fit = CPUFit(0.4, 0.1, 0.0)
+    stage = StageState(stage=0, arrival_rate=5.0, service_time_s=0.5, replicas=2)
+    state = PipelineState("m", (stage,), slo_s=0.3, entry_rate=5.0, bounds=Bounds(1, 64))
+    d = Compensator({0: fit}, cpu_max=4).allocate(state, proposed(state, [1]))
+    assert d.replicas() == [2] and d.stages[0].cpus == 4 and not d.stages[0].reason["cpu_target_met"]
 
 
 def test_compensator_leaves_stages_that_kept_their_replicas():

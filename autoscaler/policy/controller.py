@@ -1,0 +1,164 @@
+"""The one control step that the live loop and the cluster simulator both run:
+`Controller.step(now, observations) -> [Actions]`. It runs each model's policy (QUART's CV
+prediction batched over every model that shares a CV-attention model), applies the replica
+bounds once, and says what changes: replica counts, CPUs, the key stages to publish, and the
+decision's log record. No I/O: the caller observes, and carries the actions out with `enact`.
+
+Like Knative's MultiScaler, a model with no observation this tick gets no decision (its policy
+memory is kept), rather than a decision made on missing data."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+from autoscaler.policy.baselines import BASELINES
+from autoscaler.policy.compensator import Compensator, load_fits
+from autoscaler.policy.corrector import Corrector, PIDConfig
+from autoscaler.policy.quart import Quart
+from autoscaler.policy.smoother import CVAttention, Smoother, predict_cvs
+from autoscaler.policy.state import Decision, PipelineState
+from contracts.config import Bounds, ConfigError, Settings, from_params
+from contracts.stage import StageRef
+
+CV_MODEL_FILE = "cv_attention.pt"
+CPU_FITS_FILE = "cpu_fits.json"
+
+
+def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = None) -> object:
+    """The configured policy for one model. QUART uses a trained CV model and CPU fits where they
+    exist in QUART_HOME (cv_attention.pt, <model>.cpu_fits.json); without them it smooths on
+    observed CVs and leaves CPUs alone. ConfigError for an unknown policy or parameter."""
+    cfg = settings.autoscaler
+    if cfg.policy in BASELINES:
+        return from_params(BASELINES[cfg.policy], cfg.policy_params, "QUART_POLICY_PARAMS")
+    if cfg.policy != "quart":
+        raise ConfigError(f"QUART_POLICY={cfg.policy!r}: choose quart, none or one of {sorted(BASELINES)}")
+    home = Path(settings.home)
+    if cv_model is None and (home / CV_MODEL_FILE).exists():
+        cv_model = CVAttention.load(home / CV_MODEL_FILE)
+    fits_path = home / f"{model}.{CPU_FITS_FILE}"
+    compensator = Compensator(load_fits(fits_path), cpu_max=cfg.cpu_max) if fits_path.exists() else None
+    pid = from_params(PIDConfig, {"period_s": cfg.tick_s, **cfg.policy_params}, "QUART_POLICY_PARAMS")
+    return Quart(Corrector(pid), Smoother(cv_model), compensator)
+
+
+@dataclass(frozen=True)
+class Actions:
+    """What one model's decision changes, and its record."""
+    state: PipelineState
+    decision: Decision
+    stages: tuple[StageRef, ...]
+    replicas: tuple[tuple[StageRef, int], ...]     # stage function -> new replica count
+    cpus: tuple[tuple[StageRef, int], ...]         # stage function -> new CPUs per replica
+    key_stages: tuple[StageRef, ...]
+
+    @property
+    def model(self) -> str:
+        return self.state.model
+
+    def record(self) -> dict[str, str]:
+        """The decision as an entry of the Redis stream quart:decisions:<model>."""
+        state, decision = self.state, self.decision
+        return {"t": f"{state.now:.3f}", "policy": decision.policy,
+                "replicas": json.dumps([s.replicas for s in state.stages]),
+                "decided": json.dumps(decision.replicas()),
+                "key": json.dumps([s.stages for s in self.key_stages]),
+                "stages": json.dumps([{"stage": ref.stages, "observed_replicas": s.replicas, "replicas": d.replicas,
+                                       "cpus": d.cpus, "key": d.key, "queue": s.queue_length,
+                                       **{k: readable(v) for k, v in d.reason.items()}}
+                                      for ref, s, d in zip(self.stages, state.stages, decision.stages)])}
+
+    def log_line(self) -> tuple[int, str]:
+        """INFO with the reasons of the stages that change; DEBUG when nothing changes."""
+        changed = [(ref, s, d) for ref, s, d in zip(self.stages, self.state.stages, self.decision.stages)
+                   if s.replicas != d.replicas]
+        text = "; ".join(f"s{ref.stages} {s.replicas}->{d.replicas} "
+                         + " ".join(f"{k}={readable(v)}" for k, v in d.reason.items()) for ref, s, d in changed)
+        return (logging.INFO if changed else logging.DEBUG,
+                f"{self.model} {self.decision.policy}: {text or 'no change'}; key stages "
+                f"{[s.stages for s in self.key_stages]}")
+
+
+def readable(value: object) -> object:
+    """Reasons as a person reads them: rounded, and infinity spelled out (JSON has none)."""
+    if isinstance(value, float):
+        return round(value, 4) if math.isfinite(value) else "inf"
+    return value
+
+
+@dataclass
+class Controller:
+    """Per model: its stage functions in pipeline order and its policy."""
+    pipelines: dict[str, tuple[StageRef, ...]]
+    policies: dict[str, object]
+    bounds: Bounds = field(default_factory=Bounds)
+    memory: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, pipelines: dict[str, tuple[StageRef, ...]]) -> Controller:
+        home = Path(settings.home)
+        cv_model = CVAttention.load(home / CV_MODEL_FILE) \
+            if settings.autoscaler.policy == "quart" and (home / CV_MODEL_FILE).exists() else None
+        return cls(pipelines, {m: make_policy(settings, m, cv_model) for m in pipelines},
+                   settings.autoscaler.bounds)
+
+    def step(self, now: float, observations: dict[str, PipelineState]) -> list[Actions]:
+        states = {m: replace(observations[m], bounds=self.bounds, now=now)
+                  for m in self.pipelines if m in observations and observations[m].stages}
+        decided = self._decide(states)
+        return [self._actions(states[m], decided[m]) for m in self.pipelines if m in decided]
+
+    def _decide(self, states: dict[str, PipelineState]) -> dict[str, Decision]:
+        out = {}
+        # QUART's CV prediction is one batched forward pass for every model sharing a CV model.
+        groups: dict[int, list[str]] = {}
+        for m in states:
+            policy = self.policies[m]
+            if isinstance(policy, Quart):
+                groups.setdefault(id(policy.smoother.model), []).append(m)
+            else:
+                out[m], self.memory[m] = policy.decide(states[m], self.memory.get(m))
+        for models in groups.values():
+            cvs = predict_cvs(self.policies[models[0]].smoother.model, [states[m] for m in models])
+            for m, cv in zip(models, cvs):
+                out[m], self.memory[m] = self.policies[m].decide_with_cvs(states[m], self.memory.get(m), cv)
+        return out
+
+    def _actions(self, state: PipelineState, decision: Decision) -> Actions:
+        decision = decision.bounded(self.bounds)
+        refs = self.pipelines[state.model]
+        replicas = tuple((ref, d.replicas) for ref, s, d in zip(refs, state.stages, decision.stages)
+                         if d.replicas != s.replicas)
+        # CPUs change only by whole cores, and never below one.
+        cpus = tuple((ref, int(round(d.cpus))) for ref, s, d in zip(refs, state.stages, decision.stages)
+                     if round(d.cpus) != round(s.cpus) and d.cpus >= 1)
+        keys = tuple(ref for ref, d in zip(refs, decision.stages) if d.key)
+        return Actions(state, decision, refs, replicas, cpus, keys)
+
+
+class Mechanism(Protocol):
+    """How actions take effect: the live loop's Redis and gateway, or the simulated cluster."""
+    def publish_key_stages(self, model: str, stages: tuple[StageRef, ...]) -> None: ...
+    def set_replicas(self, stage: StageRef, replicas: int) -> None: ...
+    def set_cpus(self, stage: StageRef, cpus: int) -> None: ...
+
+
+def enact(mechanism: Mechanism, actions: Actions, log: logging.Logger) -> list[str]:
+    """Key stages first (the scheduler places the replicas asked for next by them), then every
+    replica and CPU change. A change that fails is logged and the others still go through: one
+    stage's error never holds back another stage's or another model's. Returns the failures."""
+    failures = []
+    mechanism.publish_key_stages(actions.model, actions.key_stages)
+    changes = [(mechanism.set_replicas, ref, n) for ref, n in actions.replicas] + \
+              [(mechanism.set_cpus, ref, n) for ref, n in actions.cpus]
+    for apply, ref, n in changes:
+        try:
+            apply(ref, n)
+        except (RuntimeError, OSError, ValueError) as exc:
+            failures.append(f"{ref}: {exc}")
+            log.warning("%s %s to %d failed: %s", apply.__name__, ref, n, exc)
+    return failures

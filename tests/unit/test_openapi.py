@@ -1,0 +1,51 @@
+"""The project's own API description (docs/openapi.yml) is a valid OpenAPI document, and where the
+upstream OpenFaaS gateway spec lies beside the repository (QUART_OPENFAAS_SPEC, by default
+../shared/openfaas/spec.openapi.yml) everything it says about the OpenFaaS paths agrees with it:
+the same paths and methods, and every schema property upstream too, with the same type."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from openapi_core import OpenAPI
+
+from contracts.config import BY_NAME
+from contracts.paths import REPO_ROOT
+
+OURS = REPO_ROOT / "docs" / "openapi.yml"
+UPSTREAM = Path(os.environ.get("QUART_OPENFAAS_SPEC") or REPO_ROOT / BY_NAME["openfaas_spec"].default)
+# Schemas of this project's own entry functions: OpenFaaS leaves function bodies to functions.
+OWN_SCHEMAS = {"Error", "GenerateRequest", "GenerateResponse", "EmbedRequest", "EmbedResponse", "EmulatedRequest"}
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def test_our_description_is_valid_openapi():
+    OpenAPI.from_file_path(str(OURS))  # raises on an invalid document
+
+
+def _type(schema: dict) -> str | None:
+    return schema.get("type")
+
+
+@pytest.mark.skipif(not UPSTREAM.is_file(), reason=f"no upstream OpenFaaS spec at {UPSTREAM}")
+def test_every_openfaas_path_method_and_property_agrees_with_upstream():
+    ours, upstream = load(OURS), load(UPSTREAM)
+    for path, methods in ours["paths"].items():
+        assert path in upstream["paths"], f"{path} is not an OpenFaaS path"
+        for method in methods:
+            assert method in upstream["paths"][path], f"{method} {path} is not in the OpenFaaS spec"
+    theirs = upstream["components"]["schemas"]
+    for name, schema in ours["components"]["schemas"].items():
+        if name in OWN_SCHEMAS:
+            continue
+        assert name in theirs, f"schema {name} is not OpenFaaS's"
+        assert set(schema.get("required", [])) <= set(theirs[name].get("required", [])) | set(schema.get("properties", {}))
+        for prop, spec in schema.get("properties", {}).items():
+            assert prop in theirs[name].get("properties", {}), f"{name}.{prop} is not in OpenFaaS's {name}"
+            if _type(spec) and _type(theirs[name]["properties"][prop]):
+                assert _type(spec) == _type(theirs[name]["properties"][prop]), f"{name}.{prop} has another type"
