@@ -1,9 +1,11 @@
 """Builds each model's observed state from what the data plane leaves in Redis: per stage
 function its records (arrival time at the stage, queue wait, service time, replica), its stream
 (items still waiting: stream IDs are arrival times) and its registered replicas. Every stage of
-every model is read in two pipelined round trips per tick."""
+every model is read in two pipelined round trips per tick, and of each stage's records only those
+that arrived since the last tick (the window's earlier ones are kept here)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +18,22 @@ from contracts.stage import StageRef
 
 
 @dataclass
+class _Records:
+    """The records of one stage seen so far in the window: (stream-id ms, arrival t, service ms, wait ms)."""
+    last_id: bytes | None = None
+    rows: deque = field(default_factory=deque)
+
+    def add(self, entries: list, since_ms: int) -> None:
+        for entry_id, f in entries:
+            if entry_id == self.last_id:
+                continue  # the range starts at the last id read, inclusive
+            self.rows.append((int(entry_id.split(b"-")[0]), float(f[b"t"]), float(f[b"s"]), float(f[b"q"])))
+            self.last_id = entry_id
+        while self.rows and self.rows[0][0] < since_ms:
+            self.rows.popleft()
+
+
+@dataclass
 class Observer:
     """Remembers each stage's last known service time, so that a stage with no traffic in the
     window still has one."""
@@ -23,6 +41,7 @@ class Observer:
     pipelines: dict[str, tuple[StageRef, ...]]
     window_s: float
     service_s: dict[StageRef, float] = field(default_factory=dict)
+    records: dict[StageRef, _Records] = field(default_factory=dict)
 
     def observe(self, now: float, desired: dict[str, list[int]], slo_s: float) -> dict[str, PipelineState]:
         """Every model's state; `desired`: the replicas each stage function is asked to have."""
@@ -31,7 +50,8 @@ class Observer:
         pipe = self.r.pipeline(transaction=False)
         for ref in refs:
             stream = keys.stage_stream(ref.model, ref.first)
-            pipe.xrange(keys.records_stream(ref.model, ref.first), min=f"{since_ms}-0")
+            seen = self.records.setdefault(ref, _Records())
+            pipe.xrange(keys.records_stream(ref.model, ref.first), min=seen.last_id or f"{since_ms}-0")
             pipe.xrange(stream, min=f"{since_ms}-0")
             pipe.xlen(stream)
             pipe.xpending(stream, keys.GROUP)
@@ -41,7 +61,7 @@ class Observer:
         cpus = self._replica_cpus({ref: per_ref[ref][4] for ref in refs})
         out = {}
         for model, stages in self.pipelines.items():
-            states = tuple(self._stage(i, ref, now, desired[model][i], per_ref[ref], cpus[ref])
+            states = tuple(self._stage(i, ref, now, since_ms, desired[model][i], per_ref[ref], cpus[ref])
                            for i, ref in enumerate(stages))
             out[model] = PipelineState(model, states, slo_s=slo_s, entry_rate=states[0].arrival_rate, now=now)
         return out
@@ -64,17 +84,20 @@ class Observer:
         prune.execute()
         return out
 
-    def _stage(self, index: int, ref: StageRef, now: float, replicas: int, raw: list, live_cpus: list[float]):
-        done, waiting, length, pending, _ = raw
+    def _stage(self, index: int, ref: StageRef, now: float, since_ms: int, replicas: int, raw: list,
+               live_cpus: list[float]):
+        new, waiting, length, pending, _ = raw
         # A stream or group that does not exist yet reads as an error here: nothing waits.
-        done = [] if isinstance(done, Exception) else done
+        seen = self.records[ref]
+        seen.add([] if isinstance(new, Exception) else new, since_ms)
         waiting = [] if isinstance(waiting, Exception) else waiting
         in_flight = 0 if isinstance(pending, Exception) else int(pending["pending"])
         queued = max(0, (0 if isinstance(length, Exception) else length) - in_flight)
-        arrivals = [float(f[b"t"]) for _, f in done if float(f[b"t"]) >= now - self.window_s]
+        rows = seen.rows
+        arrivals = [t for _, t, _, _ in rows if t >= now - self.window_s]
         arrivals += [int(i.split(b"-")[0]) / 1000.0 for i, _ in waiting]
-        service = np.array([float(f[b"s"]) for _, f in done]) / 1000.0
-        wait = np.array([float(f[b"q"]) for _, f in done]) / 1000.0
+        service = np.array([s for _, _, s, _ in rows]) / 1000.0
+        wait = np.array([q for _, _, _, q in rows]) / 1000.0
         if len(service):
             self.service_s[ref] = float(service.mean())
         return stage_state(index, self.window_s, Window.of(np.array(arrivals), service, wait),

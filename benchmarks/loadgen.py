@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from autoscaler.policy.controller import POLICIES
 from benchmarks.report import RESULTS, conditions, table, write
 from contracts.paths import REPO_ROOT
 from loadgen.arrivals import poisson_arrivals
@@ -27,7 +28,7 @@ app = web.Application()
 app.router.add_post("/function/{name}", lambda r: web.json_response({"ok": True}))
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
-POLICIES = "quart,static,uniform-qps,openfaas-pro-rps,knative-kpa,ray-serve"
+
 
 
 def schedule_errors(rates: tuple[float, ...], seconds: float) -> list[dict]:
@@ -51,7 +52,7 @@ def schedule_errors(rates: tuple[float, ...], seconds: float) -> list[dict]:
 def report(cv: float, rate: float, seconds: float) -> dict:
     out = RESULTS / f"loadgen-cv{cv:g}"
     subprocess.run([sys.executable, "-m", "loadgen", "compare", "--stack-file", "stack-emulated.yml",
-                    "--model", "llama-7b", "--policies", POLICIES, "--arrivals", "gamma", "--rate", str(rate),
+                    "--model", "llama-7b", "--policies", ",".join(POLICIES), "--arrivals", "gamma", "--rate", str(rate),
                     "--cv", str(cv), "--duration", str(seconds), "--seed", "4", "--tail", "15",
                     "--slo-s", "1.0", "--window-s", "5", "--out", str(out), "--no-progress"],
                    cwd=REPO_ROOT, check=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from autoscaler.policy.controller import POLICIES
 from benchmarks.report import conditions, table, write
 from contracts.config import load_settings
 from loadgen.arrivals import gamma_gaps
@@ -27,7 +28,7 @@ from runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL, STAGES = "llama-7b", 8
-POLICIES = ("quart", "static", "uniform-qps", "openfaas-pro-rps", "knative-kpa", "ray-serve")
+
 
 
 def schedule(rate: float, cv: float, seconds: float, seed: int) -> np.ndarray:
@@ -102,7 +103,8 @@ def main(rate: float = 20.0, cv: float = 4.0, seconds: float = 30.0, seed: int =
         figures += [{"name": f"{p} mean latency", "value": round(x["mean_ms"], 2), "unit": "ms"},
                     {"name": f"{p} p99 latency", "value": round(x["p99_ms"], 2), "unit": "ms"},
                     {"name": f"{p} replica-seconds", "value": round(x["replica_seconds"], 1), "unit": "replica-s"},
-                    {"name": f"{p} requests ok", "value": x["ok"], "unit": f"of {x['sent']}"}]
+                    {"name": f"{p} requests ok", "value": x["ok"], "unit": f"of {x['sent']}"},
+                    {"name": f"{p} max replicas", "value": x["max_replicas"], "unit": "replicas (all stages)"}]
     write("policies_burst", figures, conditions(
         emulated=True, profile="QUART Table 1 LLaMA-7B, 243 ms over 8 stages, service CV 0.3",
         rate_rps=rate, arrival_cv=cv, seconds=seconds, seed=seed, slo_s=1.0, tick_s=1.0,

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from autoscaler.policy.controller import POLICIES
 from benchmarks.report import RESULTS, conditions, table, write
 from contracts.config import Settings, load_settings
 from loadgen.arrivals import gamma_arrivals
@@ -30,7 +31,6 @@ from sim.simulation import Trace
 from tools.cv_traces import windows
 from tools.train_smoother import evaluate, split, train
 
-POLICIES = ["quart", "static", "uniform-qps", "openfaas-pro-rps", "knative-kpa", "ray-serve"]
 FIG7_CVS = (0.1, 1.0, 2.0, 4.0, 8.0)
 
 

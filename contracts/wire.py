@@ -75,7 +75,15 @@ def pack(header: Header, tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def unpack(raw: bytes) -> tuple[Header, dict[str, torch.Tensor]]:
-    header = Header.from_json(read_metadata(raw)[HEADER_KEY])
+    """A message's header and tensors; BadRequest for anything else (no header, a malformed
+    one, bytes that are not safetensors), so a reader of messages never dies of one."""
+    metadata = read_metadata(raw)
+    if HEADER_KEY not in metadata:
+        raise BadRequest("message has no header: tensors alone are not a pipeline message")
+    try:
+        header = Header.from_json(metadata[HEADER_KEY])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise BadRequest(f"message header is malformed: {exc}") from exc
     return header, decode_tensors(raw)
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
+from autoscaler.policy.controller import POLICIES
 from contracts.config import Settings, add_arguments, settings_from_args
 from contracts.http_client import GatewayClient, HttpClient
 from contracts.stack import pipelines, read_stack
@@ -41,7 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="llama-7b", help="model(s) to call, comma-separated")
     add_arrival_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=1, help="answer length where no trace gives one")
-    p.add_argument("--policies", default="quart,static,uniform-qps,openfaas-pro-rps,knative-kpa,ray-serve")
+    p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--tail", type=float, default=10.0, help="seconds sampled after the last request")
     p.add_argument("--label", default=None, help="replay: the run's name in the report")
     p.add_argument("--out", default=None)

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from autoscaler.policy.controller import POLICIES
 from contracts.config import load_settings
 from loadgen.__main__ import add_arrival_arguments, arrival_times
 from loadgen.report import write
@@ -31,7 +32,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-7b", help="QUART Table 1 model(s), comma-separated, or 'all'")
     add_arrival_arguments(p)
-    p.add_argument("--policies", default="quart,static,uniform-qps,openfaas-pro-rps,knative-kpa,ray-serve")
+    p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--preset", choices=sorted(PRESETS), default="testbed")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a SimConfig field, e.g. --set servers=24 --set init_s=10")

@@ -28,6 +28,10 @@ CV_MODEL_FILE = "cv_attention.pt"
 CPU_FITS_FILE = "cpu_fits.json"
 
 
+# Every policy a user can name, QUART first: each baseline at its documented defaults and tuned.
+POLICIES = ("quart", *BASELINES)
+
+
 def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = None) -> object:
     """The configured policy for one model. QUART uses a trained CV model and CPU fits where they
     exist in QUART_HOME (cv_attention.pt, <model>.cpu_fits.json); without them it smooths on

@@ -170,14 +170,16 @@ def test_bad_tensors_in_a_direct_invoke(client, tensors, text):
     assert 400 <= reply.status < 500 and text in reply.json()["error"], reply.body
 
 
-def test_garbage_bytes_and_wrong_methods_in_a_direct_invoke(client):
+def test_garbage_bytes_and_wrong_methods_in_a_direct_invoke(client, r):
+    before = {i: sorted(x["replica_id"] for x in live_replicas(r, "smollm2", i)) for i in range(3)}
     reply = client.invoke("smollm2-s2", b"\x00\x01garbage")
     assert reply.status == 400 and "safetensors" in reply.json()["error"]
     out_of_vocab = client.invoke("smollm2-s0", encode_tensors({"input_ids": torch.tensor([[10 ** 6]])}))
     assert out_of_vocab.status == 400 and "out of range" in out_of_vocab.json()["error"]
     assert client.request("GET", "/function/smollm2-s1", auth=False).status == 405
-    # The replica is still serving after all of that.
+    # The same replicas (ids hold their pids) still serve after all of that: none restarted.
     assert client.invoke("smollm2", {"prompt": "Hello", "max_new_tokens": 1}).status == 200
+    assert {i: sorted(x["replica_id"] for x in live_replicas(r, "smollm2", i)) for i in range(3)} == before
 
 
 # -- the gateway API and its auth --------------------------------------------------------------

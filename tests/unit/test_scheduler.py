@@ -62,8 +62,9 @@ def test_the_kl_objective_never_increases():
 
 def test_rounding_keeps_the_total_within_room():
     counts = round_counts(np.array([2.6, 0.3, 1.1]), 4, np.array([2, 5, 5]))
-    assert counts.tolist() == [2, 1, 1] or counts.sum() == 4
-    assert (counts <= [2, 5, 5]).all() and counts.sum() == 4
+    # Floors [2, 0, 1]; the largest remainder (0.6) is at a stage already at its room of 2, so
+    # the fourth goes to the next largest (0.3).
+    assert counts.tolist() == [2, 1, 1]
     assert round_counts(np.array([1.0, 1.0]), 5, np.array([1, 1])).sum() == 2
 
 

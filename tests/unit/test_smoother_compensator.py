@@ -59,7 +59,8 @@ def test_bursty_stages_keep_more_of_their_own_need():
     bursty = PipelineState("m", (st(0, 8.0, 0.1, 1, cv=4.0), st(1, 8.0, 0.3, 1, cv=4.0)), slo_s=1.0, entry_rate=8)
     a = Smoother().smooth(smooth, proposed(smooth, [20, 20])).replicas()
     b = Smoother().smooth(bursty, proposed(bursty, [20, 20])).replicas()
-    assert b[0] >= a[0] and b[1] >= a[1]
+    # The same stages and load, only the CV differs: burstier traffic keeps strictly more.
+    assert all(x >= y for x, y in zip(b, a)) and sum(b) > sum(a), (a, b)
 
 
 def test_attention_model_beats_the_naive_baseline_held_out(tmp_path):

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from contracts.wire import BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
+from contracts.wire import HEADER_KEY, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
 
 
 def test_round_trip_keeps_header_and_tensors():
@@ -31,5 +31,7 @@ def test_malformed_bytes_are_bad_requests(raw):
 
 
 def test_tensors_without_header_cannot_pass_as_a_message():
-    with pytest.raises((BadRequest, KeyError)):
+    with pytest.raises(BadRequest, match="no header"):
         unpack(encode_tensors({"x": torch.ones(1)}))
+    with pytest.raises(BadRequest, match="malformed"):
+        unpack(encode_tensors({"x": torch.ones(1)}, metadata={HEADER_KEY: '{"nonsense": 1}'}))
