@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.report import conditions, table, write
 from contracts import keys
-from contracts.config import Settings, load_settings, settings_environment
+from contracts.config import Settings, child_environment, load_settings
 from contracts.paths import STAGE_HANDLER
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, Header, pack
@@ -140,7 +140,7 @@ def main(repeats: int = 5) -> dict:
     (home / "logs").mkdir()
     log = home / "logs" / "replicas.log"
     redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
-    env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO)}
+    env = child_environment(settings)
     km = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
                           stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
     client = KeysClient(f"http://127.0.0.1:{settings.cache.port}", timeout=600)

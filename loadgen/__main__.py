@@ -24,7 +24,7 @@ import numpy as np
 import redis
 
 from autoscaler.policy.controller import POLICIES
-from contracts.config import Settings, add_arguments, settings_from_args
+from contracts.config import Settings, add_arguments, exit_on_config_error, settings_from_args
 from contracts.http_client import GatewayClient, HttpClient
 from contracts.stack import pipelines, read_stack
 from loadgen import arrivals as arr
@@ -167,7 +167,7 @@ def compare(a: argparse.Namespace, base: Settings, requests: list[Request]) -> d
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
-    settings = settings_from_args(a)
+    settings = exit_on_config_error(lambda: settings_from_args(a))
     settings = settings.replace(stack_file=str(Path(settings.stack_file).resolve()))
     requests = make_requests(a, settings)
     out = Path(a.out) if a.out else Path(settings.home) / "reports" / time.strftime("%Y%m%d-%H%M%S")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from contracts.config import add_arguments, settings_from_args
+from contracts.config import add_arguments, exit_on_config_error, settings_from_args
 from pipeline.architectures import EMBED, HEAD, architecture, unit_names
 from pipeline.manifest import Manifest, StageInfo, sha256_file
 from pipeline.sources import Source, load_source
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     add_arguments(parser, "home")
     args = parser.parse_args(argv)
-    settings = settings_from_args(args)
+    settings = exit_on_config_error(lambda: settings_from_args(args))
     out = args.out or settings.models_dir / (args.name or args.model)
     try:
         source = load_source(args.model, settings.models_dir / "_sources",

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from contracts.config import Settings, add_arguments, settings_environment, settings_from_args
+from contracts.config import Settings, add_arguments, child_environment, exit_on_config_error, settings_from_args
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stack import pipelines, read_stack
@@ -50,7 +50,7 @@ def up(settings: Settings, timeout: float) -> int:
     ensure_partitioned(settings)
     home = Path(settings.home)
     (home / "logs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO_ROOT)}
+    env = child_environment(settings)
     with open(home / "logs" / "runtime.log", "ab") as log:
         # Its own session and process group: `down` can end every replica with it.
         proc = subprocess.Popen([sys.executable, "-m", "runtime.server"], env=env, cwd=REPO_ROOT,
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds `up` waits for readiness")
     add_arguments(parser, "home", "gateway_port", "redis_port", "stack_file", "policy")
     args = parser.parse_args(argv)
-    settings = settings_from_args(args)
+    settings = exit_on_config_error(lambda: settings_from_args(args))
     if args.command == "up":
         return up(settings, args.timeout)
     if args.command == "down":

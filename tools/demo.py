@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from contracts.config import add_arguments, settings_from_args
+from contracts.config import add_arguments, exit_on_config_error, settings_from_args
 from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
 from runtime import __main__ as control
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     add_arguments(parser, "home", "gateway_port", "redis_port", "stack_file")
     args = parser.parse_args(argv)
-    settings = settings_from_args(args)
+    settings = exit_on_config_error(lambda: settings_from_args(args))
     if control.up(settings, timeout=600) != 0:
         return 1
     try:

@@ -19,7 +19,7 @@ import torch
 
 from autoscaler.policy.compensator import CPUFit, fit_cpu_profile, save_fits
 from autoscaler.policy.controller import CPU_FITS_FILE
-from contracts.config import add_arguments, settings_from_args
+from contracts.config import add_arguments, exit_on_config_error, settings_from_args
 from pipeline.manifest import Manifest
 from pipeline.stage_runner import StageRunner
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     add_arguments(parser, "home")
     args = parser.parse_args(argv)
-    settings = settings_from_args(args)
+    settings = exit_on_config_error(lambda: settings_from_args(args))
     cpus = [int(x) for x in args.cpus.split(",")]
     if max(cpus) > len(os.sched_getaffinity(0)):
         print(f"only {len(os.sched_getaffinity(0))} CPUs here; asked for {max(cpus)}", file=sys.stderr)

@@ -17,7 +17,7 @@ import torch
 
 from autoscaler.policy.smoother import CVAttention, predecessors, stage_features
 from autoscaler.policy.state import StageState
-from contracts.config import add_arguments, settings_from_args
+from contracts.config import add_arguments, exit_on_config_error, settings_from_args
 from tools.cv_traces import read_jsonl, recorded, synthetic, write_jsonl
 
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.data:
         samples = read_jsonl(args.data)
     else:
-        settings = settings_from_args(args)
+        settings = exit_on_config_error(lambda: settings_from_args(args))
         replicas = [int(x) for x in args.replicas.split(",")] if args.replicas else [1] * args.stages
         samples = recorded(redis.Redis.from_url(settings.redis.url), args.record, args.stages,
                            args.window_s, replicas)

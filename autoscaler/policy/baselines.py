@@ -161,10 +161,10 @@ class RayServe:
 
 # Each system's rule at its documented defaults, and tuned for stage replicas that take one work
 # item at a time and serve a few items per second (named -tuned): OpenFaaS Pro at 5 rps per
-# replica, Knative at the target it documents for single-concurrency containers (1 × 70 %), Ray
+# replica, Knative at one item in flight per replica (its single-concurrency containers), Ray
 # Serve reacting within seconds instead of its 30 s / 600 s delays.
 BASELINES = {p.name: p for p in (
     Static(), UniformQPS(),
     OpenFaaSPro(), OpenFaaSPro(target_rps=5.0, name="openfaas-pro-rps-tuned"),
-    KnativeKPA(), KnativeKPA(target_concurrency=1.0, name="knative-kpa-tuned"),
+    KnativeKPA(), KnativeKPA(target_concurrency=1.0, target_utilization=1.0, name="knative-kpa-tuned"),
     RayServe(), RayServe(upscale_delay_s=3.0, downscale_delay_s=30.0, name="ray-serve-tuned"))}

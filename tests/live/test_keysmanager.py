@@ -13,7 +13,7 @@ import redis
 import torch
 
 from contracts import keys
-from contracts.config import Settings, settings_environment
+from contracts.config import Settings, child_environment
 from contracts.http_client import HttpClient
 from contracts.paths import REPO_ROOT as REPO
 from contracts.paths import STAGE_HANDLER
@@ -48,7 +48,7 @@ def km(home_settings: Settings, partitioned, tmp_path_factory):
                                      redis_port=free_port(), keysmanager_port=free_port(), server="km-test")
     (home / "logs").mkdir()
     redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
-    env = {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO)}
+    env = child_environment(settings)
     proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
                             stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
     client = KeysClient(f"http://127.0.0.1:{settings.cache.port}", timeout=300)

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from contracts import keys
 from contracts.http_client import GatewayClient
-from contracts.wire import decode_tensors, encode_tensors
+from contracts.wire import MESSAGE_FIELD, decode_tensors, encode_tensors, unpack
 from pipeline.architectures import mean_pool_normalize
 from pipeline.registry import live_replicas
 from tests.openapi_check import checked
@@ -274,13 +274,32 @@ def test_scaling_a_stage_while_requests_flow(client, r):
     assert len(served_by) >= 2, "the added replicas never took work"
 
 
-def _holder_of_work(r: redis.Redis, model: str, stage: int, forked: bool | None) -> int | None:
-    """The pid of a live replica that holds an unacknowledged work item of the stage."""
+def _holder_of_work(r: redis.Redis, model: str, stage: int, forked: bool | None) -> tuple[int, bytes, bytes] | None:
+    """(pid, message id, consumer) of a live replica that holds an unacknowledged work item."""
     for entry in r.xpending_range(keys.stage_stream(model, stage), keys.GROUP, "-", "+", 10):
         data = r.hgetall(keys.replica(entry["consumer"].decode()))
         if data and (forked is None or data[b"started_by"].startswith(b"fork") == forked):
-            return int(data[b"pid"])
+            return int(data[b"pid"]), entry["message_id"], entry["consumer"]
     return None
+
+
+def _freeze_a_holder(r: redis.Redis, stage: int, forked: bool | None, sender: threading.Thread):
+    """Stops (SIGSTOP) a replica while it still holds a work item, so it cannot finish it before
+    it is killed; returns (pid, the item's pass id, the replica id)."""
+    stream = keys.stage_stream("smollm2", stage)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and sender.is_alive():
+        found = _holder_of_work(r, "smollm2", stage, forked)
+        if found is None:
+            continue
+        pid, msg_id, consumer = found
+        os.kill(pid, signal.SIGSTOP)
+        still = r.xpending_range(stream, keys.GROUP, msg_id, msg_id, 1, consumername=consumer)
+        item = r.xrange(stream, msg_id, msg_id)
+        if still and item:
+            return pid, unpack(item[0][1][MESSAGE_FIELD])[0].request_id, consumer.decode()
+        os.kill(pid, signal.SIGCONT)  # it finished the item meanwhile: catch another
+    raise AssertionError(f"never caught stage {stage} holding work")
 
 
 def kill_holder_during_a_request(client, r, sources, tokenizer, stage: int, forked: bool | None) -> None:
@@ -289,16 +308,16 @@ def kill_holder_during_a_request(client, r, sources, tokenizer, stage: int, fork
     sender = threading.Thread(target=lambda: result.append(
         client.invoke("smollm2", {"prompt": prompt, "max_new_tokens": 24})))
     sender.start()
-    pid = None
-    deadline = time.monotonic() + 60
-    while pid is None and time.monotonic() < deadline and sender.is_alive():
-        pid = _holder_of_work(r, "smollm2", stage, forked)
-    assert pid is not None, f"never caught stage {stage} holding work"
+    pid, pass_id, killed = _freeze_a_holder(r, stage, forked, sender)
     os.kill(pid, signal.SIGKILL)
     sender.join(timeout=120)
     assert result and result[0].status == 200, result and result[0].body
     answer = result[0].json()
     assert answer["token_ids"] == reference_greedy(sources, tokenizer(prompt)["input_ids"], 24)
+    # The item the killed replica held was claimed again (XAUTOCLAIM) and computed by another.
+    done_by = [f[b"r"].decode() for _, f in r.xrange(keys.records_stream("smollm2", stage))
+               if f[b"id"].decode() == pass_id]
+    assert done_by and killed not in done_by, (pass_id, killed, done_by)
 
 
 def test_kill_9_of_a_replica_holding_work_loses_nothing(client, r, sources, tokenizer):

@@ -101,4 +101,4 @@ def test_plain_names_run_the_documented_defaults_and_tuned_ones_say_so():
     assert BASELINES["knative-kpa"].target == 70.0  # 100 concurrent at 70 %
     assert BASELINES["ray-serve"].target_ongoing_requests == 2.0 and BASELINES["ray-serve"].upscale_delay_s == 30.0
     assert {"openfaas-pro-rps-tuned", "knative-kpa-tuned", "ray-serve-tuned"} <= set(BASELINES)
-    assert BASELINES["knative-kpa-tuned"].target == 0.7  # Knative's target for single-concurrency containers
+    assert BASELINES["knative-kpa-tuned"].target == 1.0  # one item in flight per replica
