@@ -67,7 +67,10 @@ def calibration(seeds: int = 5) -> list[dict]:
         measured = json.loads((RESULTS / f"loadgen-cv{cv}" / "results.json").read_text())
         arrivals = {"llama-7b": gamma_arrivals(20.0, float(cv), 30.0, seed=4)}
         assert measured["runs"]["static"]["summary"]["sent"] == len(arrivals["llama-7b"]), "not the same trace"
-        for policy in [p for p in POLICIES if p in measured["runs"]]:  # the policies measured there
+        if set(measured["runs"]) != set(POLICIES):
+            raise SystemExit(f"loadgen-cv{cv} was measured with other policies ({sorted(measured['runs'])}); "
+                             "run `python -m benchmarks loadgen` first")
+        for policy in POLICIES:
             sims = [_latency(simulate(embedded_runtime(seed=s), models, arrivals, policy, _settings()))
                     for s in range(seeds)]
             mean, p99 = float(np.median([x[0] for x in sims])), float(np.median([x[1] for x in sims]))
