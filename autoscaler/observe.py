@@ -15,6 +15,7 @@ from autoscaler.policy.state import PipelineState
 from autoscaler.policy.window import Window, stage_state
 from contracts import keys
 from contracts.stage import StageRef
+from pipeline.registry import live_among
 
 
 @dataclass
@@ -58,30 +59,13 @@ class Observer:
             pipe.smembers(keys.stage_replicas(ref.model, ref.first))
         raw = pipe.execute(raise_on_error=False)
         per_ref = {ref: raw[5 * i:5 * i + 5] for i, ref in enumerate(refs)}
-        cpus = self._replica_cpus({ref: per_ref[ref][4] for ref in refs})
+        live = live_among(self.r, {(ref.model, ref.first): per_ref[ref][4] for ref in refs})
+        cpus = {ref: [float(x.get("cpus", 1)) for x in live[(ref.model, ref.first)]] for ref in refs}
         out = {}
         for model, stages in self.pipelines.items():
             states = tuple(self._stage(i, ref, now, since_ms, desired[model][i], per_ref[ref], cpus[ref])
                            for i, ref in enumerate(stages))
             out[model] = PipelineState(model, states, slo_s=slo_s, entry_rate=states[0].arrival_rate, now=now)
-        return out
-
-    def _replica_cpus(self, members: dict[StageRef, set]) -> dict[StageRef, list[float]]:
-        """CPUs of each stage's live replicas (a registration that expired is not live)."""
-        ids = {ref: sorted(m.decode() for m in ms) for ref, ms in members.items()}
-        pipe = self.r.pipeline(transaction=False)
-        for ref in ids:
-            for rid in ids[ref]:
-                pipe.hget(keys.replica(rid), "cpus")
-        values = iter(pipe.execute())
-        out, prune = {}, self.r.pipeline(transaction=False)
-        for ref, rids in ids.items():
-            got = [(rid, next(values)) for rid in rids]
-            out[ref] = [float(v) for _, v in got if v is not None]
-            dead = [rid for rid, v in got if v is None]
-            if dead:
-                prune.srem(keys.stage_replicas(ref.model, ref.first), *dead)
-        prune.execute()
         return out
 
     def _stage(self, index: int, ref: StageRef, now: float, since_ms: int, replicas: int, raw: list,

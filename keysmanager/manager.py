@@ -97,18 +97,14 @@ class KeysManager:
 
     def shards(self, stage: StageRef) -> tuple[list[str], int]:
         """The sha256 and total size of the shards a stage range needs, as the manifest says now."""
-        if self.emulated(stage.model):
-            profile = EMULATION_PROFILES[stage.model]
-            num_stages, shas, size = profile.num_stages, [], None
-        else:
-            manifest = Manifest.load(self.settings.model_dir(stage.model))
-            num_stages, infos = manifest.num_stages, manifest.stages[stage.first:stage.last]
-            shas, size = [s.sha256 for s in infos], sum(s.bytes for s in infos)
-        if stage.last > num_stages:
-            raise ValueError(f"{stage.model} has stages 0..{num_stages - 1}; got {stage.stages!r}")
-        if size is None:
-            size = profile.stage_bytes(stage.first, stage.last)  # nominal: counts against the budget
-        return shas, size
+        emulated = self.emulated(stage.model)
+        source = EMULATION_PROFILES[stage.model] if emulated else Manifest.load(self.settings.model_dir(stage.model))
+        if stage.last > source.num_stages:
+            raise ValueError(f"{stage.model} has stages 0..{source.num_stages - 1}; got {stage.stages!r}")
+        if emulated:
+            return [], source.stage_bytes(stage.first, stage.last)  # nominal: counts against the budget
+        infos = source.stages[stage.first:stage.last]
+        return [s.sha256 for s in infos], sum(s.bytes for s in infos)
 
     def cache(self, stage: StageRef) -> Zygote:
         """Starts a zygote for the stage range unless a live, current one exists."""

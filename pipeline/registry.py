@@ -56,19 +56,27 @@ def deregister(r: redis.Redis, info: ReplicaInfo) -> None:
 
 def live_replicas(r: redis.Redis, model: str, stage: int) -> list[dict[str, str]]:
     """Registered replicas of a stage whose heartbeat is current; prunes the expired ones."""
-    ids = sorted(m.decode() for m in r.smembers(keys.stage_replicas(model, stage)))
-    pipe = r.pipeline()
-    for rid in ids:
-        pipe.hgetall(keys.replica(rid))
-    live, dead = [], []
-    for rid, data in zip(ids, pipe.execute()):
-        if data:
-            live.append({k.decode(): v.decode() for k, v in data.items()})
-        else:
-            dead.append(rid)
-    if dead:
-        r.srem(keys.stage_replicas(model, stage), *dead)
-    return live
+    return live_among(r, {(model, stage): r.smembers(keys.stage_replicas(model, stage))})[(model, stage)]
+
+
+def live_among(r: redis.Redis, members: dict[tuple[str, int], set[bytes]]) -> dict[tuple[str, int], list[dict[str, str]]]:
+    """Of the replica ids each (model, stage) set holds, the registrations still current, read in
+    one pipelined round trip; the expired ids are pruned from their sets."""
+    ids = {key: sorted(m.decode() for m in ms) for key, ms in members.items()}
+    pipe = r.pipeline(transaction=False)
+    for rids in ids.values():
+        for rid in rids:
+            pipe.hgetall(keys.replica(rid))
+    found = iter(pipe.execute())
+    out, prune = {}, r.pipeline(transaction=False)
+    for (model, stage), rids in ids.items():
+        got = [(rid, next(found)) for rid in rids]
+        out[(model, stage)] = [{k.decode(): v.decode() for k, v in data.items()} for _, data in got if data]
+        dead = [rid for rid, data in got if not data]
+        if dead:
+            prune.srem(keys.stage_replicas(model, stage), *dead)
+    prune.execute()
+    return out
 
 
 def key_stage_ranges(r: redis.Redis) -> list[StageRef]:

@@ -32,6 +32,12 @@ CPU_FITS_FILE = "cpu_fits.json"
 POLICIES = ("quart", *BASELINES)
 
 
+def load_cv_model(settings: Settings) -> CVAttention | None:
+    """The trained CV-attention model in QUART_HOME, if there is one."""
+    path = Path(settings.home) / CV_MODEL_FILE
+    return CVAttention.load(path) if path.exists() else None
+
+
 def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = None) -> object:
     """The configured policy for one model. QUART uses a trained CV model and CPU fits where they
     exist in QUART_HOME (cv_attention.pt, <model>.cpu_fits.json); without them it smooths on
@@ -41,10 +47,8 @@ def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = N
         return from_params(BASELINES[cfg.policy], cfg.policy_params, "QUART_POLICY_PARAMS")
     if cfg.policy != "quart":
         raise ConfigError(f"QUART_POLICY={cfg.policy!r}: choose quart, none or one of {sorted(BASELINES)}")
-    home = Path(settings.home)
-    if cv_model is None and (home / CV_MODEL_FILE).exists():
-        cv_model = CVAttention.load(home / CV_MODEL_FILE)
-    fits_path = home / f"{model}.{CPU_FITS_FILE}"
+    cv_model = cv_model or load_cv_model(settings)
+    fits_path = Path(settings.home) / f"{model}.{CPU_FITS_FILE}"
     compensator = Compensator(load_fits(fits_path), cpu_max=cfg.cpu_max) if fits_path.exists() else None
     pid = from_params(PIDConfig, {"period_s": cfg.tick_s, **cfg.policy_params}, "QUART_POLICY_PARAMS")
     return Quart(Corrector(pid), Smoother(cv_model), compensator)
@@ -104,9 +108,8 @@ class Controller:
 
     @classmethod
     def from_settings(cls, settings: Settings, pipelines: dict[str, tuple[StageRef, ...]]) -> Controller:
-        home = Path(settings.home)
-        cv_model = CVAttention.load(home / CV_MODEL_FILE) \
-            if settings.autoscaler.policy == "quart" and (home / CV_MODEL_FILE).exists() else None
+        # One CV model for every model's policy, so that their predictions batch together.
+        cv_model = load_cv_model(settings) if settings.autoscaler.policy == "quart" else None
         return cls(pipelines, {m: make_policy(settings, m, cv_model) for m in pipelines},
                    settings.autoscaler.bounds)
 
