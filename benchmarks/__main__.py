@@ -3,11 +3,22 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks import autoscaler_tick, hop, loadgen, pipeline_overhead, placement, policies_burst, scaleup, simulator
+from benchmarks import (
+    autoscaler_tick,
+    generation,
+    hop,
+    loadgen,
+    pipeline_overhead,
+    placement,
+    policies_burst,
+    scaleup,
+    simulator,
+)
 
 BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main,
               "autoscaler_tick": autoscaler_tick.main, "policies_burst": policies_burst.main,
-              "placement": placement.main, "loadgen": loadgen.main, "simulator": simulator.main}
+              "placement": placement.main, "loadgen": loadgen.main, "simulator": simulator.main,
+              "generation": generation.main, "generation_llama1b": lambda: generation.main(["--model", "llama1b"])}
 
 
 def main(argv: list[str]) -> int:

@@ -71,7 +71,15 @@ class Limits:
     max_body_bytes: int = 8 * 1024 * 1024
     max_prompt_tokens: int = 2048
     max_new_tokens: int = 64
-    max_batch: int = 64
+    max_inputs: int = 64
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a stage replica of a generative model runs its requests (continuous batching)."""
+    max_batch: int = 16
+    kv_bytes: int = 1 << 30
+    kv_wait_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,7 @@ class Settings:
     data: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     limits: Limits = field(default_factory=Limits)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
+    batching: Batching = field(default_factory=Batching)
     cache: CacheConfig = field(default_factory=CacheConfig)
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     servers: ServersConfig = field(default_factory=ServersConfig)
@@ -245,7 +254,13 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_MAX_BODY_BYTES", "limits.max_body_bytes", "largest request body (413 above)", _positive),
     Var("QUART_MAX_PROMPT_TOKENS", "limits.max_prompt_tokens", "longest prompt (413 above)", _positive),
     Var("QUART_MAX_NEW_TOKENS", "limits.max_new_tokens", "most tokens one request may generate", _positive),
-    Var("QUART_MAX_BATCH", "limits.max_batch", "most inputs in one embedding request", _positive),
+    Var("QUART_MAX_INPUTS", "limits.max_inputs", "most inputs in one embedding request", _positive),
+    Var("QUART_MAX_BATCH", "batching.max_batch",
+        "most work items (decode steps and prefills of different requests) a stage replica runs as one batch", _positive),
+    Var("QUART_KV_BYTES", "batching.kv_bytes",
+        "each stage replica's KV-cache budget; a request that does not fit waits, then gets 429", _positive),
+    Var("QUART_KV_WAIT_S", "batching.kv_wait_s", "how long a prefill waits for KV room before its request gets 429",
+        _not_negative),
     Var("QUART_DEVICE", "compute.device", "where stages compute", _device),
     Var("QUART_DTYPE", "compute.dtype", "stage weights' dtype", _one_of("float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),

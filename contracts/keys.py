@@ -13,6 +13,12 @@ def stage_stream(model: str, stage: int) -> str:
     return f"{PREFIX}:work:{model}:{stage}"
 
 
+def replica_stream(replica_id: str) -> str:
+    """Work for one replica alone: the decode steps and frees of the sequences whose cache it holds.
+    It expires with the replica's registration, so a step sent to a dead replica is refused."""
+    return f"{PREFIX}:replica-work:{replica_id}"
+
+
 def reply_list(request_id: str) -> str:
     """Where the last stage pushes the answer for one request."""
     return f"{PREFIX}:reply:{request_id}"

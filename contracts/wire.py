@@ -36,6 +36,14 @@ class StageTiming:
     service_ms: float
 
 
+# What a message asks of a stage. "pass": run the stages on the tensors as they are (embeddings,
+# emulated models, a single forward). A generative request's steps: "prefill" starts a sequence's
+# KV cache on whichever replica takes it from the shared stream; "decode" extends it on the
+# replica that holds it (the route); "free" drops it. A stage answers "lost" when the cache a
+# step needs is gone (its replica died or expired it): the entry then prefills again.
+KINDS = ("pass", "prefill", "decode", "free", "lost")
+
+
 @dataclass
 class Header:
     request_id: str
@@ -48,6 +56,14 @@ class Header:
     # Set by a stage that could not process the request; the entry answers with it.
     error: str | None = None
     status: int = 200
+    kind: str = "pass"
+    seq: str = ""                 # the KV sequence a prefill, decode or free is about
+    start: int = 0                # position of the step's first token
+    capacity: int = 0             # positions a prefill reserves (prompt plus new tokens)
+    # Stage (its first index, as a string) -> the replica holding this sequence's cache there.
+    route: dict[str, str] = field(default_factory=dict)
+    sampling: dict = field(default_factory=dict)
+    retry_after: float = 0.0      # with status 429: when room is likely
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -56,7 +72,10 @@ class Header:
     def from_json(cls, raw: bytes) -> Header:
         data = json.loads(raw)
         data["timings"] = [StageTiming(**t) for t in data.get("timings", [])]
-        return cls(**data)
+        header = cls(**data)
+        if header.kind not in KINDS:
+            raise ValueError(f"unknown message kind {header.kind!r}")
+        return header
 
 
 def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

@@ -1,21 +1,27 @@
-"""A model's entry function: turns a user request into work for stage 0, and waits for the last
-stage's answer on this entry replica's reply list. Generation re-runs the sequence through the
-pipeline once per new token (there is no KV cache yet), greedily."""
+"""A model's entry function: the endpoint users call. It validates a request, sends it through the
+model's stage functions (pipeline_client.py) and answers: JSON, or server-sent events when a
+generative request asks to stream.
+
+Paths (under /function/<model>): POST / takes the native body ({prompt|messages, max_new_tokens}
+for a generative model, {inputs} for embeddings); a generative model also serves OpenAI's
+POST /v1/completions, POST /v1/chat/completions and GET /v1/models."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
+import random
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 import torch
+from prometheus_client import Histogram
 from transformers import AutoTokenizer
 
-from contracts import keys
 from contracts.config import Settings
-from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
+from contracts.wire import BadRequest, StageTiming
+from pipeline import openai_api as oa
 from pipeline.emulated import WIDTH as EMULATED_WIDTH
 from pipeline.emulated import profile as emulation_profile
 from pipeline.entry_requests import (
@@ -27,37 +33,70 @@ from pipeline.entry_requests import (
     parse_json,
 )
 from pipeline.manifest import Manifest
+from pipeline.pipeline_client import PipelineClient, Progress, StageFailed
+from pipeline.sampling import Sampling
+from pipeline.text_stream import TextStream
 
 log = logging.getLogger("quart.entry")
+_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TTFT = Histogram("quart_ttft_seconds", "Time to first token of generative requests", ("model",), buckets=_TIME_BUCKETS)
+TPOT = Histogram("quart_tpot_seconds", "Time per output token after the first", ("model",), buckets=_TIME_BUCKETS)
 
 
-class StageFailed(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+@dataclass
+class Answer:
+    """An HTTP answer: a JSON body, or (stream set) server-sent events."""
+    status: int
+    body: dict | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    stream: AsyncIterator[bytes] | None = None
+
+
+@dataclass
+class Generated:
+    tokens: list[int]
+    text: str
+    finish: str           # "stop" (end of text or a stop sequence) or "length"
+    ttft_s: float
+    tpot_s: float
+    progress: Progress
+
+    @property
+    def timing(self) -> dict:
+        return {"ttft_ms": round(self.ttft_s * 1000.0, 3), "tpot_ms": round(self.tpot_s * 1000.0, 3),
+                "steps": self.progress.steps, "recomputes": self.progress.recomputes}
 
 
 class Entry:
     def __init__(self, settings: Settings, model: str) -> None:
         self.settings = settings
         self.model = model
+        self.created = time.time()
         if settings.compute.emulate:
             self.arch = "emulated"
             emulation_profile(settings.compute.emulate)  # an unknown profile fails at start, not per request
         else:
-            self.manifest = Manifest.load(settings.model_dir(model))
-            self.arch = self.manifest.arch
-            self.config = self.manifest.config_object()
-            self.tokenizer = AutoTokenizer.from_pretrained(self.manifest.tokenizer_path())
-        self.entry_id = f"{self.model}.{settings.server}.{os.getpid()}"
-        self.reply_key = keys.reply_list(self.entry_id)
-        self.first_stream = keys.stage_stream(self.model, 0)
-        self._redis: aioredis.Redis | None = None
-        self._pending: dict[str, asyncio.Future] = {}
-        self._dispatcher: asyncio.Task | None = None
+            manifest = Manifest.load(settings.model_dir(model))
+            self.arch = manifest.arch
+            self.config = manifest.config_object()
+            self.tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())
+            eos = self.config.eos_token_id
+            self.eos = set(eos) if isinstance(eos, list) else {eos}
+        self.client = PipelineClient(settings, model, f"{model}.{settings.server}.{os.getpid()}")
 
-    async def handle(self, body: bytes) -> tuple[int, dict]:
-        """Answers one request: (HTTP status, JSON body)."""
+    async def handle(self, method: str, path: str, body: bytes) -> Answer:
+        path = "/" + path.strip("/")
+        if path.startswith("/v1/") and self.arch == "llama":
+            return await self._openai(method, path, body)
+        if path != "/":
+            return Answer(404, {"error": f"no such path {path!r}; POST / (or /v1/... on a generative model)"})
+        if method != "POST":
+            return Answer(405, {"error": "POST a JSON request to this model"})
+        return await self._native(body)
+
+    # -- the native body ---------------------------------------------------------------------
+
+    async def _native(self, body: bytes) -> Answer:
         request_id = uuid.uuid4().hex[:16]
         started = time.time()
         try:
@@ -65,102 +104,146 @@ class Entry:
             handler = {"llama": self._generate, "bert": self._embed, "emulated": self._emulated}[self.arch]
             answer = await handler(data, request_id, started)
         except BadRequest as exc:
-            return exc.status, {"error": str(exc)}
+            return Answer(exc.status, {"error": str(exc)})
         except StageFailed as exc:
-            return exc.status, {"error": str(exc), "id": request_id}
+            return Answer(exc.status, {"error": str(exc), "id": request_id}, _retry_after(exc))
         except TimeoutError:
-            return 504, {"error": f"request {request_id} did not finish within "
-                                  f"{self.settings.data.request_timeout_s:g} s", "id": request_id}
+            return Answer(504, {"error": f"request {request_id} did not finish within "
+                                         f"{self.settings.data.request_timeout_s:g} s", "id": request_id})
         answer["id"] = request_id
         answer["latency_ms"] = round((time.time() - started) * 1000.0, 3)
-        return 200, answer
-
-    # -- the two kinds of model ----------------------------------------------------------------
+        return Answer(200, answer)
 
     async def _generate(self, data: dict, request_id: str, started: float) -> dict:
         req = parse_generate(data, self.settings.limits.max_new_tokens)
-        if req.prompt is not None:
-            ids = self.tokenizer(req.prompt)["input_ids"]
-        else:
-            ids = list(self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
-                                                          tokenize=True, return_dict=True)["input_ids"])
-        check_prompt_length(len(ids), req.max_new_tokens, self.settings.limits.max_prompt_tokens,
-                            self.config.max_position_embeddings)
-        deadline = started + self.settings.data.request_timeout_s
-        eos = self.config.eos_token_id
-        eos = set(eos) if isinstance(eos, list) else {eos}
-        new: list[int] = []
-        passes: list[list[StageTiming]] = []
-        for step in range(req.max_new_tokens):
-            header, out = await self._round_trip(f"{request_id}.{step}",
-                                                 {"input_ids": torch.tensor([ids + new])}, deadline)
-            passes.append(header.timings)
-            new.append(int(out["logits"][0].argmax()))
-            if new[-1] in eos:
-                break
-        return {"text": self.tokenizer.decode(new, skip_special_tokens=True), "token_ids": new,
-                "passes": len(passes), "stages": _sum_timings(passes)}
+        ids = self._prompt_ids(req.prompt, req.messages, req.max_new_tokens)
+        done = await self._run(request_id, ids, req.max_new_tokens, Sampling(), [], started, req.ignore_eos)
+        return {"text": done.text, "token_ids": done.tokens, "passes": done.progress.steps,
+                "finish_reason": done.finish, **done.timing, "stages": _sum_timings(done.progress.timings)}
 
     async def _embed(self, data: dict, request_id: str, started: float) -> dict:
-        inputs = parse_embed(data, self.settings.limits.max_batch)
+        inputs = parse_embed(data, self.settings.limits.max_inputs)
         enc = self.tokenizer(inputs, padding=True, truncation=True, max_length=EMBED_MAX_TOKENS,
                              return_tensors="pt")
-        header, out = await self._round_trip(f"{request_id}.0", dict(enc),
-                                             started + self.settings.data.request_timeout_s)
+        header, out = await self.client.round_trip(f"{request_id}.0", dict(enc), started + self.settings.data.request_timeout_s)
         return {"embeddings": out["embeddings"].tolist(), "stages": _sum_timings([header.timings])}
 
     async def _emulated(self, data: dict, request_id: str, started: float) -> dict:
         tokens = parse_emulated(data, self.settings.limits.max_prompt_tokens)
-        header, _ = await self._round_trip(f"{request_id}.0", {"hidden": torch.zeros(1, tokens, EMULATED_WIDTH)},
-                                           started + self.settings.data.request_timeout_s)
+        header, _ = await self.client.round_trip(f"{request_id}.0", {"hidden": torch.zeros(1, tokens, EMULATED_WIDTH)},
+                                                 started + self.settings.data.request_timeout_s)
         return {"emulated": True, "tokens": tokens, "stages": _sum_timings([header.timings])}
 
-    # -- talking to the pipeline ---------------------------------------------------------------
+    # -- OpenAI's surface --------------------------------------------------------------------
 
-    async def _round_trip(self, pass_id: str, tensors: dict[str, torch.Tensor],
-                          deadline: float) -> tuple[Header, dict[str, torch.Tensor]]:
-        r = await self._connection()
-        future = asyncio.get_running_loop().create_future()
-        self._pending[pass_id] = future
-        header = Header(request_id=pass_id, model=self.model, stage=0, reply_to=self.reply_key,
-                        deadline=deadline)
+    async def _openai(self, method: str, path: str, body: bytes) -> Answer:
+        routes = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
+        if path not in routes:
+            return Answer(404, oa.error_body(f"no such path {path!r}; this server has {sorted(routes)}", 404))
+        if method != routes[path]:
+            return Answer(405, oa.error_body(f"{path} takes {routes[path]}, not {method}", 405))
+        if path == "/v1/models":
+            return Answer(200, oa.models_body(self.model, self.created))
+        started = time.time()
         try:
-            await r.xadd(self.first_stream, {MESSAGE_FIELD: pack(header, tensors)})
-            header, out = await asyncio.wait_for(future, timeout=max(0.0, deadline - time.time()))
+            data = parse_json(body)
+            req = oa.parse_openai(data, path.endswith("chat/completions"), self.model,
+                                  self.settings.limits.max_new_tokens, random.getrandbits(31))
+            ids = self._prompt_ids(req.prompt, req.messages, req.max_tokens)
+        except oa.OpenAIError as exc:
+            return Answer(exc.status, oa.error_body(str(exc), exc.status, exc.param, exc.code))
+        except BadRequest as exc:
+            return Answer(exc.status, oa.error_body(str(exc), exc.status))
+        rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if req.stream:
+            return Answer(200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+                          stream=self._sse(req, rid, ids, started))
+        try:
+            done = await self._run(rid, ids, req.max_tokens, req.sampling, req.stop, started)
+        except StageFailed as exc:
+            return Answer(exc.status, oa.error_body(str(exc), exc.status), _retry_after(exc))
+        except TimeoutError:
+            return Answer(504, oa.error_body(f"not finished within {self.settings.data.request_timeout_s:g} s", 504))
+        return Answer(200, oa.response_body(req, rid, self.model, done.text, done.finish,
+                                            oa.usage(len(ids), len(done.tokens)), done.timing))
+
+    async def _sse(self, req: oa.OpenAIRequest, rid: str, ids: list[int], started: float) -> AsyncIterator[bytes]:
+        """The stream's events; an error after the stream began is sent as an error event."""
+        first = True
+        try:
+            async for text, done in self._texts(rid, ids, req.max_tokens, req.sampling, req.stop, started):
+                if done is None:
+                    if text or first:
+                        yield oa.chunk(req, rid, self.model, text, None, first)
+                        first = False
+                    continue
+                yield oa.chunk(req, rid, self.model, text or None, done.finish, first)
+                if req.include_usage:
+                    yield oa.usage_chunk(req, rid, self.model, oa.usage(len(ids), len(done.tokens)), done.timing)
+        except StageFailed as exc:
+            yield oa.sse(oa.error_body(str(exc), exc.status))
+        except TimeoutError:
+            yield oa.sse(oa.error_body(f"not finished within {self.settings.data.request_timeout_s:g} s", 504))
+        yield oa.DONE
+
+    # -- generation --------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | None, messages: list[dict] | None, max_new: int) -> list[int]:
+        if prompt is not None:
+            ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                          tokenize=True, return_dict=True)["input_ids"])
+        check_prompt_length(len(ids), max_new, self.settings.limits.max_prompt_tokens,
+                            self.config.max_position_embeddings)
+        return ids
+
+    async def _run(self, rid: str, ids: list[int], max_new: int, sampling: Sampling, stop: list[str],
+                   started: float, ignore_eos: bool = False) -> Generated:
+        text = []
+        async for piece, done in self._texts(rid, ids, max_new, sampling, stop, started, ignore_eos):
+            text.append(piece)
+            if done is not None:
+                done.text = "".join(text)
+                return done
+        raise AssertionError("a generation always ends with its summary")
+
+    async def _texts(self, rid: str, ids: list[int], max_new: int, sampling: Sampling, stop: list[str],
+                     started: float, ignore_eos: bool = False) -> AsyncIterator[tuple[str, Generated | None]]:
+        """(text released, None) per token, then (the rest, the summary)."""
+        progress, tokens, stream = Progress(), [], TextStream(self.tokenizer, stop)
+        first_at = None
+        finish = "length"
+        tokens_iter = self.client.generate(rid, ids, max_new, sampling, started + self.settings.data.request_timeout_s,
+                                           progress)
+        try:
+            async for token in tokens_iter:
+                tokens.append(token)
+                if first_at is None:
+                    first_at = time.time()
+                if token in self.eos and not ignore_eos:
+                    finish = "stop"
+                    break
+                piece = stream.push(token)
+                if stream.stopped:
+                    finish = "stop"
+                    yield piece, None
+                    break
+                yield piece, None
         finally:
-            self._pending.pop(pass_id, None)
-        if header.error is not None:
-            raise StageFailed(header.status, header.error)
-        return header, out
+            await tokens_iter.aclose()
+        ended = time.time()
+        first_at = first_at or ended
+        ttft = first_at - started
+        tpot = (ended - first_at) / (len(tokens) - 1) if len(tokens) > 1 else 0.0
+        TTFT.labels(self.model).observe(ttft)
+        if len(tokens) > 1:
+            TPOT.labels(self.model).observe(tpot)
+        yield stream.finish(), Generated(tokens, "", finish, ttft, tpot, progress)
 
-    async def _connection(self) -> aioredis.Redis:
-        if self._redis is None:
-            self._redis = aioredis.Redis.from_url(self.settings.redis.url)
-            await self._redis.ping()
-            self._dispatcher = asyncio.create_task(self._dispatch())
-        return self._redis
 
-    async def _dispatch(self) -> None:
-        """One reader of this entry's reply list hands each answer to the request awaiting it."""
-        r = aioredis.Redis.from_url(self.settings.redis.url)
-        while True:
-            try:
-                item = await r.blpop([self.reply_key], timeout=1)
-            except (aioredis.ConnectionError, OSError) as exc:
-                log.warning("reply reader: %s", exc)
-                await asyncio.sleep(0.5)
-                continue
-            if item is None:
-                continue
-            try:
-                header, tensors = unpack(item[1])
-            except BadRequest as exc:
-                log.error("unreadable reply dropped: %s", exc)
-                continue
-            future = self._pending.get(header.request_id)
-            # No one waiting: the request timed out, or this is a duplicate of reclaimed work.
-            if future is not None and not future.done():
-                future.set_result((header, tensors))
+def _retry_after(exc: StageFailed) -> dict[str, str]:
+    return {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.status == 429 else {}
 
 
 def _sum_timings(passes: list[list[StageTiming]]) -> list[dict]:

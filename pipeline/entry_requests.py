@@ -16,6 +16,7 @@ class GenerateRequest:
     prompt: str | None
     messages: list[dict[str, str]] | None
     max_new_tokens: int
+    ignore_eos: bool = False
 
 
 def parse_json(body: bytes) -> dict:
@@ -39,20 +40,23 @@ def _is_int(value: object) -> bool:
 
 
 def parse_generate(data: dict, cap: int) -> GenerateRequest:
-    _reject_unknown(data, {"prompt", "messages", "max_new_tokens"})
+    _reject_unknown(data, {"prompt", "messages", "max_new_tokens", "ignore_eos"})
     if ("prompt" in data) == ("messages" in data):
         raise BadRequest("give exactly one of 'prompt' (a string) or 'messages' (a list)")
     max_new = data.get("max_new_tokens", 1)
     if not _is_int(max_new) or not 1 <= max_new <= cap:
         raise BadRequest(f"'max_new_tokens' must be an integer in 1..{cap}, got {max_new!r}")
+    ignore_eos = data.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("'ignore_eos' must be true or false")
     if "prompt" in data:
         prompt = data["prompt"]
         if not isinstance(prompt, str):
             raise BadRequest(f"'prompt' must be a string, not {type(prompt).__name__}")
         if not prompt.strip():
             raise BadRequest("'prompt' is empty")
-        return GenerateRequest(prompt, None, max_new)
-    return GenerateRequest(None, _parse_messages(data["messages"]), max_new)
+        return GenerateRequest(prompt, None, max_new, ignore_eos)
+    return GenerateRequest(None, _parse_messages(data["messages"]), max_new, ignore_eos)
 
 
 def _parse_messages(messages: object) -> list[dict[str, str]]:
@@ -70,13 +74,13 @@ def _parse_messages(messages: object) -> list[dict[str, str]]:
     return out
 
 
-def parse_embed(data: dict, max_batch: int) -> list[str]:
+def parse_embed(data: dict, max_inputs: int) -> list[str]:
     _reject_unknown(data, {"inputs"})
     inputs = data.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise BadRequest("'inputs' must be a non-empty list of strings")
-    if len(inputs) > max_batch:
-        raise BadRequest(f"{len(inputs)} inputs; at most {max_batch} per request", status=413)
+    if len(inputs) > max_inputs:
+        raise BadRequest(f"{len(inputs)} inputs; at most {max_inputs} per request", status=413)
     for i, text in enumerate(inputs):
         if not isinstance(text, str) or not text.strip():
             raise BadRequest(f"inputs[{i}] must be a non-empty string")

@@ -1,6 +1,11 @@
 """A stage replica: pulls work for its stage range from the stage's Redis Stream through the
 shared consumer group, hands the output to the next stage (or the reply list), and only then
-acknowledges. Work left pending by a dead replica is claimed again after an idle time."""
+acknowledges. Work left pending by a dead replica is claimed again after an idle time.
+
+A replica of a generative model also reads its own stream: the decode steps of the requests whose
+KV cache it holds (it ran their prefill). It runs everything ready as one batch per step
+(continuous batching), decode steps first. Being drained, it stops taking new requests and
+finishes those it holds before it exits."""
 from __future__ import annotations
 
 import logging
@@ -18,6 +23,7 @@ from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
 from pipeline.emulated import EmulatedRunner
 from pipeline.emulated import profile as emulation_profile
+from pipeline.generation_step import HOLDER, NEXT, GenerationStage, Outcome, Work
 from pipeline.manifest import Manifest
 from pipeline.registry import ReplicaInfo, deregister, heartbeat, register
 from pipeline.stage_runner import StageRunner
@@ -29,6 +35,11 @@ REQUESTS = Counter("quart_stage_requests_total", "Work items finished by this re
 SERVICE = Histogram("quart_stage_service_seconds", "Compute time per work item", _LABELS)
 QUEUE = Histogram("quart_stage_queue_seconds", "Time a work item waited in the stage's stream", _LABELS)
 INFLIGHT = Gauge("quart_stage_inflight", "Work items being computed", _LABELS)
+BATCH = Histogram("quart_stage_batch_size", "Work items run as one batch", _LABELS,
+                  buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+KV_BYTES = Gauge("quart_stage_kv_bytes", "KV-cache bytes reserved by the sequences this replica holds", _LABELS)
+# With decode steps always waiting, a new request still enters a batch at least every this many steps.
+PREFILL_EVERY = 4
 
 
 def ensure_group(r: redis.Redis, stream: str) -> None:
@@ -66,10 +77,16 @@ class Replica:
             started_by=started_by, started_at=time.time())
         self.stream = keys.stage_stream(self.model, first)
         self.next_stream = None if self.runner.is_last else keys.stage_stream(self.model, last)
+        self.private = keys.replica_stream(self.replica_id)
+        generative = isinstance(runner, StageRunner) and runner.manifest.arch == "llama"
+        self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
+                                          settings.batching.kv_wait_s) if generative else None
         self._labels = {"model": self.model, "stage": str(first)}
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
-        self._inflight: bytes | None = None
+        self._holding: dict[bytes, str] = {}  # taken and not yet acknowledged: message id -> stream
+        self._draining = False
+        self._steps_without_new = 0
         self.first_work_at: float | None = None
         self._allowed_cpus = sorted(os.sched_getaffinity(0))
         self.cpus = max(1, settings.compute.threads)
@@ -84,6 +101,9 @@ class Replica:
         ensure_group(self.redis, self.stream)
         if self.next_stream:
             ensure_group(self.redis, self.next_stream)
+        if self.generation is not None:
+            ensure_group(self.redis, self.private)
+            self.redis.pexpire(self.private, int(self.settings.data.replica_ttl_s * 1000))
         register(self.redis, self.info, self.settings.data.replica_ttl_s)
         for target in (self._work_loop, self._heartbeat_loop):
             thread = threading.Thread(target=target, name=target.__name__, daemon=True)
@@ -92,29 +112,56 @@ class Replica:
         log.info("replica %s serving %s stages [%d, %d)", self.replica_id, self.model, self.first, self.last)
 
     def stop(self) -> None:
-        """Stops taking work, finishes the item in hand, and leaves the registry."""
+        """Stops taking new work, finishes what it holds (the item in hand; the requests whose
+        KV cache it holds, within the drain timeout), and leaves the registry."""
+        self._draining = True
+        deadline = time.monotonic() + self.settings.data.drain_timeout_s
+        if self.generation is not None:
+            while self.generation.store.sequences and time.monotonic() < deadline and self.alive():
+                time.sleep(0.05)
+            if self.generation.store.sequences:
+                log.warning("%s stops holding %d sequences; their requests will prefill again elsewhere",
+                            self.replica_id, len(self.generation.store.sequences))
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=self.settings.data.drain_timeout_s)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         deregister(self.redis, self.info)
+        self.redis.delete(self.private)
         log.info("replica %s stopped", self.replica_id)
+
+    def _give_back_waiting(self) -> None:
+        """Prefills waiting here for KV room go back to the shared stream for other replicas
+        (a draining replica takes no new ones)."""
+        waiting, self.generation.waiting = self.generation.waiting, []
+        if waiting:
+            pipe = self.redis.pipeline(transaction=True)
+            for w in waiting:
+                pipe.xadd(self.stream, {MESSAGE_FIELD: pack(w.header, w.tensors)})
+            self._finish(waiting, pipe)
 
     # -- the work loop -------------------------------------------------------------------------
 
     def _work_loop(self) -> None:
-        next_reclaim = 0.0
+        next_reclaim = next_expiry = 0.0
         while not self._stop.is_set():
             try:
                 if self._wanted_cpus != self.cpus:
                     self._apply_cpus(self._wanted_cpus)
-                entry = None
-                if time.monotonic() >= next_reclaim:
-                    entry = self._claim_abandoned()
+                reclaim = time.monotonic() >= next_reclaim
+                if reclaim:
                     next_reclaim = time.monotonic() + self.settings.data.reclaim_idle_ms / 2000.0
-                if entry is None:
-                    entry = self._read_new()
-                if entry is not None:
-                    self._process(*entry)
+                if self._draining and self.generation is not None and self.generation.waiting:
+                    self._give_back_waiting()
+                works = self._gather(reclaim)
+                if self.generation is None:
+                    for work in works:
+                        self._process(work)
+                elif works or self.generation.waiting:
+                    self._run_generation(works)
+                if self.generation is not None and time.monotonic() >= next_expiry:
+                    next_expiry = time.monotonic() + 1.0
+                    for seq in self.generation.evict_idle(self.settings.data.request_timeout_s):
+                        log.info("%s freed idle sequence %s", self.replica_id, seq)
             except redis.ConnectionError as exc:
                 log.warning("redis unavailable (%s); retrying", exc)
                 self._stop.wait(0.5)
@@ -126,14 +173,35 @@ class Replica:
         """Started, and both its threads still running (the watchdog's health check)."""
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
-    def _read_new(self) -> tuple[bytes, dict] | None:
-        answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, {self.stream: ">"},
-                                       count=1, block=self.settings.data.block_ms)
-        if not answer:
-            return None
-        return answer[0][1][0]
+    def _gather(self, reclaim: bool) -> list[Work]:
+        """The next batch: decode steps and frees first (the private stream), then as many new
+        items of the shared stream as there are slots, at least one every few steps so prefills
+        never starve; blocks briefly only when there is nothing at all."""
+        if self.generation is None:
+            found = (self._claim_abandoned() if reclaim else []) or self._read({self.stream: ">"}, 1, self.settings.data.block_ms)
+            return found
+        max_batch = self.settings.batching.max_batch
+        works = self._read({self.private: ">"}, max_batch, None)
+        take_new = not self._draining and not self.generation.waiting
+        if take_new:
+            slots = max_batch - len(works)
+            if slots <= 0 and self._steps_without_new >= PREFILL_EVERY:
+                slots = 1
+            if slots > 0:
+                new = (self._claim_abandoned() if reclaim else []) or self._read({self.stream: ">"}, slots, None)
+                works += new
+        if not works and not self.generation.waiting:
+            streams = {self.private: ">"} if not take_new else {self.private: ">", self.stream: ">"}
+            works = self._read(streams, 1, self.settings.data.block_ms)
+        self._steps_without_new = 0 if any(w.stream == self.stream for w in works) else self._steps_without_new + 1
+        return works
 
-    def _claim_abandoned(self) -> tuple[bytes, dict] | None:
+    def _read(self, streams: dict[str, str], count: int, block: int | None) -> list[Work]:
+        answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, streams, count=count, block=block)
+        return [w for stream, entries in answer or [] for msg_id, fields in entries
+                if (w := self._work(stream.decode(), msg_id, fields)) is not None]
+
+    def _claim_abandoned(self) -> list[Work]:
         """Takes over one item that a dead replica held for longer than the reclaim idle time."""
         _, entries, *_ = self.redis.xautoclaim(self.stream, keys.GROUP, self.replica_id,
                                                min_idle_time=self.settings.data.reclaim_idle_ms,
@@ -141,47 +209,101 @@ class Replica:
         for msg_id, fields in entries:
             if fields:
                 log.info("%s reclaimed %s", self.replica_id, msg_id.decode())
-                return msg_id, fields
+                work = self._work(self.stream, msg_id, fields)
+                return [work] if work is not None else []
             self.redis.xack(self.stream, keys.GROUP, msg_id)  # deleted meanwhile
-        return None
+        return []
 
-    def _process(self, msg_id: bytes, fields: dict) -> None:
-        self._inflight = msg_id
-        started = time.time()
+    def _work(self, stream: str, msg_id: bytes, fields: dict) -> Work | None:
+        """A message as a work item; None for an unreadable one, dropped loudly (without a
+        readable header there is nobody to answer)."""
+        self._holding[msg_id] = stream
         if self.first_work_at is None:
             # When a new replica took its first work: what scale-up latency is measured to.
-            self.first_work_at = started
-            self.redis.hset(keys.replica(self.replica_id), "first_work_at", f"{started:.6f}")
+            self.first_work_at = time.time()
+            self.redis.hset(keys.replica(self.replica_id), "first_work_at", f"{self.first_work_at:.6f}")
         try:
             header, tensors = unpack(fields[MESSAGE_FIELD])
         except (BadRequest, KeyError, TypeError) as exc:
-            # Without a readable header there is nobody to answer: drop it, loudly.
             log.error("%s dropped unreadable message %s: %s", self.replica_id, msg_id, exc)
-            self._finish(msg_id, self.redis.pipeline(transaction=True))
-            return
-        if started > header.deadline:
-            REQUESTS.labels(**self._labels, outcome="expired").inc()
-            self._finish(msg_id, self.redis.pipeline(transaction=True))
-            return
-        out = self._compute(header, tensors)
-        queue_ms = max(0.0, (started - header.enqueued_at) * 1000.0)
-        service_ms = (time.time() - started) * 1000.0
-        header.timings.append(StageTiming(self.first, self.replica_id, round(queue_ms, 3), round(service_ms, 3)))
-        QUEUE.labels(**self._labels).observe(queue_ms / 1000.0)
-        SERVICE.labels(**self._labels).observe(service_ms / 1000.0)
-        pipe = self.redis.pipeline(transaction=True)
-        self._hand_off(pipe, header, out)
-        pipe.xadd(keys.records_stream(self.model, self.first),
-                  {"id": header.request_id, "t": f"{header.enqueued_at:.6f}", "q": f"{queue_ms:.3f}",
-                   "s": f"{service_ms:.3f}", "r": self.replica_id},
-                  maxlen=self.settings.data.records_maxlen, approximate=True)
-        self._finish(msg_id, pipe)
+            self._finish([Work(stream, msg_id, None, {})], self.redis.pipeline(transaction=True))
+            return None
+        return Work(stream, msg_id, header, tensors)
 
-    def _compute(self, header: Header, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _process(self, work: Work) -> None:
+        """One single-pass item (embeddings, emulated stages): compute and hand it on."""
+        header = work.header
+        if work.received > header.deadline:
+            REQUESTS.labels(**self._labels, outcome="expired").inc()
+            self._finish([work], self.redis.pipeline(transaction=True))
+            return
+        out = self._compute(header, work.tensors)
+        service_ms = (time.time() - work.received) * 1000.0
+        pipe = self.redis.pipeline(transaction=True)
+        self._record(pipe, work, service_ms, 1)
+        self._hand_off(pipe, header, out)
+        self._finish([work], pipe)
+
+    def _run_generation(self, works: list[Work]) -> None:
+        """One continuous-batching step: every decode, free and admitted prefill of `works` (and
+        the prefills still waiting for room) in one forward, each output handed on."""
+        now = time.time()
+        live = [w for w in works if w.header.kind == "free" or now <= w.header.deadline]
+        expired = [w for w in works if w not in live]
+        for _ in expired:
+            REQUESTS.labels(**self._labels, outcome="expired").inc()
         INFLIGHT.labels(**self._labels).inc()
         try:
             with self._compute_lock:
-                out = self.runner.checked_run(tensors, self.settings.limits.max_batch)
+                result = self.generation.run(self.generation.waiting + [w for w in live if w not in self.generation.waiting])
+        finally:
+            INFLIGHT.labels(**self._labels).dec()
+        if result.batch:
+            BATCH.labels(**self._labels).observe(result.batch)
+            SERVICE.labels(**self._labels).observe(result.service_s)
+        KV_BYTES.labels(**self._labels).set(self.generation.store.used)
+        pipe = self.redis.pipeline(transaction=True)
+        holders: list[tuple[int, Outcome]] = []
+        per_item_ms = result.service_s * 1000.0 / max(1, result.batch)
+        for o in result.outcomes:
+            REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
+            self._record(pipe, o.work, per_item_ms, result.batch)
+            if o.to == HOLDER and o.header.route.get(str(self.last)):
+                holders.append((len(pipe.command_stack), o))
+                pipe.xadd(keys.replica_stream(o.header.route[str(self.last)]), {MESSAGE_FIELD: pack(o.header, o.tensors)},
+                          nomkstream=True)
+            elif o.to == NEXT:
+                pipe.xadd(self.next_stream, {MESSAGE_FIELD: pack(o.header, o.tensors)})
+            else:
+                if o.to == HOLDER:
+                    o.header.kind = "lost"
+                self._reply(pipe, o.header, o.tensors)
+        results = self._finish(result.done + expired, pipe)
+        lost = [o for index, o in holders if results[index] is None]
+        if lost:
+            # The replica holding the next stage's cache is gone: the entry prefills again.
+            pipe = self.redis.pipeline(transaction=True)
+            for o in lost:
+                o.header.kind = "lost"
+                self._reply(pipe, o.header, {})
+            pipe.execute()
+
+    def _record(self, pipe: redis.client.Pipeline, work: Work, service_ms: float, batch: int) -> None:
+        header = work.header
+        queue_ms = work.queued_s * 1000.0
+        header.timings.append(StageTiming(self.first, self.replica_id, round(queue_ms, 3), round(service_ms, 3)))
+        QUEUE.labels(**self._labels).observe(queue_ms / 1000.0)
+        pipe.xadd(keys.records_stream(self.model, self.first),
+                  {"id": header.request_id, "t": f"{work.received - work.queued_s:.6f}", "q": f"{queue_ms:.3f}",
+                   "s": f"{service_ms:.3f}", "r": self.replica_id, "k": header.kind, "b": str(batch)},
+                  maxlen=self.settings.data.records_maxlen, approximate=True)
+
+    def _compute(self, header: Header, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        INFLIGHT.labels(**self._labels).inc()
+        started = time.time()
+        try:
+            with self._compute_lock:
+                out = self.runner.checked_run(tensors, self.settings.limits.max_inputs)
             REQUESTS.labels(**self._labels, outcome="ok").inc()
             return out
         except BadRequest as exc:
@@ -191,23 +313,30 @@ class Replica:
             header.error, header.status = f"stage {self.first} failed: {exc}", 500
         finally:
             INFLIGHT.labels(**self._labels).dec()
+            SERVICE.labels(**self._labels).observe(time.time() - started)
         REQUESTS.labels(**self._labels, outcome="error").inc()
         return {}
 
     def _hand_off(self, pipe: redis.client.Pipeline, header: Header, out: dict[str, torch.Tensor]) -> None:
         if header.error is not None or self.next_stream is None:
-            pipe.lpush(header.reply_to, pack(header, out))
-            pipe.pexpire(header.reply_to, int(self.settings.data.request_timeout_s * 2000))
+            self._reply(pipe, header, out)
             return
         header.stage, header.enqueued_at = self.last, time.time()
         pipe.xadd(self.next_stream, {MESSAGE_FIELD: pack(header, out)})
 
-    def _finish(self, msg_id: bytes, pipe: redis.client.Pipeline) -> None:
+    def _reply(self, pipe: redis.client.Pipeline, header: Header, out: dict[str, torch.Tensor]) -> None:
+        pipe.lpush(header.reply_to, pack(header, out))
+        pipe.pexpire(header.reply_to, int(self.settings.data.request_timeout_s * 2000))
+
+    def _finish(self, works: list[Work], pipe: redis.client.Pipeline) -> list:
         # Acknowledge in the same transaction as the hand-off: both happen or neither does.
-        pipe.xack(self.stream, keys.GROUP, msg_id)
-        pipe.xdel(self.stream, msg_id)
-        pipe.execute()
-        self._inflight = None
+        for w in works:
+            pipe.xack(w.stream, keys.GROUP, w.msg_id)
+            pipe.xdel(w.stream, w.msg_id)
+        results = pipe.execute()
+        for w in works:
+            self._holding.pop(w.msg_id, None)
+        return results
 
     # -- CPUs ----------------------------------------------------------------------------------
 
@@ -236,11 +365,18 @@ class Replica:
                 wanted = self.redis.get(keys.stage_cpus(self.stage))
                 if wanted is not None and wanted.isdigit() and int(wanted) > 0:
                     self._wanted_cpus = int(wanted)
-                msg_id = self._inflight
-                if msg_id is not None:
-                    # Resets the item's idle time, so that long work is not reclaimed from a
-                    # replica that is alive.
-                    self.redis.xclaim(self.stream, keys.GROUP, self.replica_id, 0, [msg_id], justid=True)
+                held = [m for m, stream in list(self._holding.items()) if stream == self.stream]
+                if held:
+                    # Resets the items' idle time, so that long work (or a prefill waiting for
+                    # KV room) is not reclaimed from a replica that is alive.
+                    self.redis.xclaim(self.stream, keys.GROUP, self.replica_id, 0, held, justid=True)
+                if self.generation is not None:
+                    pipe = self.redis.pipeline(transaction=False)
+                    pipe.pexpire(self.private, int(self.settings.data.replica_ttl_s * 1000))
+                    pipe.hset(keys.replica(self.replica_id), mapping={
+                        "kv_bytes": str(self.generation.store.used),
+                        "sequences": str(len(self.generation.store.sequences))})
+                    pipe.execute()
             except redis.ConnectionError as exc:
                 log.warning("heartbeat failed: %s", exc)
 
@@ -250,5 +386,5 @@ class Replica:
         """Runs this replica's stages on safetensors bytes and answers safetensors bytes."""
         tensors = decode_tensors(body)
         with self._compute_lock:
-            out = self.runner.checked_run(tensors, self.settings.limits.max_batch)
+            out = self.runner.checked_run(tensors, self.settings.limits.max_inputs)
         return encode_tensors(out)

@@ -6,6 +6,9 @@ template's watchdog does. It also answers the watchdog's health path and Prometh
 
 Optional handler hooks: `ready()` (health), `shutdown()` (called on SIGTERM before exiting,
 so a replica being scaled down finishes its work first).
+
+Beyond the template: a body that is an async iterator of bytes is streamed as it is produced (as
+of-watchdog's HTTP mode streams), and a client that goes away cancels its request's handler.
 """
 from __future__ import annotations
 
@@ -57,9 +60,24 @@ def load_handler(folder: Path) -> ModuleType:
     return module
 
 
-def _response(result: object) -> web.Response:
+async def _respond(request: web.Request, result: object) -> web.StreamResponse:
     if not isinstance(result, dict):
         result = {"body": result}
+    body = result.get("body", b"")
+    if not hasattr(body, "__aiter__"):
+        return _response(result)
+    response = web.StreamResponse(status=int(result.get("statusCode", 200)), headers=dict(result.get("headers") or {}))
+    try:
+        await response.prepare(request)
+        async for chunk in body:
+            await response.write(chunk)
+        await response.write_eof()
+    finally:
+        await body.aclose()  # a client gone mid-stream: the producer cleans up now
+    return response
+
+
+def _response(result: dict) -> web.Response:
     status = int(result.get("statusCode", 200))
     headers = dict(result.get("headers") or {})
     body = result.get("body", b"")
@@ -81,7 +99,7 @@ def build_app(handler: ModuleType, max_body: int) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def invoke(request: web.Request) -> web.Response:
+    async def invoke(request: web.Request) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > max_body:
             return _too_large(max_body)
         body = await request.content.read(max_body + 1)
@@ -92,7 +110,7 @@ def build_app(handler: ModuleType, max_body: int) -> web.Application:
             result = await handler.handle(event, context)
         else:
             result = await asyncio.get_running_loop().run_in_executor(None, handler.handle, event, context)
-        return _response(result)
+        return await _respond(request, result)
 
     app = web.Application(client_max_size=max_body + 1)
     app.router.add_get(HEALTH_PATH, health)
@@ -106,7 +124,7 @@ def _too_large(limit: int) -> web.Response:
 
 
 async def serve(handler: ModuleType, host: str, port_file: Path | None, max_body: int) -> None:
-    runner = web.AppRunner(build_app(handler, max_body), access_log=None)
+    runner = web.AppRunner(build_app(handler, max_body), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, 0)
     await site.start()

@@ -321,27 +321,49 @@ class LocalProvider:
         self.seconds.labels(name, code).observe(time.time() - started)
         return response
 
-    async def _forward(self, fn: FunctionState, request: web.Request) -> web.Response:
+    async def _forward(self, fn: FunctionState, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         tail = request.match_info.get("tail", "")
-        # A replica that refuses the connection (it just died) is skipped for the next one.
-        for _ in range(max(1, len(fn.ready()))):
+        # A replica that refuses the connection or drops it before answering (it just died) is
+        # skipped for the next one, waiting for a replacement if it was the only one: nothing was
+        # answered yet, so the request is not answered twice.
+        deadline = time.monotonic() + self.settings.data.request_timeout_s
+        while True:
             replica = fn.pick()
             if replica is None:
-                break
+                if fn.desired == 0 or time.monotonic() > deadline:
+                    return error(503, f"function {fn.name!r} has no ready replica")
+                await asyncio.sleep(0.2)
+                continue
             url = f"http://127.0.0.1:{replica.port}/{tail}"
             try:
                 async with self._session.request(request.method, url, data=body, headers=headers,
                                                  params=request.query) as resp:
-                    payload = await resp.read()
                     out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+                    if resp.content_type == "text/event-stream":
+                        return await _relay_stream(request, resp, out_headers)
+                    payload = await resp.read()
                     return web.Response(status=resp.status, body=payload, headers=out_headers)
             except aiohttp.ClientConnectionError:
                 replica.ready = False
             except TimeoutError:
                 return error(504, f"function {fn.name!r} did not answer in time")
-        return error(503, f"function {fn.name!r} has no ready replica")
+
+
+async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse, headers: dict) -> web.StreamResponse:
+    """Server-sent events passed on as they arrive (a gateway that buffered them would not stream)."""
+    out = web.StreamResponse(status=resp.status, headers=headers)
+    await out.prepare(request)
+    try:
+        async for chunk in resp.content.iter_any():
+            await out.write(chunk)
+    except aiohttp.ClientConnectionError as exc:
+        # The replica died mid-stream: what was sent cannot be taken back; the stream just ends.
+        log.warning("stream from a replica broke off: %s", exc)
+        return out
+    await out.write_eof()
+    return out
 
 
 def read_or_create_password(path: Path) -> str:

@@ -105,7 +105,8 @@ def main() -> int:
                 autoscaler_proc.wait(timeout=30)
             app.on_shutdown.insert(0, stop_autoscaler)
         web.run_app(app, host=settings.gateway.host, port=settings.gateway.port,
-                    print=None, access_log=None, shutdown_timeout=5)
+                    print=None, access_log=None, shutdown_timeout=5,
+                    handler_cancellation=True)  # a client gone cancels its upstream call
     finally:
         for proc in (autoscaler_proc, *(p for p, _ in keysmanagers.values()), redis_proc):
             if proc is not None and proc.poll() is None:

@@ -1,5 +1,6 @@
 """Entry function of a model (python3-http template shape): the one endpoint users call.
-It sends the request through the model's stage functions and answers JSON."""
+It sends the request through the model's stage functions and answers JSON, or server-sent
+events (a body that is an async iterator of bytes) when a generative request streams."""
 from contracts.config import load_settings, replica_identity
 from pipeline.entry import Entry
 
@@ -7,7 +8,6 @@ ENTRY = Entry(load_settings(), replica_identity().model)
 
 
 async def handle(event, context):
-    if event.method != "POST":
-        return {"statusCode": 405, "body": {"error": "POST a JSON request to this model"}}
-    status, body = await ENTRY.handle(event.body)
-    return {"statusCode": status, "body": body}
+    answer = await ENTRY.handle(event.method, event.path, event.body)
+    body = answer.stream if answer.stream is not None else answer.body
+    return {"statusCode": answer.status, "body": body, "headers": answer.headers}

@@ -303,7 +303,10 @@ def _freeze_a_holder(r: redis.Redis, stage: int, forked: bool | None, sender: th
 
 
 def kill_holder_during_a_request(client, r, sources, tokenizer, stage: int, forked: bool | None) -> None:
-    prompt = "Write a short poem about the sea:"
+    """Kills a replica while it holds a request's prefill (taken from the shared stream, not yet
+    acknowledged): another replica claims the prefill again and the request answers."""
+    # A long prompt: its prefill is long enough at every stage to be caught in a replica's hands.
+    prompt = "The sea, the waves, the wind and the gulls over the harbour at dawn. " * 8 + "Write a short poem about the sea:"
     result: list = []
     sender = threading.Thread(target=lambda: result.append(
         client.invoke("smollm2", {"prompt": prompt, "max_new_tokens": 24})))

@@ -48,7 +48,7 @@ def test_bodies_that_are_not_json_objects(body):
                                          ({"inputs": ["a"], "extra": 1}, 400)])
 def test_bad_embed_requests(data, status):
     with pytest.raises(BadRequest) as info:
-        parse_embed(data, max_batch=64)
+        parse_embed(data, max_inputs=64)
     assert info.value.status == status
 
 

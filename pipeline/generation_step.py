@@ -1,0 +1,177 @@
+"""What a stage replica of a generative model does with one batch of work items, without I/O:
+frees, decode steps on the sequences it holds, and prefills admitted into its KV budget, run as
+one batched forward; the result says where each output goes. The replica reads and writes Redis."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from contracts.wire import BadRequest, Header
+from pipeline.batched_llama import BatchedLlama, Step
+from pipeline.kv_cache import KVStore, NoRoom
+from pipeline.sampling import Sampling, next_token
+from pipeline.stage_runner import StageRunner
+
+
+@dataclass
+class Work:
+    """One message taken from a stream and not yet acknowledged."""
+    stream: str
+    msg_id: bytes
+    header: Header
+    tensors: dict[str, torch.Tensor]
+    received: float = field(default_factory=time.time)
+
+    @property
+    def queued_s(self) -> float:
+        """How long it waited in its stream (fixed when taken: the hand-off restamps the header)."""
+        return max(0.0, self.received - self._enqueued_at)
+
+    def __post_init__(self) -> None:
+        self._enqueued_at = self.header.enqueued_at if self.header is not None else self.received
+
+
+# Where an outcome goes: the next stage's shared stream (a prefill), the private stream of the
+# replica holding the sequence at the next stage (a decode), or the entry's reply list.
+NEXT, HOLDER, REPLY = "next", "holder", "reply"
+
+
+@dataclass
+class Outcome:
+    work: Work
+    to: str
+    header: Header
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class BatchResult:
+    outcomes: list[Outcome]
+    done: list[Work]               # acknowledge these (everything taken, less what waits for room)
+    batch: int = 0                 # steps that ran as one forward
+    service_s: float = 0.0
+
+
+class GenerationStage:
+    def __init__(self, runner: StageRunner, replica_id: str, budget_bytes: int, kv_wait_s: float) -> None:
+        self.runner = runner
+        self.engine = BatchedLlama(runner.modules)
+        self.store = KVStore(self.engine.kv_shape(), budget_bytes)
+        self.replica_id = replica_id
+        self.kv_wait_s = kv_wait_s
+        self.first, self.last, self.is_last = runner.first, runner.last, runner.is_last
+        self.max_positions = runner.modules[0].config.max_position_embeddings
+        self.waiting: list[Work] = []  # prefills taken that wait for KV room, oldest first
+
+    def run(self, works: list[Work]) -> BatchResult:
+        outcomes: list[Outcome] = []
+        steps: list[tuple[Work, Step]] = []
+        for w in works:
+            kind = w.header.kind
+            if kind == "free":
+                self.store.free(w.header.seq)
+            elif kind == "decode":
+                self._decode(w, steps, outcomes)
+            elif kind == "prefill":
+                self._prefill(w, steps, outcomes)
+            else:
+                outcomes.append(_error(w, BadRequest(f"a generative stage takes prefill, decode or free, not {kind!r}")))
+        done = [w for w in works if w not in self.waiting]
+        if not steps:
+            return BatchResult(outcomes, done)
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.forward([s for _, s in steps])
+        except Exception as exc:  # one bad batch must not take the replica down; its requests get the error
+            for w, s in steps:
+                self.store.free(s.seq.seq_id)
+                outcomes.append(_error(w, exc, 500))
+            return BatchResult(outcomes, done, len(steps), time.perf_counter() - started)
+        service = time.perf_counter() - started
+        for (w, s), out in zip(steps, outputs):
+            outcomes.append(self._hand_off(w, s, out))
+        return BatchResult(outcomes, done, len(steps), service)
+
+    def _decode(self, w: Work, steps: list, outcomes: list) -> None:
+        seq = self.store.get(w.header.seq)
+        if seq is None or seq.length != w.header.start:
+            outcomes.append(_lost(w))
+            return
+        inputs = self._inputs(w, outcomes)
+        if inputs is None:
+            return
+        if inputs.shape[0] != 1:
+            outcomes.append(_error(w, BadRequest("a decode step takes exactly one token")))
+            return
+        steps.append((w, Step(seq, inputs, w.header.start)))
+
+    def _prefill(self, w: Work, steps: list, outcomes: list) -> None:
+        inputs = self._inputs(w, outcomes)
+        if inputs is None:
+            return
+        h = w.header
+        if w.header.start != 0 or not inputs.shape[0] <= h.capacity <= self.max_positions:
+            outcomes.append(_error(w, BadRequest(f"a prefill of {inputs.shape[0]} tokens starts at 0 and reserves "
+                                                 f"at least as many positions (got start {h.start}, capacity {h.capacity})")))
+            return
+        if not self.store.fits_ever(h.capacity):
+            outcomes.append(_error(w, BadRequest(f"{h.capacity} positions need {self.store.need(h.capacity)} bytes of "
+                                                 f"KV cache; this stage's budget is {self.store.budget}", status=413)))
+            return
+        try:
+            seq = self.store.admit(h.seq, h.capacity)
+        except NoRoom:
+            if w in self.waiting:
+                if time.time() - w.received < self.kv_wait_s:
+                    return
+                self.waiting.remove(w)
+            elif self.kv_wait_s > 0:
+                self.waiting.append(w)
+                return
+            h.retry_after = max(1.0, self.kv_wait_s)
+            outcomes.append(_error(w, BadRequest(f"stage {self.first} has no KV room for {h.capacity} positions "
+                                                 f"({self.store.used} of {self.store.budget} bytes in use)", status=429)))
+            return
+        if w in self.waiting:
+            self.waiting.remove(w)
+        steps.append((w, Step(seq, inputs, 0)))
+
+    def _inputs(self, w: Work, outcomes: list) -> torch.Tensor | None:
+        """The step's tokens or hidden states without the batch dimension; None (and an error
+        outcome) when they are malformed."""
+        try:
+            self.runner.validate(w.tensors, 1)
+        except BadRequest as exc:
+            outcomes.append(_error(w, exc))
+            return None
+        name = "input_ids" if "input_ids" in w.tensors and self.engine.embed is not None else "hidden"
+        return w.tensors[name][0]
+
+    def _hand_off(self, w: Work, s: Step, out: torch.Tensor) -> Outcome:
+        h = w.header
+        if h.kind == "prefill":
+            h.route[str(self.first)] = self.replica_id
+        h.stage, h.enqueued_at = self.last, time.time()
+        if not self.is_last:
+            return Outcome(w, NEXT if h.kind == "prefill" else HOLDER, h, {"hidden": out.unsqueeze(0)})
+        if not bool(torch.isfinite(out).all()):
+            return _error(w, BadRequest("the stage produced NaN or infinity", status=422))
+        token = next_token(out, Sampling.from_dict(h.sampling), s.start + s.tokens)
+        return Outcome(w, REPLY, h, {"token": torch.tensor([token])})
+
+    def evict_idle(self, idle_s: float) -> list[str]:
+        return self.store.expire(idle_s)
+
+
+def _error(w: Work, exc: Exception, status: int | None = None) -> Outcome:
+    h = w.header
+    h.error = f"stage {h.stage}: {exc}"
+    h.status = status or getattr(exc, "status", 500)
+    return Outcome(w, REPLY, h, {})
+
+
+def _lost(w: Work) -> Outcome:
+    w.header.kind = "lost"
+    return Outcome(w, REPLY, w.header, {})

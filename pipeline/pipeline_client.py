@@ -1,0 +1,197 @@
+"""An entry replica's side of the pipeline: it sends work to the first stage, receives every
+answer on its own reply list, and drives a generative request token by token.
+
+A request's prefill enters stage 0's shared stream (any replica may take it); each stage that runs
+it keeps the request's KV cache and writes its own id into the route, which comes back with the
+first token. Every decode step then goes to the replica holding the cache at stage 0, and each
+stage forwards it to the holder at the next. When a holder is gone (killed, or its cache expired),
+the entry prefills again, with the prompt and the tokens it already has, on live replicas
+(recomputation): the request still answers, once, with the same tokens."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import torch
+
+from contracts import keys
+from contracts.config import Settings
+from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
+from pipeline.sampling import Sampling
+
+log = logging.getLogger("quart.entry")
+# A request whose caches are lost this many times in a row fails rather than loop.
+MAX_RECOMPUTES = 5
+
+
+class StageFailed(Exception):
+    def __init__(self, status: int, message: str, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+@dataclass
+class Progress:
+    """What a generation has done so far, for its response and its metrics."""
+    steps: int = 0
+    recomputes: int = 0
+    timings: list[list[StageTiming]] = field(default_factory=list)
+
+
+class PipelineClient:
+    def __init__(self, settings: Settings, model: str, entry_id: str) -> None:
+        self.settings = settings
+        self.model = model
+        self.reply_key = keys.reply_list(entry_id)
+        self.first_stream = keys.stage_stream(model, 0)
+        self._redis: aioredis.Redis | None = None
+        self._pending: dict[str, asyncio.Future] = {}
+        self._dispatcher: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    # -- one pass ----------------------------------------------------------------------------
+
+    async def round_trip(self, pass_id: str, tensors: dict[str, torch.Tensor],
+                         deadline: float) -> tuple[Header, dict[str, torch.Tensor]]:
+        """One pass through every stage (embeddings, emulated models)."""
+        header = Header(request_id=pass_id, model=self.model, stage=0, reply_to=self.reply_key, deadline=deadline)
+        reply = await self._send_and_wait(header, tensors, self.first_stream, {}, deadline)
+        if reply is None:
+            raise StageFailed(503, f"pass {pass_id} was lost")
+        return _checked(reply)
+
+    # -- a generation ------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt: list[int], max_new: int, sampling: Sampling,
+                       deadline: float, progress: Progress) -> AsyncIterator[int]:
+        """The request's new tokens as they come. Closing the iterator early (end of text, a
+        stop sequence, a client that went away) frees the request's caches."""
+        new: list[int] = []
+        route: dict[str, str] = {}
+        seq = ""
+        try:
+            while len(new) < max_new:
+                if not route:
+                    seq = f"{request_id}.{progress.recomputes}"
+                    header = self._header(seq, len(new), deadline, kind="prefill", capacity=len(prompt) + max_new,
+                                          sampling=sampling.to_dict())
+                    reply = await self._send_and_wait(header, {"input_ids": torch.tensor([prompt + new])},
+                                                      self.first_stream, {}, deadline)
+                else:
+                    header = self._header(seq, len(new), deadline, kind="decode", start=len(prompt) + len(new) - 1,
+                                          route=route, sampling=sampling.to_dict())
+                    reply = await self._send_and_wait(header, {"input_ids": torch.tensor([[new[-1]]])},
+                                                      keys.replica_stream(route["0"]), route, deadline)
+                if reply is None:
+                    progress.recomputes += 1
+                    log.info("%s: a stage lost its cache; prefilling again (%d)", request_id, progress.recomputes)
+                    if progress.recomputes > MAX_RECOMPUTES:
+                        raise StageFailed(503, f"request {request_id} lost its caches {progress.recomputes} times")
+                    self._free_later(seq, route)
+                    route = {}
+                    continue
+                header, out = _checked(reply)
+                route = header.route
+                progress.steps += 1
+                progress.timings.append(header.timings)
+                new.append(int(out["token"][0]))
+                yield new[-1]
+        finally:
+            if route:
+                self._free_later(seq, route)
+
+    def _header(self, seq: str, step: int, deadline: float, **fields) -> Header:
+        return Header(request_id=f"{seq}.{step}", model=self.model, stage=0, reply_to=self.reply_key,
+                      deadline=deadline, seq=seq, **fields)
+
+    async def _send_and_wait(self, header: Header, tensors: dict[str, torch.Tensor], stream: str,
+                             route: dict[str, str], deadline: float) -> tuple[Header, dict] | None:
+        """Sends one step and waits for its answer: None when it was lost (a stage answered
+        "lost", the holder's stream is gone, or a holder in the route stopped heartbeating)."""
+        r = await self._connection()
+        future = asyncio.get_running_loop().create_future()
+        self._pending[header.request_id] = future
+        check_s = self.settings.data.reclaim_idle_ms / 1000.0
+        try:
+            added = await r.xadd(stream, {MESSAGE_FIELD: pack(header, tensors)}, nomkstream=bool(route))
+            if added is None:
+                return None
+            while True:
+                left = deadline - time.time()
+                if left <= 0:
+                    raise TimeoutError
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(future), timeout=min(left, check_s))
+                except TimeoutError:
+                    if route and not await self._all_alive(route):
+                        return None
+                    continue
+                return None if reply[0].kind == "lost" else reply
+        finally:
+            self._pending.pop(header.request_id, None)
+
+    async def _all_alive(self, route: dict[str, str]) -> bool:
+        r = await self._connection()
+        return await r.exists(*[keys.replica(rid) for rid in set(route.values())]) == len(set(route.values()))
+
+    def _free_later(self, seq: str, route: dict[str, str]) -> None:
+        """Tells every holder to drop a sequence, without making the caller wait (or be
+        cancelled on the way): a holder that misses it frees the sequence when it idles out."""
+        task = asyncio.get_running_loop().create_task(self._free(seq, route))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _free(self, seq: str, route: dict[str, str]) -> None:
+        try:
+            r = await self._connection()
+            pipe = r.pipeline(transaction=False)
+            for rid in set(route.values()):
+                header = Header(request_id=f"{seq}.free", model=self.model, stage=0, reply_to=self.reply_key,
+                                deadline=time.time() + 60, kind="free", seq=seq)
+                pipe.xadd(keys.replica_stream(rid), {MESSAGE_FIELD: pack(header, {})}, nomkstream=True)
+            await pipe.execute()
+        except (aioredis.ConnectionError, OSError) as exc:
+            log.warning("could not free %s: %s", seq, exc)
+
+    # -- the reply list ----------------------------------------------------------------------
+
+    async def _connection(self) -> aioredis.Redis:
+        if self._redis is None:
+            self._redis = aioredis.Redis.from_url(self.settings.redis.url)
+            await self._redis.ping()
+            self._dispatcher = asyncio.create_task(self._dispatch())
+        return self._redis
+
+    async def _dispatch(self) -> None:
+        """One reader of this entry's reply list hands each answer to the request awaiting it."""
+        r = aioredis.Redis.from_url(self.settings.redis.url)
+        while True:
+            try:
+                item = await r.blpop([self.reply_key], timeout=1)
+            except (aioredis.ConnectionError, OSError) as exc:
+                log.warning("reply reader: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            if item is None:
+                continue
+            try:
+                header, tensors = unpack(item[1])
+            except BadRequest as exc:
+                log.error("unreadable reply dropped: %s", exc)
+                continue
+            future = self._pending.get(header.request_id)
+            # No one waiting: the request timed out, or this is a duplicate of reclaimed work.
+            if future is not None and not future.done():
+                future.set_result((header, tensors))
+
+
+def _checked(reply: tuple[Header, dict]) -> tuple[Header, dict]:
+    header, out = reply
+    if header.error is not None:
+        raise StageFailed(header.status, header.error, header.retry_after)
+    return header, out

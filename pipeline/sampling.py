@@ -1,0 +1,38 @@
+"""Choosing the next token from the last stage's logits. Greedy at temperature 0; otherwise
+temperature and nucleus (top-p) sampling from a generator seeded by the request's seed and the
+token's position, so a step computed again (on another replica, after a failure) picks the same
+token, and a request with a seed is reproducible."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Sampling:
+        return cls(float(data.get("temperature", 0.0)), float(data.get("top_p", 1.0)), int(data.get("seed", 0)))
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, position: int) -> int:
+    """The token at `position` (the index it will have in the sequence) from logits [vocab]."""
+    if sampling.temperature <= 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        outside = ordered.cumsum(0) - ordered >= sampling.top_p
+        ordered[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, ordered)
+    generator = torch.Generator().manual_seed((sampling.seed * 1_000_003 + position) % (2 ** 63))
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,357 @@
+"""The LLM data plane end to end: KV caches in the stage replicas, continuous batching, streaming,
+the OpenAI-compatible API, KV budgets, scaling and kill -9 mid-generation. Real weights, real
+replica processes, a real redis-server, real HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import openai
+import psutil
+import pytest
+import redis
+import torch
+from transformers import AutoTokenizer
+
+from contracts import keys
+from contracts.http_client import GatewayClient
+from loadgen.sharegpt import first_prompts
+from pipeline.registry import live_replicas
+from tests.live.test_runtime_http import available, scale_and_wait, wait_until
+
+NEW_TOKENS = 64
+NEAR_TIE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def client(runtime) -> GatewayClient:
+    return GatewayClient.for_settings(runtime)
+
+
+@pytest.fixture(scope="module")
+def r(runtime) -> redis.Redis:
+    return redis.Redis(host=runtime.redis.host, port=runtime.redis.port)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(partitioned):
+    return AutoTokenizer.from_pretrained(partitioned("smollm2", 4).tokenizer_path())
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """20 ShareGPT opening turns, tokenised."""
+    return [tokenizer(p)["input_ids"] for p in first_prompts(20, seed=12, max_chars=240)]
+
+
+@pytest.fixture(scope="module")
+def references(sources, prompts) -> list[list[int]]:
+    """Unsplit transformers `generate(use_cache=True)`, greedy, for every prompt."""
+    model = sources["smollm2"].model
+    eos = model.config.eos_token_id
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True,
+                                 eos_token_id=eos, pad_token_id=eos)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def generate(client: GatewayClient, ids_text: str, max_new: int = NEW_TOKENS):
+    return client.invoke("smollm2", {"prompt": ids_text, "max_new_tokens": max_new})
+
+
+def same_or_near_tie(sources, prompt: list[int], got: list[int], expected: list[int]) -> None:
+    """Equal continuations, or the first difference follows a near-tie of the unsplit model (its
+    top two logits within NEAR_TIE), where another summation order may pick the other token."""
+    if got == expected:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    with torch.inference_mode():
+        logits = sources["smollm2"].model(input_ids=torch.tensor([prompt + expected[:at]])).logits[0, -1]
+    top = logits.topk(2).values
+    gap = float(top[0] - top[1])
+    assert gap <= NEAR_TIE, f"continuations differ at token {at} where the unsplit model's margin is {gap:.2e}"
+
+
+def run_concurrently(fn, args: list, workers: int) -> list:
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda a: fn(*a), args))
+
+
+# -- answers -----------------------------------------------------------------------------------
+
+def test_greedy_tokens_equal_unsplit_generate_alone_and_batched(client, sources, tokenizer, prompts, references):
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts]
+    # The prompts go as text; the entry tokenises them the same way (checked per request below).
+    for text, ids, expected in zip(texts, prompts, references):
+        assert tokenizer(text)["input_ids"] == ids
+        reply = generate(client, text)
+        assert reply.status == 200, reply.body
+        assert reply.json()["token_ids"] == expected, text
+    replies = run_concurrently(lambda t: generate(client, t), [(t,) for t in texts[:8]], 8)
+    batched = []
+    for reply, ids, expected in zip(replies, prompts, references):
+        assert reply.status == 200, reply.body
+        same_or_near_tie(sources, ids, reply.json()["token_ids"], expected)
+        batched.append(reply.json())
+    assert all(a["ttft_ms"] > 0 and (a["tpot_ms"] > 0) == (len(a["token_ids"]) > 1) for a in batched)
+    metrics = client.request("GET", "/function/smollm2-s1/metrics", auth=False).body.decode()
+    sizes = _histogram_sum_count(metrics, "quart_stage_batch_size")
+    assert sizes[0] > sizes[1], "every batch held one item: nothing was batched"
+
+
+def _histogram_sum_count(text: str, name: str) -> tuple[float, float]:
+    total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "_sum"))
+    count = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "_count"))
+    return total, count
+
+
+def test_decode_steps_go_to_the_cache_holder_and_prefills_spread(client, r):
+    scale_and_wait(client, r, "smollm2-s1", 2, stage=1)
+    try:
+        replies = run_concurrently(lambda i: generate(client, f"Item {i} of the list is", 6), [(i,) for i in range(8)], 8)
+    finally:
+        scale_and_wait(client, r, "smollm2-s1", 1, stage=1)
+    ids = {reply.json()["id"] for reply in replies}
+    assert all(reply.status == 200 for reply in replies)
+    by_seq: dict[str, dict[str, set]] = {}
+    for _, f in r.xrange(keys.records_stream("smollm2", 1), count=100000):
+        rid, epoch, _ = f[b"id"].decode().split(".")
+        if rid in ids:
+            by_seq.setdefault(f"{rid}.{epoch}", {}).setdefault(f[b"k"].decode(), set()).add(f[b"r"].decode())
+    assert len(by_seq) == 8
+    for seq, kinds in by_seq.items():
+        assert len(kinds["prefill"]) == 1 and kinds["decode"] == kinds["prefill"], (seq, kinds)
+    assert len({next(iter(k["prefill"])) for k in by_seq.values()}) == 2, "every prefill went to one replica"
+
+
+def test_scaling_a_stage_1_3_1_while_16_generate(client, r, sources, tokenizer, prompts, references):
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts[:16]]
+    results: list = []
+    sender = threading.Thread(target=lambda: results.extend(
+        run_concurrently(lambda t: generate(client, t, 48), [(t,) for t in texts], 16)))
+    sender.start()
+    scale_and_wait(client, r, "smollm2-s2", 3, stage=2)
+    time.sleep(2)
+    scale_and_wait(client, r, "smollm2-s2", 1, stage=2)
+    sender.join(timeout=300)
+    assert len(results) == 16
+    assert len({x.json()["id"] for x in results}) == 16
+    for reply, ids, expected in zip(results, prompts, references):
+        assert reply.status == 200, reply.body
+        same_or_near_tie(sources, ids, reply.json()["token_ids"], expected[:48])
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+def _wait_for_a_holder(r: redis.Redis, stage: int, forked: bool | None) -> dict:
+    """A live replica of a stage that holds at least one sequence's cache."""
+    found: list[dict] = []
+
+    def holds() -> bool:
+        found[:] = [x for x in live_replicas(r, "smollm2", stage) if int(x.get("sequences", "0")) > 0
+                    and (forked is None or x["started_by"].startswith("fork") == forked)]
+        return bool(found)
+    wait_until(holds, 60, f"a stage {stage} replica holding a cache")
+    return found[0]
+
+
+@pytest.mark.parametrize("stage,forked", [(2, None), (1, True)])
+def test_kill_9_of_a_stage_replica_mid_generation(client, r, sources, tokenizer, prompts, references, stage, forked):
+    """The killed replica's caches are gone: its requests prefill again on live replicas (with the
+    tokens the entry already holds) and answer once, with the same tokens."""
+    if forked:
+        scale_and_wait(client, r, "smollm2-s1", 3, stage=1)
+        assert any(x["started_by"] == "fork-cow" for x in live_replicas(r, "smollm2", 1))
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts[:4]]
+    results: list = []
+    sender = threading.Thread(target=lambda: results.extend(
+        run_concurrently(lambda t: generate(client, t), [(t,) for t in texts], 4)))
+    sender.start()
+    victim = _wait_for_a_holder(r, stage, forked)
+    os.kill(int(victim["pid"]), signal.SIGKILL)
+    sender.join(timeout=300)
+    assert [x.status for x in results] == [200] * 4, [x.body for x in results]
+    assert sum(x.json()["recomputes"] for x in results) >= 1
+    for reply, ids, expected in zip(results, prompts, references):
+        same_or_near_tie(sources, ids, reply.json()["token_ids"], expected)
+    if forked:
+        scale_and_wait(client, r, "smollm2-s1", 1, stage=1)
+    wait_until(lambda: available(client, f"smollm2-s{stage}") >= 1, 120, "the provider to replace the replica")
+
+
+def _entry_pids(runtime) -> list[int]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "pipeline.watchdog" in cmd and "functions/entry" in cmd:
+            try:
+                env = p.environ()
+            except psutil.Error:
+                continue
+            if env.get("QUART_REDIS_PORT") == str(runtime.redis.port) and env.get("QUART_MODEL") == "smollm2":
+                found.append(p.pid)
+    return found
+
+
+def test_kill_9_of_the_entry_replica_mid_generation(client, r, runtime, tokenizer, prompts, references):
+    """The gateway had no answer yet: it sends the request to the entry's replacement, which
+    answers it once, with the same tokens."""
+    text = tokenizer.decode(prompts[0], skip_special_tokens=True)
+    before = _entry_pids(runtime)
+    assert len(before) == 1
+    result: list = []
+    sender = threading.Thread(target=lambda: result.append(generate(client, text)))
+    sender.start()
+    _wait_for_a_holder(r, 3, None)
+    os.kill(before[0], signal.SIGKILL)
+    sender.join(timeout=300)
+    assert result and result[0].status == 200, result and result[0].body
+    assert result[0].json()["token_ids"] == references[0]
+    assert _entry_pids(runtime) and _entry_pids(runtime) != before
+
+
+def test_kv_budget_gives_429_with_retry_after_and_a_disconnect_frees_the_cache(client, r):
+    """A stage with room for two requests' caches: a burst of ten gets some 429s with
+    Retry-After and the rest answer; the replica keeps running. A client that goes away
+    mid-stream frees its caches on every stage."""
+    deployment = client.request("GET", "/system/function/smollm2-s2").json()
+    original = {"service": "smollm2-s2", "image": deployment["image"], "envVars": deployment["envVars"],
+                "labels": deployment.get("labels") or {}}
+    before = {x["replica_id"] for x in live_replicas(r, "smollm2", 2)}
+    small = {**original, "envVars": {**original["envVars"], "QUART_KV_BYTES": str(2_500_000), "QUART_KV_WAIT_S": "0.5"}}
+    assert client.request("PUT", "/system/functions", small).status == 200
+    try:
+        wait_until(lambda: {x["replica_id"] for x in live_replicas(r, "smollm2", 2)} - before
+                   and len(live_replicas(r, "smollm2", 2)) == 1, 120, "the small-budget replica")
+        replica = live_replicas(r, "smollm2", 2)[0]["replica_id"]
+        replies = run_concurrently(lambda i: generate(client, f"Tell me about the number {i}."), [(i,) for i in range(10)], 10)
+        statuses = [x.status for x in replies]
+        assert 429 in statuses and 200 in statuses, statuses
+        for x in replies:
+            if x.status == 429:
+                assert int(x.headers["Retry-After"]) >= 1 and "KV" in x.json()["error"]
+        assert [x["replica_id"] for x in live_replicas(r, "smollm2", 2)] == [replica]
+        wait_until(lambda: _sequences(r) == 0, 30, "every cache freed after the burst")
+        asyncio.run(_stream_then_leave(client, r))
+        wait_until(lambda: _sequences(r) == 0 and _kv_bytes(r) == 0, 30, "the disconnected request's caches freed")
+    finally:
+        assert client.request("PUT", "/system/functions", original).status == 200
+        wait_until(lambda: len(live_replicas(r, "smollm2", 2)) == 1
+                   and live_replicas(r, "smollm2", 2)[0]["replica_id"] != replica, 120, "the original stage 2")
+
+
+def _sequences(r: redis.Redis) -> int:
+    return sum(int(x.get("sequences", "0")) for s in range(4) for x in live_replicas(r, "smollm2", s))
+
+
+def _kv_bytes(r: redis.Redis) -> int:
+    return sum(int(x.get("kv_bytes", "0")) for s in range(4) for x in live_replicas(r, "smollm2", s))
+
+
+async def _stream_then_leave(client: GatewayClient, r: redis.Redis) -> None:
+    """Reads the start of a 64-token stream, then closes the connection: generation stops short
+    of 64 tokens (counted at the last stage) and every stage frees the request's cache."""
+    body = {"model": "smollm2", "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 64,
+            "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{client.url}/function/smollm2/v1/completions", json=body) as resp:
+            assert resp.status == 200 and resp.content_type == "text/event-stream"
+            rid = json.loads((await resp.content.readline()).removeprefix(b"data: "))["id"]
+            deadline = time.monotonic() + 5
+            while _sequences(r) == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert _sequences(r) >= 1, "the stream's caches never showed up"
+    await asyncio.sleep(3)
+    steps = [f for _, f in r.xrange(keys.records_stream("smollm2", 3), count=100000)
+             if f[b"id"].decode().startswith(rid + ".")]
+    assert 1 <= len(steps) < 64, f"{len(steps)} steps: the generation did not stop when its client left"
+
+
+# -- the OpenAI-compatible API -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def oai(runtime) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{runtime.gateway.url}/function/smollm2/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_chat_completion_and_models(oai, sources, tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of Italy?"}]
+    chat = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
+    model = sources["smollm2"].model
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                  eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id)
+    expected_ids = expected[0, len(ids):].tolist()
+    assert chat.choices[0].message.content == tokenizer.decode(expected_ids, skip_special_tokens=True)
+    assert chat.usage.prompt_tokens == len(ids) and chat.usage.completion_tokens == len(expected_ids)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    done = oai.completions.create(model="smollm2", prompt="One, two, three,", max_tokens=20, temperature=0, stop=[" six"])
+    assert done.choices[0].finish_reason == "stop" and " six" not in done.choices[0].text
+    assert " four" in done.choices[0].text
+    assert [m.id for m in oai.models.list().data] == ["smollm2"]
+
+
+def test_openai_client_streams(oai):
+    pieces, usage = [], None
+    stream = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Count to ten."}],
+                                         max_tokens=16, temperature=0.8, seed=7, stream=True,
+                                         stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None and usage.completion_tokens >= 1
+    again = oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Count to ten."}],
+                                        max_tokens=16, temperature=0.8, seed=7)
+    # The same seed samples the same tokens, streamed or not.
+    assert "".join(pieces) == again.choices[0].message.content
+    completion = list(oai.completions.create(model="smollm2", prompt="The sky is", max_tokens=5, stream=True))
+    assert completion[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_openai_client_gets_clear_errors(oai):
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.completions.create(model="smollm2", prompt="x", max_tokens=10 ** 6)
+    assert "max_tokens" in str(bad.value)
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], n=2)
+    assert "'n'" in str(bad.value)
+
+
+BAD_OPENAI = [
+    ("v1/completions", b"{not json", 400, "malformed JSON"),
+    ("v1/completions", {"model": "smollm2", "prompt": 5}, 400, "prompt"),
+    ("v1/completions", {"model": "smollm2", "prompt": ""}, 400, "empty"),
+    ("v1/completions", {"model": "smollm2", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("v1/completions", {"model": "smollm2", "prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+    ("v1/completions", {"model": "smollm2", "prompt": "x", "stop": [1]}, 400, "stop"),
+    ("v1/completions", {"model": "smollm2", "prompt": "word " * 600}, 413, "tokens"),
+    ("v1/completions", {"model": "smollm2", "prompt": "x", "bogus": 1}, 400, "bogus"),
+    ("v1/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages"),
+    ("v1/chat/completions", {"model": "smollm2", "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ("v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "does not exist"),
+    ("v1/nothing", {}, 404, "no such path"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,text", BAD_OPENAI)
+def test_bad_openai_requests_get_openai_shaped_errors(client, path, body, status, text):
+    raw = body if isinstance(body, bytes) else json.dumps(body, allow_nan=True).encode()
+    reply = client.request("POST", f"/function/smollm2/{path}", raw, auth=False)
+    assert reply.status == status, reply.body
+    error = reply.json()["error"]
+    assert text in error["message"] and error["type"] and "param" in error and "code" in error
