@@ -80,6 +80,7 @@ class Batching:
     max_batch: int = 16
     kv_bytes: int = 1 << 30
     kv_wait_s: float = 5.0
+    drain: str = "migrate"
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,9 @@ VARIABLES: tuple[Var, ...] = (
         "each stage replica's KV-cache budget; a request that does not fit waits, then gets 429", _positive),
     Var("QUART_KV_WAIT_S", "batching.kv_wait_s", "how long a prefill waits for KV room before its request gets 429",
         _not_negative),
+    Var("QUART_DRAIN", "batching.drain",
+        "what a replica being removed does with the KV caches it holds: `migrate` them to a peer, or `finish` their requests",
+        _one_of("migrate", "finish")),
     Var("QUART_DEVICE", "compute.device", "where stages compute", _device),
     Var("QUART_DTYPE", "compute.dtype", "stage weights' dtype", _one_of("float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),

@@ -39,9 +39,11 @@ class StageTiming:
 # What a message asks of a stage. "pass": run the stages on the tensors as they are (embeddings,
 # emulated models, a single forward). A generative request's steps: "prefill" starts a sequence's
 # KV cache on whichever replica takes it from the shared stream; "decode" extends it on the
-# replica that holds it (the route); "free" drops it. A stage answers "lost" when the cache a
-# step needs is gone (its replica died or expired it): the entry then prefills again.
-KINDS = ("pass", "prefill", "decode", "free", "lost")
+# replica that holds it (the route); "free" drops it; "adopt" is a decode step that carries the
+# sequence's cache to another replica of the stage (a draining replica migrates it). A stage
+# answers "lost" when the cache a step needs is gone (its replica died or expired it): the entry
+# then prefills again.
+KINDS = ("pass", "prefill", "decode", "free", "adopt", "lost")
 
 
 @dataclass

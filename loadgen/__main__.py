@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--label", default=None, help="replay: the run's name in the report")
     p.add_argument("--out", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="the model's TPOT SLO (default: 2x its warm TPOT, as HydraServe sets it)")
     add_arguments(p, "home", "models", "gateway_port", "redis_port", "stack_file", "slo_s", "window_s",
                   "tick_s", "virtual_servers")
     return p.parse_args(argv)
@@ -103,18 +106,31 @@ def make_requests(a: argparse.Namespace, settings: Settings) -> list[Request]:
     return requests
 
 
-def profile_latency(gateway: str, request: Request, count: int = 8) -> float:
-    """The model's unloaded latency: the median of sequential requests after two warm-ups."""
+@dataclass
+class Profile:
+    """A model unloaded: the medians of sequential requests after two warm-ups."""
+    latency_s: float
+    ttft_s: float | None    # generative models only
+    tpot_s: float | None
+
+
+def profile_latency(gateway: str, request: Request, count: int = 8) -> Profile:
     client = HttpClient(gateway, timeout=120)
-    times = []
+    times, ttft, tpot = [], [], []
     for i in range(count + 2):
         t0 = time.perf_counter()
         reply = client.request("POST", f"/function/{request.model}", request.body)
         if reply.status != 200:
             raise SystemExit(f"profiling {request.model} failed: {reply.status} {reply.body[:200]!r}")
+        answer = reply.json()
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+            if "ttft_ms" in answer:
+                ttft.append(answer["ttft_ms"] / 1000.0)
+                if len(answer["token_ids"]) > 1:
+                    tpot.append(answer["tpot_ms"] / 1000.0)
+    median = (lambda xs: float(np.median(xs)) if xs else None)
+    return Profile(float(np.median(times)), median(ttft), median(tpot))
 
 
 def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) -> dict:
@@ -124,6 +140,7 @@ def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) 
     stages = found.num_stages if found else 0
     r = redis.Redis(port=settings.redis.port)
     profiled = profile_latency(settings.gateway.url, requests[0])
+    tpot_slo = a.tpot_slo_ms / 1000.0 if a.tpot_slo_ms else (2.0 * profiled.tpot_s if profiled.tpot_s else None)
     sampler = Sampler(r, model, stages).start()
     try:
         records, start = replay(settings.gateway.url, requests, timeout_s=settings.data.request_timeout_s + 30,
@@ -133,7 +150,8 @@ def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) 
         sampler.stop()
     duration = max(req.at for req in requests) or 1.0
     t = timeline(sampler, stage_arrivals(r, model, stages, start), start)
-    return {"summary": summarize(records, profiled, duration, sampler.replica_seconds()),
+    return {"summary": summarize(records, profiled.latency_s, duration, sampler.replica_seconds(),
+                                 warm_ttft_s=profiled.ttft_s, tpot_slo_s=tpot_slo),
             "timeline": t, "records": records}
 
 

@@ -27,6 +27,8 @@ class Record:
     output_tokens: int = 0
     stages: list[dict] = field(default_factory=list)  # per-stage queue and service ms
     error: str = ""
+    ttft_s: float = -1.0      # time to first token and per output token, as the answer reports them;
+    tpot_s: float = -1.0      # -1: not a generation (or not answered)
 
     @property
     def ok(self) -> bool:
@@ -58,6 +60,8 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request, rec: Rec
             answer = json.loads(body)
             rec.output_tokens = _output_tokens(answer)
             rec.stages = answer.get("stages", [])
+            if "ttft_ms" in answer:
+                rec.ttft_s, rec.tpot_s = answer["ttft_ms"] / 1000.0, answer["tpot_ms"] / 1000.0
         else:
             rec.error = body[:200].decode(errors="replace")
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:

@@ -34,6 +34,18 @@ def markdown(title: str, conditions: dict, runs: dict[str, dict]) -> str:
                + [_fmt(s["goodput"]["requests_per_s"]), _fmt(s["goodput"]["tokens_per_s"], 1),
                   _fmt(s["replica_seconds"], 0)])
         lines.append("| " + " | ".join(row) + " |")
+    tokens = {policy: run["summary"]["tokens"] for policy, run in runs.items() if "tokens" in run["summary"]}
+    if tokens:
+        t0 = next(iter(tokens.values()))
+        lines += ["", f"Generations: TTFT and TPOT (ms), SLO attainment on each (TTFT SLO {_ms(t0['ttft_slo_s'])} ms, "
+                  f"5× the warm TTFT; TPOT SLO {_ms(t0['tpot_slo_s'])} ms), and token goodput (output tokens/s of "
+                  "requests that met both):", "",
+                  "| policy | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | TTFT SLO | TPOT SLO | token goodput tok/s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for policy, t in tokens.items():
+            lines.append(f"| {policy} | {_ms(t['ttft_s']['p50'])} | {_ms(t['ttft_s']['p99'])} | {_ms(t['tpot_s']['p50'])} | "
+                         f"{_ms(t['tpot_s']['p99'])} | {100 * t['ttft_attainment']:.1f} % | {100 * t['tpot_attainment']:.1f} % | "
+                         f"{_fmt(t['token_goodput_per_s'], 1)} |")
     first = next(iter(runs.values()), None)
     if first and first["timeline"].get("cv"):
         stages = len(first["timeline"]["cv"])

@@ -159,7 +159,7 @@ class Entry:
             return Answer(200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
                           stream=self._sse(req, rid, ids, started))
         try:
-            done = await self._run(rid, ids, req.max_tokens, req.sampling, req.stop, started)
+            done = await self._run(rid, ids, req.max_tokens, req.sampling, req.stop, started, req.ignore_eos)
         except StageFailed as exc:
             return Answer(exc.status, oa.error_body(str(exc), exc.status), _retry_after(exc))
         except TimeoutError:
@@ -171,7 +171,7 @@ class Entry:
         """The stream's events; an error after the stream began is sent as an error event."""
         first = True
         try:
-            async for text, done in self._texts(rid, ids, req.max_tokens, req.sampling, req.stop, started):
+            async for text, done in self._texts(rid, ids, req.max_tokens, req.sampling, req.stop, started, req.ignore_eos):
                 if done is None:
                     if text or first:
                         yield oa.chunk(req, rid, self.model, text, None, first)

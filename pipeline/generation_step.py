@@ -34,8 +34,9 @@ class Work:
 
 
 # Where an outcome goes: the next stage's shared stream (a prefill), the private stream of the
-# replica holding the sequence at the next stage (a decode), or the entry's reply list.
-NEXT, HOLDER, REPLY = "next", "holder", "reply"
+# replica holding the sequence at the next stage (a decode), a peer of this stage taking the
+# sequence over (a migration), or the entry's reply list.
+NEXT, HOLDER, PEER, REPLY = "next", "holder", "peer", "reply"
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Outcome:
     to: str
     header: Header
     tensors: dict[str, torch.Tensor]
+    peer: str = ""
 
 
 @dataclass
@@ -65,15 +67,21 @@ class GenerationStage:
         self.max_positions = runner.modules[0].config.max_position_embeddings
         self.waiting: list[Work] = []  # prefills taken that wait for KV room, oldest first
 
-    def run(self, works: list[Work]) -> BatchResult:
+    def run(self, works: list[Work], migrate_to: str | None = None) -> BatchResult:
+        """One step over `works`. With `migrate_to` (this replica is draining), each decode step of a
+        sequence held here goes to that peer with the sequence's cache instead of running here."""
         outcomes: list[Outcome] = []
         steps: list[tuple[Work, Step]] = []
         for w in works:
             kind = w.header.kind
             if kind == "free":
                 self.store.free(w.header.seq)
+            elif kind == "decode" and migrate_to and w.header.seq in self.store.sequences:
+                outcomes.append(self._migrate(w, migrate_to))
             elif kind == "decode":
                 self._decode(w, steps, outcomes)
+            elif kind == "adopt":
+                self._adopt(w, steps, outcomes)
             elif kind == "prefill":
                 self._prefill(w, steps, outcomes)
             else:
@@ -106,6 +114,37 @@ class GenerationStage:
             outcomes.append(_error(w, BadRequest("a decode step takes exactly one token")))
             return
         steps.append((w, Step(seq, inputs, w.header.start)))
+
+    def _migrate(self, w: Work, peer: str) -> Outcome:
+        """The step and the sequence's cache, for the peer to adopt; the cache leaves this replica."""
+        h = w.header
+        seq = self.store.sequences[h.seq]
+        h.kind, h.capacity = "adopt", seq.capacity
+        tensors = {**w.tensors, **self.store.export(h.seq)}
+        self.store.free(h.seq)
+        return Outcome(w, PEER, h, tensors, peer)
+
+    def _adopt(self, w: Work, steps: list, outcomes: list) -> None:
+        h = w.header
+        cache = {k: v for k, v in w.tensors.items() if k[0] in "kv" and k[1:].isdigit()}
+        inputs = {k: v for k, v in w.tensors.items() if k not in cache}
+        try:
+            seq = self.store.adopt(h.seq, h.capacity, cache)
+        except (NoRoom, ValueError, KeyError):
+            outcomes.append(_lost(w))  # the entry prefills again elsewhere
+            self.store.free(h.seq)
+            return
+        if seq.length != h.start:
+            self.store.free(h.seq)
+            outcomes.append(_lost(w))
+            return
+        h.kind, w.tensors = "decode", inputs
+        h.route[str(self.first)] = self.replica_id
+        step = self._inputs(w, outcomes)
+        if step is None:
+            self.store.free(h.seq)
+            return
+        steps.append((w, Step(seq, step, h.start)))
 
     def _prefill(self, w: Work, steps: list, outcomes: list) -> None:
         inputs = self._inputs(w, outcomes)

@@ -15,8 +15,10 @@ from pipeline.sampling import Sampling
 _NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
             "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None,
             "response_format": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None}
-# "user" is accepted and ignored, as it only labels the caller for OpenAI's own monitoring.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user"}
+# "user" is accepted and ignored, as it only labels the caller for OpenAI's own monitoring;
+# "ignore_eos" (generate past the end of text, for benchmarks) is vLLM's extension.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
+           "ignore_eos"}
 COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL)
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL)
 
@@ -43,6 +45,7 @@ class OpenAIRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False
 
 
 def parse_openai(data: dict, chat: bool, model: str, cap: int, seed: int) -> OpenAIRequest:
@@ -69,7 +72,7 @@ def parse_openai(data: dict, chat: bool, model: str, cap: int, seed: int) -> Ope
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise OpenAIError("'stream_options' takes only {\"include_usage\": bool}", param="stream_options")
     request = OpenAIRequest(chat, None, None, max_tokens, _sampling(data, seed), _stop(data.get("stop")), stream,
-                            bool(options.get("include_usage", False)))
+                            bool(options.get("include_usage", False)), _flag(data, "ignore_eos"))
     if chat:
         request.messages = _messages(data.get("messages"))
     else:

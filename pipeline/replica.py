@@ -4,8 +4,9 @@ acknowledges. Work left pending by a dead replica is claimed again after an idle
 
 A replica of a generative model also reads its own stream: the decode steps of the requests whose
 KV cache it holds (it ran their prefill). It runs everything ready as one batch per step
-(continuous batching), decode steps first. Being drained, it stops taking new requests and
-finishes those it holds before it exits."""
+(continuous batching), decode steps first. Being drained, it stops taking new requests and, by
+QUART_DRAIN, either hands each cache it holds to a peer of its stage with the request's next step
+(`migrate`) or finishes the requests (`finish`), then exits."""
 from __future__ import annotations
 
 import logging
@@ -23,9 +24,9 @@ from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
 from pipeline.emulated import EmulatedRunner
 from pipeline.emulated import profile as emulation_profile
-from pipeline.generation_step import HOLDER, NEXT, GenerationStage, Outcome, Work
+from pipeline.generation_step import HOLDER, NEXT, PEER, GenerationStage, Outcome, Work
 from pipeline.manifest import Manifest
-from pipeline.registry import ReplicaInfo, deregister, heartbeat, register
+from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, register
 from pipeline.stage_runner import StageRunner
 
 log = logging.getLogger("quart.replica")
@@ -37,6 +38,8 @@ QUEUE = Histogram("quart_stage_queue_seconds", "Time a work item waited in the s
 INFLIGHT = Gauge("quart_stage_inflight", "Work items being computed", _LABELS)
 BATCH = Histogram("quart_stage_batch_size", "Work items run as one batch", _LABELS,
                   buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64))
+MIGRATIONS = Counter("quart_stage_migrations_total", "KV caches moved between replicas of this stage",
+                     _LABELS + ("direction",))
 KV_BYTES = Gauge("quart_stage_kv_bytes", "KV-cache bytes reserved by the sequences this replica holds", _LABELS)
 # With decode steps always waiting, a new request still enters a batch at least every this many steps.
 PREFILL_EVERY = 4
@@ -87,6 +90,8 @@ class Replica:
         self._holding: dict[bytes, str] = {}  # taken and not yet acknowledged: message id -> stream
         self._draining = False
         self._steps_without_new = 0
+        self._peer: str | None = None
+        self._peer_checked = 0.0
         self.first_work_at: float | None = None
         self._allowed_cpus = sorted(os.sched_getaffinity(0))
         self.cpus = max(1, settings.compute.threads)
@@ -115,6 +120,7 @@ class Replica:
         """Stops taking new work, finishes what it holds (the item in hand; the requests whose
         KV cache it holds, within the drain timeout), and leaves the registry."""
         self._draining = True
+        self.redis.hset(keys.replica(self.replica_id), "draining", "1")  # peers do not migrate to it
         deadline = time.monotonic() + self.settings.data.drain_timeout_s
         if self.generation is not None:
             while self.generation.store.sequences and time.monotonic() < deadline and self.alive():
@@ -253,9 +259,12 @@ class Replica:
         for _ in expired:
             REQUESTS.labels(**self._labels, outcome="expired").inc()
         INFLIGHT.labels(**self._labels).inc()
+        peer = self._migration_peer() if self._draining and self.settings.batching.drain == "migrate" else None
+        MIGRATIONS.labels(**self._labels, direction="in").inc(sum(w.header.kind == "adopt" for w in live))
         try:
             with self._compute_lock:
-                result = self.generation.run(self.generation.waiting + [w for w in live if w not in self.generation.waiting])
+                result = self.generation.run(self.generation.waiting + [w for w in live if w not in self.generation.waiting],
+                                             peer)
         finally:
             INFLIGHT.labels(**self._labels).dec()
         if result.batch:
@@ -266,6 +275,11 @@ class Replica:
         holders: list[tuple[int, Outcome]] = []
         per_item_ms = result.service_s * 1000.0 / max(1, result.batch)
         for o in result.outcomes:
+            if o.to == PEER:  # a migration: the step runs at the peer, which records it
+                MIGRATIONS.labels(**self._labels, direction="out").inc()
+                holders.append((len(pipe.command_stack), o))
+                pipe.xadd(keys.replica_stream(o.peer), {MESSAGE_FIELD: pack(o.header, o.tensors)}, nomkstream=True)
+                continue
             REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
             self._record(pipe, o.work, per_item_ms, result.batch)
             if o.to == HOLDER and o.header.route.get(str(self.last)):
@@ -281,12 +295,23 @@ class Replica:
         results = self._finish(result.done + expired, pipe)
         lost = [o for index, o in holders if results[index] is None]
         if lost:
-            # The replica holding the next stage's cache is gone: the entry prefills again.
+            # The replica holding the next stage's cache (or the peer taking one over) is gone:
+            # the entry prefills again.
             pipe = self.redis.pipeline(transaction=True)
             for o in lost:
                 o.header.kind = "lost"
                 self._reply(pipe, o.header, {})
             pipe.execute()
+
+    def _migration_peer(self) -> str | None:
+        """The live, not draining replica of this stage range holding the fewest sequences."""
+        now = time.monotonic()
+        if now - self._peer_checked > 1.0:
+            self._peer_checked = now
+            peers = [x for x in live_replicas(self.redis, self.model, self.first)
+                     if x["replica_id"] != self.replica_id and x.get("stage_end") == str(self.last) and not x.get("draining")]
+            self._peer = min(peers, key=lambda x: int(x.get("sequences", "0")))["replica_id"] if peers else None
+        return self._peer
 
     def _record(self, pipe: redis.client.Pipeline, work: Work, service_ms: float, batch: int) -> None:
         header = work.header

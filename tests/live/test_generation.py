@@ -64,8 +64,8 @@ def references(sources, prompts) -> list[list[int]]:
     return out
 
 
-def generate(client: GatewayClient, ids_text: str, max_new: int = NEW_TOKENS):
-    return client.invoke("smollm2", {"prompt": ids_text, "max_new_tokens": max_new})
+def generate(client: GatewayClient, text: str, max_new: int = NEW_TOKENS, **extra):
+    return client.invoke("smollm2", {"prompt": text, "max_new_tokens": max_new, **extra})
 
 
 def same_or_near_tie(sources, prompt: list[int], got: list[int], expected: list[int]) -> None:
@@ -148,6 +148,29 @@ def test_scaling_a_stage_1_3_1_while_16_generate(client, r, sources, tokenizer, 
     for reply, ids, expected in zip(results, prompts, references):
         assert reply.status == 200, reply.body
         same_or_near_tie(sources, ids, reply.json()["token_ids"], expected[:48])
+
+
+def test_scale_down_migrates_the_caches_a_replica_holds(client, r, sources, tokenizer, prompts, references):
+    """A stage replica being removed while it holds requests' caches hands each cache to the
+    remaining replica with the request's next step: no request prefills again, all answer alone's tokens."""
+    scale_and_wait(client, r, "smollm2-s2", 2, stage=2)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts[2:8]]
+    results: list = []
+    sender = threading.Thread(target=lambda: results.extend(
+        run_concurrently(lambda t: generate(client, t), [(t,) for t in texts], 6)))
+    sender.start()
+    wait_until(lambda: all(int(x.get("sequences", "0")) > 0 for x in live_replicas(r, "smollm2", 2)), 60,
+               "both stage-2 replicas holding caches")
+    scale_and_wait(client, r, "smollm2-s2", 1, stage=None)
+    sender.join(timeout=300)
+    assert [x.status for x in results] == [200] * 6
+    assert sum(x.json()["recomputes"] for x in results) == 0
+    for reply, ids, expected in zip(results, prompts[2:8], references[2:8]):
+        same_or_near_tie(sources, ids, reply.json()["token_ids"], expected)
+    metrics = client.request("GET", "/function/smollm2-s2/metrics", auth=False).body.decode()
+    adopted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("quart_stage_migrations_total") and 'direction="in"' in line)
+    assert adopted >= 1, "the remaining replica adopted no cache"
 
 
 # -- failures ----------------------------------------------------------------------------------
@@ -233,7 +256,8 @@ def test_kv_budget_gives_429_with_retry_after_and_a_disconnect_frees_the_cache(c
         wait_until(lambda: {x["replica_id"] for x in live_replicas(r, "smollm2", 2)} - before
                    and len(live_replicas(r, "smollm2", 2)) == 1, 120, "the small-budget replica")
         replica = live_replicas(r, "smollm2", 2)[0]["replica_id"]
-        replies = run_concurrently(lambda i: generate(client, f"Tell me about the number {i}."), [(i,) for i in range(10)], 10)
+        replies = run_concurrently(lambda i: generate(client, f"Tell me about the number {i}.", ignore_eos=True),
+                                   [(i,) for i in range(10)], 10)
         statuses = [x.status for x in replies]
         assert 429 in statuses and 200 in statuses, statuses
         for x in replies:
@@ -261,7 +285,7 @@ async def _stream_then_leave(client: GatewayClient, r: redis.Redis) -> None:
     """Reads the start of a 64-token stream, then closes the connection: generation stops short
     of 64 tokens (counted at the last stage) and every stage frees the request's cache."""
     body = {"model": "smollm2", "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 64,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "ignore_eos": True}
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{client.url}/function/smollm2/v1/completions", json=body) as resp:
             assert resp.status == 200 and resp.content_type == "text/event-stream"

@@ -116,3 +116,18 @@ def test_metrics_on_hand_computed_cases():
     assert math.isnan(latency_summary([])["p99"])
 
 
+
+
+def test_token_metrics_count_each_slo_separately_and_goodput_needs_both():
+    from loadgen.metrics import TTFT_SLO_SCALE, summarize
+
+    def gen(ttft: float, tpot: float, tokens: int, status: int = 200) -> Record:
+        return Record(0, "m", 0.0, sent=0.0, latency_s=ttft + tpot * tokens, status=status, prompt_tokens=5,
+                      output_tokens=tokens, ttft_s=ttft, tpot_s=tpot)
+    records = [gen(0.1, 0.05, 10), gen(0.9, 0.05, 10), gen(0.1, 0.5, 10), gen(0.1, 0.05, 10, status=503)]
+    s = summarize(records, profiled_s=1.0, duration_s=2.0, warm_ttft_s=0.1, tpot_slo_s=0.1)["tokens"]
+    assert s["ttft_slo_s"] == TTFT_SLO_SCALE * 0.1
+    assert s["ttft_attainment"] == 2 / 4 and s["tpot_attainment"] == 2 / 4
+    assert s["token_goodput_per_s"] == 10 / 2.0
+    assert s["ttft_s"]["p50"] == 0.1
+    assert "tokens" not in summarize(records, profiled_s=1.0, duration_s=2.0)
