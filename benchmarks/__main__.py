@@ -7,6 +7,7 @@ from benchmarks import (
     autoscaler_tick,
     generation,
     hop,
+    kv_migration,
     loadgen,
     pipeline_overhead,
     placement,
@@ -18,7 +19,8 @@ from benchmarks import (
 BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main,
               "autoscaler_tick": autoscaler_tick.main, "policies_burst": policies_burst.main,
               "placement": placement.main, "loadgen": loadgen.main, "simulator": simulator.main,
-              "generation": generation.main, "generation_llama1b": lambda: generation.main(["--model", "llama1b"])}
+              "generation": generation.main, "kv_migration": kv_migration.main,
+              "generation_llama1b": lambda: generation.main(["--model", "llama1b"])}
 
 
 def main(argv: list[str]) -> int:

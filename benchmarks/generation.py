@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     levels = spec["levels"]
     texts = first_prompts(spec["prompts"] + max(levels), seed=21, max_chars=300)
     if control.up(settings, timeout=900) != 0:
-        raise SystemExit("the embedded runtime did not come up")
+        raise SystemExit(f"the embedded runtime did not come up; see {run_home}/logs")
     try:
         client = GatewayClient(settings.gateway.url, timeout=900)
         _pipeline_request(client, args.model, "warm up", 4)

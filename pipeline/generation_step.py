@@ -85,7 +85,7 @@ class GenerationStage:
             elif kind == "prefill":
                 self._prefill(w, steps, outcomes)
             else:
-                outcomes.append(_error(w, BadRequest(f"a generative stage takes prefill, decode or free, not {kind!r}")))
+                outcomes.append(_error(w, BadRequest(f"a generative stage takes prefill, decode, adopt or free, not {kind!r}")))
         done = [w for w in works if w not in self.waiting]
         if not steps:
             return BatchResult(outcomes, done)

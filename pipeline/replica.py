@@ -43,6 +43,7 @@ MIGRATIONS = Counter("quart_stage_migrations_total", "KV caches moved between re
 KV_BYTES = Gauge("quart_stage_kv_bytes", "KV-cache bytes reserved by the sequences this replica holds", _LABELS)
 # With decode steps always waiting, a new request still enters a batch at least every this many steps.
 PREFILL_EVERY = 4
+WAITING_POLL_MS = 50
 
 
 def ensure_group(r: redis.Redis, stream: str) -> None:
@@ -196,9 +197,10 @@ class Replica:
             if slots > 0:
                 new = (self._claim_abandoned() if reclaim else []) or self._read({self.stream: ">"}, slots, None)
                 works += new
-        if not works and not self.generation.waiting:
+        if not works:
+            # Prefills waiting for room are retried as soon as a free (or anything) arrives.
             streams = {self.private: ">"} if not take_new else {self.private: ">", self.stream: ">"}
-            works = self._read(streams, 1, self.settings.data.block_ms)
+            works = self._read(streams, 1, WAITING_POLL_MS if self.generation.waiting else self.settings.data.block_ms)
         self._steps_without_new = 0 if any(w.stream == self.stream for w in works) else self._steps_without_new + 1
         return works
 
