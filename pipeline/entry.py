@@ -13,6 +13,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import torch
@@ -170,16 +171,19 @@ class Entry:
     async def _sse(self, req: oa.OpenAIRequest, rid: str, ids: list[int], started: float) -> AsyncIterator[bytes]:
         """The stream's events; an error after the stream began is sent as an error event."""
         first = True
+        texts = self._texts(rid, ids, req.max_tokens, req.sampling, req.stop, started, req.ignore_eos)
         try:
-            async for text, done in self._texts(rid, ids, req.max_tokens, req.sampling, req.stop, started, req.ignore_eos):
-                if done is None:
-                    if text or first:
-                        yield oa.chunk(req, rid, self.model, text, None, first)
-                        first = False
-                    continue
-                yield oa.chunk(req, rid, self.model, text or None, done.finish, first)
-                if req.include_usage:
-                    yield oa.usage_chunk(req, rid, self.model, oa.usage(len(ids), len(done.tokens)), done.timing)
+            # aclosing: a client gone mid-stream closes the generation now, which frees its caches.
+            async with aclosing(texts):
+                async for text, done in texts:
+                    if done is None:
+                        if text or first:
+                            yield oa.chunk(req, rid, self.model, text, None, first)
+                            first = False
+                        continue
+                    yield oa.chunk(req, rid, self.model, text or None, done.finish, first)
+                    if req.include_usage:
+                        yield oa.usage_chunk(req, rid, self.model, oa.usage(len(ids), len(done.tokens)), done.timing)
         except StageFailed as exc:
             yield oa.sse(oa.error_body(str(exc), exc.status))
         except TimeoutError:
@@ -201,11 +205,12 @@ class Entry:
     async def _run(self, rid: str, ids: list[int], max_new: int, sampling: Sampling, stop: list[str],
                    started: float, ignore_eos: bool = False) -> Generated:
         text = []
-        async for piece, done in self._texts(rid, ids, max_new, sampling, stop, started, ignore_eos):
-            text.append(piece)
-            if done is not None:
-                done.text = "".join(text)
-                return done
+        async with aclosing(self._texts(rid, ids, max_new, sampling, stop, started, ignore_eos)) as texts:
+            async for piece, done in texts:
+                text.append(piece)
+                if done is not None:
+                    done.text = "".join(text)
+                    return done
         raise AssertionError("a generation always ends with its summary")
 
     async def _texts(self, rid: str, ids: list[int], max_new: int, sampling: Sampling, stop: list[str],
