@@ -158,10 +158,11 @@ def test_scale_down_migrates_the_caches_a_replica_holds(client, r, sources, toke
     results: list = []
     sender = threading.Thread(target=lambda: results.extend(
         run_concurrently(lambda t: generate(client, t, ignore_eos=True), [(t,) for t in texts], 6)))
+    since = time.time()
     sender.start()
-    wait_until(lambda: all(int(x.get("sequences", "0")) > 0 for x in live_replicas(r, "smollm2", 2)), 60,
-               "both stage-2 replicas holding caches")
-    scale_and_wait(client, r, "smollm2-s2", 1, stage=None)
+    wait_until(lambda: all(int(x.get("sequences", "0")) > 0 and float(x.get("last_seen", "0")) > since
+                           for x in live_replicas(r, "smollm2", 2)), 60, "both stage-2 replicas holding caches")
+    scale_and_wait(client, r, "smollm2-s2", 1, stage=2)
     sender.join(timeout=300)
     assert [x.status for x in results] == [200] * 6
     assert sum(x.json()["recomputes"] for x in results) == 0
@@ -175,12 +176,14 @@ def test_scale_down_migrates_the_caches_a_replica_holds(client, r, sources, toke
 
 # -- failures ----------------------------------------------------------------------------------
 
-def _wait_for_a_holder(r: redis.Redis, stage: int, forked: bool | None) -> dict:
-    """A live replica of a stage that holds at least one sequence's cache."""
+def _wait_for_a_holder(r: redis.Redis, stage: int, forked: bool | None, since: float) -> dict:
+    """A live, serving replica of a stage that holds at least one sequence's cache, by a count its
+    heartbeat published after `since` (an older count may describe requests already gone)."""
     found: list[dict] = []
 
     def holds() -> bool:
         found[:] = [x for x in live_replicas(r, "smollm2", stage) if int(x.get("sequences", "0")) > 0
+                    and float(x.get("last_seen", "0")) > since and not x.get("draining")
                     and (forked is None or x["started_by"].startswith("fork") == forked)]
         return bool(found)
     wait_until(holds, 60, f"a stage {stage} replica holding a cache")
@@ -199,8 +202,9 @@ def test_kill_9_of_a_stage_replica_mid_generation(client, r, sources, tokenizer,
     results: list = []
     sender = threading.Thread(target=lambda: results.extend(
         run_concurrently(lambda t: generate(client, t, ignore_eos=True), [(t,) for t in texts], 4)))
+    since = time.time()
     sender.start()
-    victim = _wait_for_a_holder(r, stage, forked)
+    victim = _wait_for_a_holder(r, stage, forked, since)
     os.kill(int(victim["pid"]), signal.SIGKILL)
     sender.join(timeout=300)
     assert [x.status for x in results] == [200] * 4, [x.body for x in results]
@@ -235,8 +239,9 @@ def test_kill_9_of_the_entry_replica_mid_generation(client, r, runtime, tokenize
     assert len(before) == 1
     result: list = []
     sender = threading.Thread(target=lambda: result.append(generate(client, text, ignore_eos=True)))
+    since = time.time()
     sender.start()
-    _wait_for_a_holder(r, 3, None)
+    _wait_for_a_holder(r, 3, None, since)
     os.kill(before[0], signal.SIGKILL)
     sender.join(timeout=300)
     assert result and result[0].status == 200, result and result[0].body
