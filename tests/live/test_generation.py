@@ -17,31 +17,15 @@ import psutil
 import pytest
 import redis
 import torch
-from transformers import AutoTokenizer
 
 from contracts import keys
 from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
 from pipeline.registry import live_replicas
-from tests.live.test_runtime_http import available, scale_and_wait, wait_until
+from tests.live.runtime_helpers import available, reference_greedy, scale_and_wait, wait_until
 
 NEW_TOKENS = 64
 NEAR_TIE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def client(runtime) -> GatewayClient:
-    return GatewayClient.for_settings(runtime)
-
-
-@pytest.fixture(scope="module")
-def r(runtime) -> redis.Redis:
-    return redis.Redis(host=runtime.redis.host, port=runtime.redis.port)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(partitioned):
-    return AutoTokenizer.from_pretrained(partitioned("smollm2", 4).tokenizer_path())
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +37,7 @@ def prompts(tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def references(sources, prompts) -> list[list[int]]:
     """Unsplit transformers `generate(use_cache=True)`, greedy, for every prompt."""
-    model = sources["smollm2"].model
-    eos = model.config.eos_token_id
-    out = []
-    with torch.inference_mode():
-        for ids in prompts:
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True,
-                                 eos_token_id=eos, pad_token_id=eos)
-            out.append(gen[0, len(ids):].tolist())
-    return out
+    return [reference_greedy(sources, ids, NEW_TOKENS) for ids in prompts]
 
 
 def generate(client: GatewayClient, text: str, max_new: int = NEW_TOKENS, **extra):
@@ -319,11 +295,7 @@ def test_openai_client_chat_completion_and_models(oai, sources, tokenizer):
     chat = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
     ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                              return_dict=True)["input_ids"])
-    model = sources["smollm2"].model
-    with torch.inference_mode():
-        expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                                  eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id)
-    expected_ids = expected[0, len(ids):].tolist()
+    expected_ids = reference_greedy(sources, ids, 12)
     assert chat.choices[0].message.content == tokenizer.decode(expected_ids, skip_special_tokens=True)
     assert chat.usage.prompt_tokens == len(ids) and chat.usage.completion_tokens == len(expected_ids)
     assert chat.choices[0].finish_reason in ("stop", "length")

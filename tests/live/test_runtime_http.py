@@ -18,54 +18,8 @@ from contracts.http_client import GatewayClient
 from contracts.wire import MESSAGE_FIELD, decode_tensors, encode_tensors, unpack
 from pipeline.architectures import mean_pool_normalize
 from pipeline.registry import live_replicas
+from tests.live.runtime_helpers import available, reference_greedy, scale_and_wait, wait_until
 from tests.openapi_check import checked
-
-
-@pytest.fixture(scope="module")
-def client(runtime) -> GatewayClient:
-    return GatewayClient.for_settings(runtime)
-
-
-@pytest.fixture(scope="module")
-def r(runtime) -> redis.Redis:
-    return redis.Redis(host=runtime.redis.host, port=runtime.redis.port)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(partitioned):
-    return AutoTokenizer.from_pretrained(partitioned("smollm2", 4).tokenizer_path())
-
-
-def reference_greedy(sources, ids: list[int], max_new: int) -> list[int]:
-    model = sources["smollm2"].model
-    eos = model.config.eos_token_id
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                             eos_token_id=eos, pad_token_id=eos)
-    return out[0, len(ids):].tolist()
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def available(client: GatewayClient, name: str) -> int:
-    return client.request("GET", f"/system/function/{name}").json()["availableReplicas"]
-
-
-def scale_and_wait(client: GatewayClient, r: redis.Redis, name: str, replicas: int, stage: int | None) -> None:
-    assert checked(client, "POST", f"/system/scale-function/{name}", "/system/scale-function/{functionName}",
-                   {"serviceName": name, "namespace": "openfaas-fn", "replicas": replicas}).status == 202
-    wait_until(lambda: available(client, name) == replicas, 120, f"{name} at {replicas} replicas")
-    if stage is not None:
-        model = name.rsplit("-s", 1)[0]
-        wait_until(lambda: len(live_replicas(r, model, stage)) == replicas, 30, f"{name} registry at {replicas}")
-
 
 # -- answers ----------------------------------------------------------------------------------
 
