@@ -130,9 +130,8 @@ class GenerationStage:
         inputs = {k: v for k, v in w.tensors.items() if k not in cache}
         try:
             seq = self.store.adopt(h.seq, h.capacity, cache)
-        except (NoRoom, ValueError, KeyError):
+        except (NoRoom, ValueError, KeyError):  # nothing was admitted
             outcomes.append(_lost(w))  # the entry prefills again elsewhere
-            self.store.free(h.seq)
             return
         if seq.length != h.start:
             self.store.free(h.seq)

@@ -102,13 +102,12 @@ class KVStore:
 
     def adopt(self, seq_id: str, capacity: int, tensors: dict[str, torch.Tensor]) -> Sequence:
         """Installs a sequence exported by another replica of the same stage (NoRoom if it does not fit)."""
-        expected = (1, self.shape.kv_heads, None, self.shape.head_dim)
         length = tensors["k0"].shape[2]
+        want = (1, self.shape.kv_heads, length, self.shape.head_dim)
         for i in range(self.shape.layers):
             for name in (f"k{i}", f"v{i}"):
                 t = tensors.get(name)
-                if t is None or t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (expected[0], expected[1], expected[3]) \
-                        or t.shape[2] != length:
+                if t is None or tuple(t.shape) != want:
                     raise ValueError(f"migrated cache tensor {name} is missing or has the wrong shape")
         if length > capacity:
             raise ValueError(f"migrated cache holds {length} positions, more than its capacity {capacity}")

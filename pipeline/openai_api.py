@@ -167,8 +167,8 @@ def response_body(req: OpenAIRequest, rid: str, model: str, text: str, finish: s
 
 def chunk(req: OpenAIRequest, rid: str, model: str, text: str | None, finish: str | None,
           first: bool = False) -> bytes:
-    """One server-sent event of a stream; `text` None with `finish` None is the usage-only chunk's
-    empty choices (see `usage_chunk`)."""
+    """One server-sent event of a stream: a piece of text, or (with `finish`) the last choice; the
+    first chat chunk carries the role."""
     if req.chat:
         delta: dict = {"role": "assistant", "content": text or ""} if first else \
             ({"content": text} if text else {})

@@ -105,7 +105,7 @@ class PipelineClient:
             if route:
                 self._free_later(seq, route)
 
-    def _header(self, seq: str, step: int, deadline: float, **fields) -> Header:
+    def _header(self, seq: str, step: int | str, deadline: float, **fields) -> Header:
         return Header(request_id=f"{seq}.{step}", model=self.model, stage=0, reply_to=self.reply_key,
                       deadline=deadline, seq=seq, **fields)
 
@@ -149,11 +149,10 @@ class PipelineClient:
     async def _free(self, seq: str, route: dict[str, str]) -> None:
         try:
             r = await self._connection()
+            message = pack(self._header(seq, "free", time.time() + 60, kind="free"), {})
             pipe = r.pipeline(transaction=False)
             for rid in set(route.values()):
-                header = Header(request_id=f"{seq}.free", model=self.model, stage=0, reply_to=self.reply_key,
-                                deadline=time.time() + 60, kind="free", seq=seq)
-                pipe.xadd(keys.replica_stream(rid), {MESSAGE_FIELD: pack(header, {})}, nomkstream=True)
+                pipe.xadd(keys.replica_stream(rid), {MESSAGE_FIELD: message}, nomkstream=True)
             await pipe.execute()
         except (aioredis.ConnectionError, OSError) as exc:
             log.warning("could not free %s: %s", seq, exc)

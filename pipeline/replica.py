@@ -24,7 +24,7 @@ from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
 from pipeline.emulated import EmulatedRunner
 from pipeline.emulated import profile as emulation_profile
-from pipeline.generation_step import HOLDER, NEXT, PEER, GenerationStage, Outcome, Work
+from pipeline.generation_step import HOLDER, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from pipeline.manifest import Manifest
 from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, register
 from pipeline.stage_runner import StageRunner
@@ -185,8 +185,7 @@ class Replica:
         items of the shared stream as there are slots, at least one every few steps so prefills
         never starve; blocks briefly only when there is nothing at all."""
         if self.generation is None:
-            found = (self._claim_abandoned() if reclaim else []) or self._read({self.stream: ">"}, 1, self.settings.data.block_ms)
-            return found
+            return (self._claim_abandoned() if reclaim else []) or self._read({self.stream: ">"}, 1, self.settings.data.block_ms)
         max_batch = self.settings.batching.max_batch
         works = self._read({self.private: ">"}, max_batch, None)
         take_new = not self._draining and not self.generation.waiting
@@ -274,28 +273,27 @@ class Replica:
             SERVICE.labels(**self._labels).observe(result.service_s)
         KV_BYTES.labels(**self._labels).set(self.generation.store.used)
         pipe = self.redis.pipeline(transaction=True)
-        holders: list[tuple[int, Outcome]] = []
+        holders: list[tuple[int | None, Outcome]] = []
         per_item_ms = result.service_s * 1000.0 / max(1, result.batch)
         for o in result.outcomes:
             if o.to == PEER:  # a migration: the step runs at the peer, which records it
                 MIGRATIONS.labels(**self._labels, direction="out").inc()
+            else:
+                REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
+                self._record(pipe, o.work, per_item_ms, result.batch)
+            replica = {PEER: o.peer, HOLDER: o.header.route.get(str(self.last))}.get(o.to)
+            if replica:
+                # Refused (None) if that replica's stream is gone: checked once the pipe has run.
                 holders.append((len(pipe.command_stack), o))
-                pipe.xadd(keys.replica_stream(o.peer), {MESSAGE_FIELD: pack(o.header, o.tensors)}, nomkstream=True)
-                continue
-            REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
-            self._record(pipe, o.work, per_item_ms, result.batch)
-            if o.to == HOLDER and o.header.route.get(str(self.last)):
-                holders.append((len(pipe.command_stack), o))
-                pipe.xadd(keys.replica_stream(o.header.route[str(self.last)]), {MESSAGE_FIELD: pack(o.header, o.tensors)},
-                          nomkstream=True)
+                pipe.xadd(keys.replica_stream(replica), {MESSAGE_FIELD: pack(o.header, o.tensors)}, nomkstream=True)
             elif o.to == NEXT:
                 pipe.xadd(self.next_stream, {MESSAGE_FIELD: pack(o.header, o.tensors)})
-            else:
-                if o.to == HOLDER:
-                    o.header.kind = "lost"
+            elif o.to == REPLY:
                 self._reply(pipe, o.header, o.tensors)
+            else:
+                holders.append((None, o))  # a step for a holder the route does not name
         results = self._finish(result.done + expired, pipe)
-        lost = [o for index, o in holders if results[index] is None]
+        lost = [o for index, o in holders if index is None or results[index] is None]
         if lost:
             # The replica holding the next stage's cache (or the peer taking one over) is gone:
             # the entry prefills again.
