@@ -14,13 +14,15 @@ from benchmarks import (
     policies_burst,
     scaleup,
     simulator,
+    simulator_generation,
 )
 
 BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main,
               "autoscaler_tick": autoscaler_tick.main, "policies_burst": policies_burst.main,
               "placement": placement.main, "loadgen": loadgen.main, "simulator": simulator.main,
               "generation": generation.main, "kv_migration": kv_migration.main,
-              "generation_llama1b": lambda: generation.main(["--model", "llama1b"])}
+              "generation_llama1b": lambda: generation.main(["--model", "llama1b"]),
+              "simulator_generation": simulator_generation.main}
 
 
 def main(argv: list[str]) -> int:

@@ -17,7 +17,9 @@ import argparse
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -90,10 +92,33 @@ def _stack(home: Path, model: str) -> str:
     return str(path)
 
 
-def _pipeline_request(client: GatewayClient, model: str, text: str, new: int) -> dict:
+def pipeline_request(client: GatewayClient, model: str, text: str, new: int) -> dict:
     reply = client.invoke(model, {"prompt": text, "max_new_tokens": new, "ignore_eos": True})
     assert reply.status == 200, reply.body
     return reply.json()
+
+
+@contextmanager
+def running(model: str, new: int) -> Iterator[Settings]:
+    """The embedded runtime serving `model` in 4 stages, one replica each and no autoscaler, on
+    ports of its own; stopped and its home removed afterwards."""
+    base = load_settings()
+    run_home = Path(tempfile.mkdtemp(prefix="quart-bench-"))
+    settings = base.replace(home=str(run_home), models=str(base.models_dir), gateway_port=free_port(),
+                            redis_port=free_port(), keysmanager_port=free_port(), policy="none",
+                            stack_file=_stack(run_home, model), max_new_tokens=max(new, base.limits.max_new_tokens),
+                            request_timeout_s=600.0, cache_stages="none")
+    if model == "llama1b":
+        from pipeline.partition import ensure_partitioned
+        ensure_partitioned(settings.models_dir, "llama1b", STAGES, "random-llama", random_config=LLAMA_1B)
+    try:
+        if control.up(settings, timeout=900) != 0:
+            raise SystemExit(f"the embedded runtime did not come up; see {run_home}/logs")
+        pipeline_request(GatewayClient(settings.gateway.url, timeout=900), model, "warm up", 4)
+        yield settings
+    finally:
+        control.down(settings)
+        shutil.rmtree(run_home, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -102,31 +127,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args(argv or [])
     spec, new = MODELS[args.model], args.new_tokens
-    base = load_settings()
-    run_home = Path(tempfile.mkdtemp(prefix="quart-bench-"))
-    settings = base.replace(home=str(run_home), models=str(base.models_dir), gateway_port=free_port(),
-                            redis_port=free_port(), keysmanager_port=free_port(), policy="none",
-                            stack_file=_stack(run_home, args.model), max_new_tokens=max(new, base.limits.max_new_tokens),
-                            request_timeout_s=600.0, cache_stages="none")
     torch.set_num_threads(1)
-    if args.model == "llama1b":
-        from pipeline.partition import ensure_partitioned
-        ensure_partitioned(settings.models_dir, "llama1b", STAGES, "random-llama", random_config=LLAMA_1B)
-    unsplit = Unsplit(settings, args.model)
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(unsplit.source.tokenizer_dir)
     levels = spec["levels"]
     texts = first_prompts(spec["prompts"] + max(levels), seed=21, max_chars=300)
-    if control.up(settings, timeout=900) != 0:
-        raise SystemExit(f"the embedded runtime did not come up; see {run_home}/logs")
-    try:
+    with running(args.model, new) as settings:
+        unsplit = Unsplit(settings, args.model)
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(unsplit.source.tokenizer_dir)
         client = GatewayClient(settings.gateway.url, timeout=900)
-        _pipeline_request(client, args.model, "warm up", 4)
         alone = _one_at_a_time(client, unsplit, tokenizer, args.model, texts[:spec["prompts"]], new)
         throughput = _throughput(client, unsplit, tokenizer, args.model, texts[spec["prompts"]:], levels, new)
-    finally:
-        control.down(settings)
-        shutil.rmtree(run_home, ignore_errors=True)
     return _report(args.model, alone, throughput, new, levels)
 
 
@@ -134,7 +144,7 @@ def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[
     out = {"pipe_ttft": [], "pipe_tpot": [], "ref_ttft": [], "ref_tpot": [], "mismatches": 0, "ref_tps": []}
     for i, text in enumerate(texts):
         print(f"  one at a time: prompt {i + 1}/{len(texts)}", flush=True)
-        answer = _pipeline_request(client, model, text, new)
+        answer = pipeline_request(client, model, text, new)
         ttft, tpot, tokens = unsplit.one(tokenizer(text)["input_ids"], new)
         out["mismatches"] += answer["token_ids"] != tokens
         out["pipe_ttft"].append(answer["ttft_ms"])
@@ -151,7 +161,7 @@ def _throughput(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str
         print(f"  throughput at {c} concurrent", flush=True)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(c) as pool:
-            answers = list(pool.map(lambda t: _pipeline_request(client, model, t, new), texts[:c]))
+            answers = list(pool.map(lambda t: pipeline_request(client, model, t, new), texts[:c]))
         wall = time.perf_counter() - t0
         batched = unsplit.padded_batch([tokenizer(t)["input_ids"] for t in texts[:c]], new)
         rows.append({"concurrency": c, "pipeline_tps": sum(len(a["token_ids"]) for a in answers) / wall,

@@ -22,6 +22,7 @@ from contracts import keys
 from contracts.config import Settings
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
+from pipeline.batch_policy import migration_peer, new_item_slots
 from pipeline.emulated import EmulatedRunner
 from pipeline.emulated import profile as emulation_profile
 from pipeline.generation_step import HOLDER, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
@@ -41,8 +42,6 @@ BATCH = Histogram("quart_stage_batch_size", "Work items run as one batch", _LABE
 MIGRATIONS = Counter("quart_stage_migrations_total", "KV caches moved between replicas of this stage",
                      _LABELS + ("direction",))
 KV_BYTES = Gauge("quart_stage_kv_bytes", "KV-cache bytes reserved by the sequences this replica holds", _LABELS)
-# With decode steps always waiting, a new request still enters a batch at least every this many steps.
-PREFILL_EVERY = 4
 WAITING_POLL_MS = 50
 
 
@@ -190,9 +189,7 @@ class Replica:
         works = self._read({self.private: ">"}, max_batch, None)
         take_new = not self._draining and not self.generation.waiting
         if take_new:
-            slots = max_batch - len(works)
-            if slots <= 0 and self._steps_without_new >= PREFILL_EVERY:
-                slots = 1
+            slots = new_item_slots(max_batch, len(works), self._steps_without_new)
             if slots > 0:
                 new = (self._claim_abandoned() if reclaim else []) or self._read({self.stream: ">"}, slots, None)
                 works += new
@@ -308,9 +305,10 @@ class Replica:
         now = time.monotonic()
         if now - self._peer_checked > 1.0:
             self._peer_checked = now
-            peers = [x for x in live_replicas(self.redis, self.model, self.first)
-                     if x["replica_id"] != self.replica_id and x.get("stage_end") == str(self.last) and not x.get("draining")]
-            self._peer = min(peers, key=lambda x: int(x.get("sequences", "0")))["replica_id"] if peers else None
+            self._peer = migration_peer({x["replica_id"]: int(x.get("sequences", "0"))
+                                         for x in live_replicas(self.redis, self.model, self.first)
+                                         if x["replica_id"] != self.replica_id and x.get("stage_end") == str(self.last)
+                                         and not x.get("draining")})
         return self._peer
 
     def _record(self, pipe: redis.client.Pipeline, work: Work, service_ms: float, batch: int) -> None:

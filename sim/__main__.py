@@ -5,6 +5,10 @@
         QUART's testbed (12 servers x 4 GPUs, 1 TB each), one run per policy, one report
     python -m sim --preset embedded --model llama-7b ...
         this repository's embedded runtime on a 2-core host (for calibration)
+    python -m sim --preset embedded --model smollm2 --new-tokens 64 --arrivals poisson --rate 1 ...
+        a generative model whose stages' batched steps were measured (sim/calibration/; made
+        by `python -m sim.calibrate`): prefill, then decode steps batched on the replicas holding
+        each request's KV cache, with TTFT, TPOT and token goodput in the report
 
 Arrivals take the load generator's options (gamma, poisson, azure, burstgpt). The report is the
 load generator's: tables, latency CDF, SLO attainment, timelines and per-stage CV and queue."""
@@ -21,7 +25,7 @@ from contracts.config import load_settings
 from loadgen.__main__ import add_arrival_arguments, arrival_times
 from loadgen.report import write
 from sim.config import SimConfig, embedded_runtime, quart_testbed
-from sim.models import table1
+from sim.models import resolve
 from sim.run import report_run, simulate
 
 PRESETS = {"testbed": quart_testbed, "embedded": embedded_runtime}
@@ -30,7 +34,9 @@ PRESETS = {"testbed": quart_testbed, "embedded": embedded_runtime}
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-7b", help="QUART Table 1 model(s), comma-separated, or 'all'")
+    p.add_argument("--model", default="llama-7b",
+                   help="QUART Table 1 model(s) or calibrated generative ones, comma-separated, or 'all' (Table 1)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens each request of a generative model makes")
     add_arrival_arguments(p)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--preset", choices=sorted(PRESETS), default="testbed")
@@ -61,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     names = None if a.model == "all" else [m.strip() for m in a.model.split(",") if m.strip()]
     try:
-        models = table1(names)
+        models = resolve(names, a.new_tokens)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     cfg = config(a)
@@ -80,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
               f"p99 {s['latency_s']['p99'] * 1000:.0f} ms, goodput {s['goodput']['requests_per_s']:.2f} req/s, "
               f"{trace.starts['fork']} forks, {trace.starts['cold']} cold starts "
               f"({trace.end:.0f} s simulated in {time.perf_counter() - started:.1f} s)", flush=True)
+        if "tokens" in s:
+            t = s["tokens"]
+            print(f"  TTFT p50 {t['ttft_s']['p50'] * 1000:.0f} ms, TPOT p50 {t['tpot_s']['p50'] * 1000:.0f} ms, "
+                  f"SLO attainment TTFT {t['ttft_attainment']:.1%} / TPOT {t['tpot_attainment']:.1%}, "
+                  f"token goodput {t['token_goodput_per_s']:.1f}/s", flush=True)
     if a.out:
         conditions = {"simulated": True, "preset": a.preset, "models": ",".join(m.name for m in models),
                       "arrivals": a.arrivals, "rate_rps": a.rate, "cv": a.cv, "duration_s": a.duration,

@@ -26,6 +26,10 @@ class Zygote:
     ready: bool = False
 
 
+class Background:
+    """A token for CPU work nobody waits on."""
+
+
 @dataclass
 class Server:
     name: str
@@ -50,7 +54,8 @@ class SimCluster:
     "started" events come back through `on_ready`, `on_fluid` and `on_started`."""
 
     def __init__(self, cfg: SimConfig, chains: dict[str, list[Stage]], scheduler: Scheduler,
-                 schedule_event: Callable, start_serving: Callable[[Replica, float], None]) -> None:
+                 schedule_event: Callable, start_serving: Callable[[Replica, float], None],
+                 drain_generative: Callable[[Replica, float], None] | None = None) -> None:
         self.cfg, self.by_model, self.scheduler = cfg, chains, scheduler
         self.stages = {s.key: s for chain in chains.values() for s in chain}
         self.servers = [Server(f"server-{i}", cfg.slots, cfg.cache_budget, reads=Fluid(cfg.bandwidth),
@@ -60,6 +65,7 @@ class SimCluster:
         self._by_name = {s.name: s for s in self.servers}
         self.key_stages: dict[str, tuple[StageRef, ...]] = {}
         self._event, self._start_serving = schedule_event, start_serving
+        self._drain_generative = drain_generative     # a generative stage's replica leaves through its data plane
         self._ids = 0
         self.placements: list[dict] = []
         self.starts = {"fork": 0, "cold": 0}
@@ -130,7 +136,8 @@ class SimCluster:
         return r
 
     def remove(self, r: Replica, now: float) -> None:
-        """Starting replicas are cancelled, idle ones leave at once, busy ones after their item."""
+        """Starting replicas are cancelled, idle ones leave at once, busy ones after their item;
+        a generative stage's replica drains through the data plane."""
         sv = r.server
         r.draining = True            # a pending start finds it draining and drops it
         if not r.ready:
@@ -138,6 +145,8 @@ class SimCluster:
                 if fluid is not None and fluid.remove(r, now):
                     self._next(sv, phase, now)
             self.release(r)
+        elif r.stage.cost is not None:
+            self._drain_generative(r, now)
         elif not r.busy:
             r.stage.idle.remove(r)
             self.release(r)
@@ -185,11 +194,30 @@ class SimCluster:
                 self.on_started(token, now)
         self._next(sv, phase, now)
 
-    def on_started(self, token: Replica | Zygote, now: float) -> None:
+    def on_started(self, token: object, now: float) -> None:
         if isinstance(token, Replica):
             self.on_ready(token, now)
-        else:
+        elif isinstance(token, Zygote):
             self.on_cached(token, now)
+        elif not isinstance(token, Background):
+            self._event(now, "computed", token)
+
+    def compute(self, sv: Server, token: object, seconds: float, now: float) -> None:
+        """A batch of one core's work: on its own where the host's cores are not modelled,
+        sharing them with every other batch and initialisation where they are. Its end comes
+        back as a "computed" event."""
+        if sv.cpu is None:
+            self._event(now + seconds, "computed", token)
+            return
+        sv.cpu.add(token, seconds, now)
+        self._next(sv, "cpu", now)
+
+    def background(self, sv: Server, seconds: float, now: float) -> None:
+        """CPU work that delays nothing by itself but takes its share of the cores while it runs
+        (other processes' work: Redis, the entry); nothing where the cores are not modelled."""
+        if sv.cpu is not None and seconds > 0:
+            sv.cpu.add(Background(), seconds, now)
+            self._next(sv, "cpu", now)
 
     # -- the KeysManagers --------------------------------------------------------------------
 

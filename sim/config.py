@@ -36,6 +36,12 @@ class SimConfig:
     hop_bandwidth: float = 1.25e9
     entry_s: float = 0.003
     service_overhead_s: float = 0.0      # per item on top of the drawn compute time
+    # Generative models batch, budget and drain as the settings' batching section says (QUART_MAX_BATCH,
+    # QUART_KV_BYTES, QUART_KV_WAIT_S, QUART_DRAIN). A KV migration costs a fixed part plus the
+    # cache's bytes at migrate_bandwidth: the kv_migration benchmark's SmolLM2 figures (3 to 47 MB
+    # through Redis in 13 to 178 ms) fitted.
+    migrate_s: float = 0.0017
+    migrate_bandwidth: float = 2.68e8
     # Control plane (contracts/config.Settings has the same names and defaults).
     tick_s: float = 1.0
     window_s: float = 10.0

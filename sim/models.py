@@ -1,11 +1,13 @@
 """The simulated models: QUART Table 1's five, as 8-stage pipelines with the emulation profiles'
 stage times and parameter sizes (pipeline/emulated.py), plus the activation each stage hands to
-the next, which sets the hop's transfer time."""
+the next, which sets the hop's transfer time; and generative models, whose stages' batched steps
+cost what their calibration measured (sim/calibration/<model>.json)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pipeline.emulated import PROFILES, Profile
+from sim.step_cost import Calibration, calibrated
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,22 @@ class SimModel:
         return self.profile.stage_bytes(stage, stage + 1)
 
 
+@dataclass(frozen=True)
+class GenerativeModel:
+    """Requests prefill their prompt, then decode `new_tokens` - 1 further tokens one step at a
+    time (end of text ignored, as the benchmarks ask), each stage's replicas batching their steps."""
+    name: str
+    calibration: Calibration
+    new_tokens: int = 64
+
+    @property
+    def num_stages(self) -> int:
+        return self.calibration.num_stages
+
+    def stage_bytes(self, stage: int) -> int:
+        return self.calibration.shard_bytes[stage]
+
+
 # Activation per request, bf16: tokens (Table 1's "Token" column where it has one) times the
 # hidden width of the published architecture. Whisper: 1500 encoder frames x 1280 (large-v2);
 # WideResNet-101: a 1024 x 14 x 14 feature map. BERT-21B has no public configuration; 6144 wide
@@ -36,3 +54,16 @@ def table1(names: list[str] | None = None) -> list[SimModel]:
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; known: {sorted(PROFILES)}")
     return [SimModel(n, PROFILES[n], ACTIVATION_BYTES[n]) for n in names]
+
+
+def resolve(names: list[str] | None, new_tokens: int = 64) -> list[SimModel | GenerativeModel]:
+    """Table 1 models and calibrated generative ones by name (None: all of Table 1)."""
+    generative = calibrated()
+    known = sorted(PROFILES) + sorted(generative)
+    unknown = [n for n in names or [] if n not in known]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; known: {known}")
+    if not names:
+        return table1()
+    return [GenerativeModel(n, Calibration.load(generative[n]), new_tokens) if n in generative
+            else SimModel(n, PROFILES[n], ACTIVATION_BYTES[n]) for n in names]

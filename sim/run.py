@@ -8,17 +8,34 @@ from contracts.config import Settings
 from loadgen.metrics import summarize
 from loadgen.timeline import Sampler, timeline
 from sim.config import SimConfig
-from sim.models import SimModel
+from sim.generation import hop_s
+from sim.models import GenerativeModel, SimModel
 from sim.simulation import Simulation, Trace
 
+AnyModel = SimModel | GenerativeModel
 
-def simulate(cfg: SimConfig, models: list[SimModel], arrivals: dict[str, np.ndarray], policy: str,
+
+def simulate(cfg: SimConfig, models: list[AnyModel], arrivals: dict[str, np.ndarray], policy: str,
              settings: Settings | None = None, record_arrivals: bool = True) -> Trace:
     return Simulation(cfg, models, arrivals, policy, settings, record_arrivals=record_arrivals).run()
 
 
-def unloaded_latency(cfg: SimConfig, model: SimModel) -> float:
+def unloaded_generation(cfg: SimConfig, model: GenerativeModel) -> tuple[float, float]:
+    """(TTFT, TPOT) of a request alone, its prompt the calibration's median: the entry, every
+    stage's step and every hop; the entry again per token."""
+    cal = model.calibration
+    prompt = int(np.median(cal.prompt_tokens))
+    ttft = cfg.entry_s + sum(c.batch_s([(prompt, 0)]) + hop_s(cfg, cal, prompt) for c in cal.stages)
+    context = prompt + model.new_tokens // 2
+    tpot = cfg.entry_s / 2 + sum(c.batch_s([(1, context)]) for c in cal.stages) + (len(cal.stages) + 1) * hop_s(cfg, cal, 1)
+    return ttft, tpot
+
+
+def unloaded_latency(cfg: SimConfig, model: AnyModel) -> float:
     """A request alone in the pipeline: the entry, every stage's mean service and every hop."""
+    if isinstance(model, GenerativeModel):
+        ttft, tpot = unloaded_generation(cfg, model)
+        return ttft + (model.new_tokens - 1) * tpot
     p = model.profile
     hop = cfg.hop(model.activation_bytes)
     return cfg.entry_s + sum(p.stage_ms(i) / 1000.0 + cfg.service_overhead_s + hop for i in range(model.num_stages))
@@ -28,7 +45,7 @@ def replica_seconds(trace: Trace, period_s: float) -> float:
     return float(sum(sum(sum(row) for row in s["replicas"]) for s in trace.samples.values()) * period_s)
 
 
-def stage_timeline(trace: Trace, cfg: SimConfig, model: SimModel) -> dict:
+def stage_timeline(trace: Trace, cfg: SimConfig, model: AnyModel) -> dict:
     """The load generator's timeline of one model: replicas and queue per sample, arrival rate,
     inter-arrival CV and mean queue per stage."""
     s = trace.samples[model.name]
@@ -37,12 +54,17 @@ def stage_timeline(trace: Trace, cfg: SimConfig, model: SimModel) -> dict:
     return timeline(sampler, trace.stage_arrivals[model.name], 0.0)
 
 
-def report_run(trace: Trace, cfg: SimConfig, models: list[SimModel], detail: bool = True) -> dict:
+def report_run(trace: Trace, cfg: SimConfig, models: list[AnyModel], detail: bool = True) -> dict:
     """One run in the shape `loadgen.report.write` takes. The timeline is the first model's (as
-    a replay's); the profiled latency is the first model's unloaded latency."""
+    a replay's); the profiled latency is the first model's unloaded latency. A generative first
+    model adds the token metrics, with the load generator's SLOs: TTFT 5x and TPOT 2x unloaded."""
     first = models[0]
     records = trace.records(detail)
     duration = float(trace.sent.max()) if len(trace.sent) else 1.0
+    tokens = {}
+    if isinstance(first, GenerativeModel):
+        ttft, tpot = unloaded_generation(cfg, first)
+        tokens = {"warm_ttft_s": ttft, "tpot_slo_s": 2.0 * tpot}
     return {"summary": summarize(records, unloaded_latency(cfg, first), duration or 1.0,
-                                 replica_seconds(trace, cfg.sample_s)),
+                                 replica_seconds(trace, cfg.sample_s), **tokens),
             "timeline": stage_timeline(trace, cfg, first), "records": records}

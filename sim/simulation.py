@@ -1,5 +1,6 @@
 """The discrete-event core: requests arrive at a model's entry, visit its stages through one
-shared FCFS queue per stage, and come back; every tick the configured policy decides on what it
+shared FCFS queue per stage, and come back (a generative model's requests then decode token by
+token through the replicas holding their caches: sim.generation); every tick the configured policy decides on what it
 observed with the live control loop's own step (autoscaler.policy.controller: the policies, the
 bounds, the key stages), and the cluster carries the actions out through the placement scheduler."""
 from __future__ import annotations
@@ -20,10 +21,13 @@ from loadgen.client import Record
 from scheduler.placement import Scheduler, SchedulerParams
 from sim.cluster import SimCluster
 from sim.config import SimConfig
-from sim.models import SimModel
+from sim.generation import EVENTS, GenerationPlane, Outcome
+from sim.models import GenerativeModel, SimModel
 from sim.stage import Replica, Stage
 
 TIMEOUT_STATUS = 504
+_ERRORS = {504: "timed out in the simulated pipeline", 429: "no KV room in time (429)",
+           413: "the request's KV cache exceeds a replica's budget (413)"}
 log = logging.getLogger("quart.sim")
 
 
@@ -44,27 +48,36 @@ class Trace:
     starts: dict[str, int] = field(default_factory=dict)
     events: int = 0
     end: float = 0.0
+    generation: Outcome | None = None   # TTFT, TPOT, tokens and batches of generative models
 
     def records(self, detail: bool = True) -> list[Record]:
         """The load generator's records, so its metrics and report take simulated runs."""
         out = []
+        g = self.generation
         for i in range(len(self.sent)):
             model = self.models[self.model_of[i]]
             stages = [{"stage": k, "queue_ms": round(float(self.wait[i, k]) * 1000, 3),
                        "service_ms": round(float(self.service[i, k]) * 1000, 3)}
                       for k in range(self.wait.shape[1]) if not math.isnan(self.wait[i, k])] if detail else []
             ok = self.status[i] == 200
-            out.append(Record(i, model, float(self.sent[i]), float(self.sent[i]),
-                              float(self.latency[i]) if not math.isnan(self.latency[i]) else -1.0,
-                              int(self.status[i]), stages=stages,
-                              error="" if ok else "timed out in the simulated pipeline"))
+            record = Record(i, model, float(self.sent[i]), float(self.sent[i]),
+                            float(self.latency[i]) if not math.isnan(self.latency[i]) else -1.0,
+                            int(self.status[i]), stages=stages, error="" if ok else _ERRORS.get(int(self.status[i]), ""))
+            if g is not None and g.prompt[i]:
+                record.prompt_tokens, record.output_tokens = int(g.prompt[i]), int(g.tokens[i])
+                if ok:
+                    record.ttft_s, record.tpot_s = float(g.ttft[i]), float(g.tpot[i])
+            out.append(record)
         return out
 
 
 class Simulation:
-    def __init__(self, cfg: SimConfig, models: list[SimModel], arrivals: dict[str, np.ndarray],
+    def __init__(self, cfg: SimConfig, models: list[SimModel | GenerativeModel], arrivals: dict[str, np.ndarray],
                  policy: str = "quart", settings: Settings | None = None,
-                 scheduler: Scheduler | None = None, record_arrivals: bool = True) -> None:
+                 scheduler: Scheduler | None = None, record_arrivals: bool = True,
+                 prompts: dict[str, np.ndarray] | None = None) -> None:
+        """`prompts`: a generative model's prompt lengths in its requests' order (default: drawn
+        from its calibration's ShareGPT sample)."""
         self.cfg, self.models = cfg, models
         self.settings = (settings or load_settings(environ={})).replace(policy=policy, tick_s=cfg.tick_s,
                                                           window_s=cfg.window_s, slo_s=cfg.slo_s)
@@ -75,21 +88,16 @@ class Simulation:
         rng_root = np.random.SeedSequence(cfg.seed)
         self.chains: dict[str, list[Stage]] = {}
         self.hop: dict[str, float] = {}
+        self.prompt_rngs: dict[str, np.random.Generator] = {}
         for m, child in zip(models, rng_root.spawn(len(models))):
-            p = m.profile
-            chain = [Stage(m.name, i, p.stage_ms(i) / 1000.0, p.cv, p.parallel_fraction, cfg.service_overhead_s,
-                           m.stage_bytes(i), np.random.default_rng(g))
-                     for i, g in enumerate(child.spawn(m.num_stages))]
+            chain = [self._stage(m, i, np.random.default_rng(g)) for i, g in enumerate(child.spawn(m.num_stages))]
+            self.prompt_rngs[m.name] = np.random.default_rng(child.spawn(1)[0])
             for a, b in zip(chain, chain[1:]):
                 a.next = b
             self.chains[m.name] = chain
-            self.hop[m.name] = cfg.hop(m.activation_bytes)
+            if isinstance(m, SimModel):
+                self.hop[m.name] = cfg.hop(m.activation_bytes)
         self.stages = {s.key: s for chain in self.chains.values() for s in chain}
-        self.cluster = SimCluster(cfg, self.chains,
-                                  scheduler or Scheduler(SchedulerParams.of(self.settings.servers.scheduler_params)),
-                                  self.schedule, self._serve_next)
-        self.controller = Controller.from_settings(
-            self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models})
         # Requests, in arrival order over all models.
         names = [m.name for m in models]
         order = [(float(t), k) for k, m in enumerate(names) for t in np.asarray(arrivals.get(m, []))]
@@ -107,6 +115,23 @@ class Simulation:
         self.samples = {m.name: {"t": [], "replicas": [], "queue": []} for m in models}
         self.decisions = 0
         self.entry_free = 0.0
+        self.generation = GenerationPlane(self, cfg, self.settings.batching, n) \
+            if any(isinstance(m, GenerativeModel) for m in models) else None
+        self.prompts = {name: list(np.asarray(p, dtype=int)) for name, p in (prompts or {}).items()}
+        self.cluster = SimCluster(cfg, self.chains,
+                                  scheduler or Scheduler(SchedulerParams.of(self.settings.servers.scheduler_params)),
+                                  self.schedule, self._serve_next, self.generation.drain if self.generation else None)
+        self.controller = Controller.from_settings(
+            self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models})
+
+    def _stage(self, m: SimModel | GenerativeModel, i: int, rng: np.random.Generator) -> Stage:
+        if isinstance(m, GenerativeModel):
+            st = Stage(m.name, i, 0.0, 1.0, 0.0, 0.0, m.stage_bytes(i), rng)
+            st.cost = m.calibration.stages[i]
+            return st
+        p = m.profile
+        return Stage(m.name, i, p.stage_ms(i) / 1000.0, p.cv, p.parallel_fraction, self.cfg.service_overhead_s,
+                     m.stage_bytes(i), rng)
 
     # -- events ------------------------------------------------------------------------------
 
@@ -154,6 +179,8 @@ class Simulation:
                 self.cluster.on_fluid(a, b, t)
             elif kind == "started":
                 self.cluster.on_started(a, t)
+            elif kind in EVENTS:
+                self.generation.handle(kind, a, b, t)
         self._expire_rest()
         return self._trace()
 
@@ -166,7 +193,27 @@ class Simulation:
     def _arrive(self, i: int) -> None:
         m = self.models[self.model_of[i]]
         t = self._entry(self.now)
+        if isinstance(m, GenerativeModel):
+            given = self.prompts.get(m.name)
+            prompt = int(given.pop(0)) if given else int(self.prompt_rngs[m.name].choice(m.calibration.prompt_tokens))
+            self.generation.arrive(i, m, max(1, prompt), self.chains[m.name][0], t)
+            return
         self.schedule(t, "enq", self.chains[m.name][0], (i, t))
+
+    # What sim.generation uses of the simulation.
+    def entry(self, t: float) -> float:
+        return self._entry(t)
+
+    def observe_arrival(self, st: Stage, now: float) -> None:
+        st.arrive(now)
+        if self.record_arrivals:
+            self.arrived[st.model][st.index].append(now)
+
+    def answer(self, i: int, now: float) -> None:
+        self._reply(i, now)
+
+    def fail(self, i: int, status: int = 0) -> None:
+        self._fail(i, status)
 
     def _entry(self, t: float) -> float:
         """The entry function is one process doing entry_s / 2 of CPU work per request on the way
@@ -177,9 +224,7 @@ class Simulation:
         return self.entry_free
 
     def _enqueue(self, st: Stage, item: tuple[int, float], now: float) -> None:
-        st.arrive(now)
-        if self.record_arrivals:
-            self.arrived[st.model][st.index].append(now)
+        self.observe_arrival(st, now)
         if st.idle:
             self._begin(st.idle.pop(), item, now)
         else:
@@ -218,6 +263,9 @@ class Simulation:
 
     def _serve_next(self, r: Replica, now: float) -> None:
         st = r.stage
+        if st.cost is not None:
+            self.generation.form(r, now)
+            return
         while st.queue:
             if self._begin(r, st.queue.popleft(), now):
                 return
@@ -233,9 +281,11 @@ class Simulation:
         self.latency[i], self.status[i] = latency, 200
         self.outstanding -= 1
 
-    def _fail(self, i: int) -> None:
+    def _fail(self, i: int, status: int = 0) -> None:
+        """Answers a request with an error: 504 (0) at its deadline, another status at once."""
         if not self.status[i]:
-            self.latency[i], self.status[i] = self.cfg.request_timeout_s, TIMEOUT_STATUS
+            self.latency[i] = self.cfg.request_timeout_s if not status else self.now - self.sent[i]
+            self.status[i] = status or TIMEOUT_STATUS
             self.outstanding -= 1
 
     def _expire_rest(self) -> None:
@@ -267,4 +317,5 @@ class Simulation:
         return Trace([m.name for m in self.models], self.model_of, self.sent, self.latency, self.status,
                      self.wait, self.service,
                      {m: [np.array(a) for a in per] for m, per in self.arrived.items()},
-                     self.samples, self.decisions, dict(self.cluster.starts), self.events, self.now)
+                     self.samples, self.decisions, dict(self.cluster.starts), self.events, self.now,
+                     self.generation.out if self.generation else None)

@@ -9,17 +9,28 @@ import numpy as np
 
 from autoscaler.policy.state import StageState
 from autoscaler.policy.window import Window, stage_state
+from sim.step_cost import StepCost
 
 DRAWS = 4096
 
 
 class Replica:
-    __slots__ = ("id", "stage", "server", "started_by", "started_at", "ready", "draining", "busy")
+    """`busy`: computing an item (a batch, for a generative stage). A generative stage's replica
+    also has its own queue of decode steps, the sequences whose KV cache it holds (request ->
+    bytes), prefills waiting for KV room (item, taken at), and how many batches ran without a new
+    request (sim.generation)."""
+    __slots__ = ("id", "stage", "server", "started_by", "started_at", "ready", "draining", "busy",
+                 "private", "held", "kv_used", "waiting", "steps_without_new")
 
     def __init__(self, rid: str, stage: Stage, server: object, started_by: str, started_at: float) -> None:
         self.id, self.stage, self.server = rid, stage, server
         self.started_by, self.started_at = started_by, started_at
         self.ready = self.draining = self.busy = False
+        self.private: deque = deque()
+        self.held: dict[int, int] = {}
+        self.kv_used = 0
+        self.waiting: list[tuple[tuple, float]] = []
+        self.steps_without_new = 0
 
 
 class Stage:
@@ -33,6 +44,7 @@ class Stage:
         self.overhead_s, self.shard_bytes, self.rng = overhead_s, shard_bytes, rng
         self.cpus = 1
         self.desired = 0
+        self.cost: StepCost | None = None     # a generative stage's batched step (sim.generation)
         self.next: Stage | None = None
         self.queue: deque = deque()          # (request, handed-off time)
         self.idle: list[Replica] = []

@@ -1,0 +1,105 @@
+"""Measures what batched steps of a generative model's real stages cost on this machine and writes
+the simulator's calibration of it (sim/calibration/<model>.json).
+
+    python -m sim.calibrate                    # SmolLM2 in 4 stages, one thread per stage
+    python -m sim.calibrate --model llama1b    # a partition that is already there (the generation benchmark makes it)
+
+Each stage alone, one thread (as a replica computes): decode batches of 1 to 16 requests at two
+context lengths, prefills of 16 to 256 tokens, and mixed batches; the cost model's coefficients
+are fitted to them (sim.step_cost). Prompt lengths are ShareGPT prompts through the model's
+tokenizer. Takes about a minute for SmolLM2."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from contracts.config import load_settings
+from loadgen.sharegpt import first_prompts
+from pipeline.batched_llama import BatchedLlama
+from pipeline.batched_llama import Step as EngineStep
+from pipeline.kv_cache import KVStore
+from pipeline.manifest import Manifest
+from sim.step_cost import CALIBRATIONS, Calibration, Step, StepCost
+
+DECODES = [[(1, ctx)] * b for ctx in (32, 256) for b in (1, 2, 4, 8, 16)]
+PREFILLS = [[(p, 0)] for p in (16, 64, 128, 256)]
+MIXED = [[(64, 0)] + [(1, 128)] * 7, [(32, 0), (48, 0)] + [(1, 64)] * 4]
+REPEATS = 5
+PROMPTS = 200
+
+
+def measure(engine: BatchedLlama, steps: list[Step], repeats: int = REPEATS) -> float:
+    """Median seconds of one forward over `steps`, each request with its own cache at its position."""
+    store = KVStore(engine.kv_shape(), 1 << 40)
+    seqs = [store.admit(f"r{i}", start + tokens) for i, (tokens, start) in enumerate(steps)]
+    inputs = [_inputs(engine, tokens) for tokens, _ in steps]
+    times = []
+    for _ in range(repeats + 1):
+        batch = [EngineStep(seq, x, start) for seq, x, (_, start) in zip(seqs, inputs, steps)]
+        t0 = time.perf_counter()
+        engine.forward(batch)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))   # the first warms the kernels up
+
+
+def _inputs(engine: BatchedLlama, tokens: int) -> torch.Tensor:
+    if engine.embed is not None:
+        return torch.randint(0, engine.embed.num_embeddings, (tokens,))
+    return torch.randn(tokens, engine.width)
+
+
+def calibrate(manifest: Manifest, progress: bool = True) -> Calibration:
+    from pipeline.stage_runner import StageRunner
+    torch.set_num_threads(1)
+    costs, kv, errors = [], [], []
+    for i in range(manifest.num_stages):
+        engine = BatchedLlama(StageRunner(manifest, i, i + 1).modules)
+        samples = [(steps, measure(engine, steps)) for steps in DECODES + PREFILLS + MIXED]
+        cost = StepCost.fit(samples)
+        errors.append(float(np.median([abs(cost.batch_s(s) / t - 1) for s, t in samples])))
+        costs.append(cost)
+        kv.append(engine.kv_shape().bytes_per_token)
+        if progress:
+            print(f"  stage {i}: decode 1 at 32: {samples[0][1] * 1000:.1f} ms, 16 at 32: {samples[4][1] * 1000:.1f} ms, "
+                  f"prefill 256: {samples[len(DECODES) + 3][1] * 1000:.1f} ms; fit median error {errors[-1]:.1%}",
+                  flush=True)
+    width = manifest.config_object().hidden_size
+    return Calibration(manifest.model, tuple(costs), tuple(kv), width * 4, tuple(s.bytes for s in manifest.stages),
+                       tuple(_prompt_tokens(manifest)),
+                       {"cpu": platform.machine(), "cores": os.cpu_count(), "threads": 1,
+                        "torch": torch.__version__, "dtype": manifest.dtype, "stages": manifest.num_stages,
+                        "fit_median_relative_error": [round(e, 4) for e in errors],
+                        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def _prompt_tokens(manifest: Manifest) -> list[int]:
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())
+    return [len(tokenizer(text)["input_ids"]) for text in first_prompts(PROMPTS, seed=7)]
+
+
+def main(argv: list[str] | None = None) -> Calibration:
+    p = argparse.ArgumentParser(prog="python -m sim.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--stages", type=int, default=4, help="how the model is split (made if it is not there)")
+    p.add_argument("--out", type=Path, default=None, help=f"default: {CALIBRATIONS}/<model>.json")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from pipeline.partition import ensure_partitioned
+    manifest = ensure_partitioned(load_settings().models_dir, a.model, a.stages)
+    result = calibrate(manifest)
+    out = a.out or CALIBRATIONS / f"{a.model}.json"
+    result.save(out)
+    print(f"calibration: {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
