@@ -27,7 +27,7 @@ from contracts.stack import pipelines, read_stack
 
 def run(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    r = redis.Redis.from_url(settings.redis.url)
+    r = redis.Redis.from_url(settings.redis_url)
     models = pipelines(read_stack(Path(settings.stack_file)))
     loop = exit_on_config_error(
         lambda: ControlLoop(settings, LocalBackend(GatewayClient.for_settings(settings), models, r), r, models))
@@ -41,7 +41,7 @@ def run(settings: Settings) -> int:
 
 
 def status(settings: Settings, watch: bool) -> int:
-    r = redis.Redis.from_url(settings.redis.url)
+    r = redis.Redis.from_url(settings.redis_url)
     models = pipelines(read_stack(Path(settings.stack_file)))
     while True:
         lines = []

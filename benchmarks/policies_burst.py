@@ -63,7 +63,7 @@ def one_policy(policy: str, send_at: np.ndarray, tail_s: float) -> dict:
                             policy=policy, slo_s=1.0, window_s=5.0)
     if control.up(settings, timeout=600) != 0:
         raise SystemExit(f"the runtime did not come up for {policy}")
-    r = redis.Redis(port=settings.redis.port)
+    r = redis.Redis.from_url(settings.redis_url)
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
 

@@ -144,7 +144,7 @@ def main(repeats: int = 5) -> dict:
     km = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
                           stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
     client = KeysClient(f"http://127.0.0.1:{settings.cache.port}", timeout=600)
-    r = redis.Redis(port=settings.redis.port)
+    r = redis.Redis.from_url(settings.redis_url)
     try:
         while not client.healthy():
             time.sleep(0.1)

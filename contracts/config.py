@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from urllib.parse import quote
 
 
 class ConfigError(ValueError):
@@ -37,10 +38,7 @@ class RedisConfig:
     host: str = "127.0.0.1"
     port: int = 6390
     db: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/{self.db}"
+    password: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,6 +67,7 @@ class DataPlaneConfig:
 @dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 8 * 1024 * 1024
+    read_timeout_s: float = 30.0
     max_prompt_tokens: int = 2048
     max_new_tokens: int = 64
     max_inputs: int = 64
@@ -149,6 +148,21 @@ class Settings:
     def password_file(self) -> Path:
         # OpenFaaS's own name for the admin password file.
         return Path(self.home) / "basic-auth-password"
+
+    @property
+    def redis_password_file(self) -> Path:
+        return Path(self.home) / "redis-password"
+
+    @property
+    def redis_url(self) -> str:
+        """Where every component reaches Redis: QUART_REDIS_PASSWORD, else the password the
+        embedded runtime keeps in <home>/redis-password (read when a client is made, so a
+        process that started before the runtime made it still finds it)."""
+        password = self.redis.password
+        if not password and self.redis_password_file.exists():
+            password = self.redis_password_file.read_text().strip()
+        auth = f":{quote(password, safe='')}@" if password else ""
+        return f"redis://{auth}{self.redis.host}:{self.redis.port}/{self.redis.db}"
 
     def model_dir(self, model: str) -> Path:
         return self.models_dir / model
@@ -240,6 +254,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_REDIS_HOST", "redis.host", "Redis host"),
     Var("QUART_REDIS_PORT", "redis.port", "Redis port (the embedded runtime starts its own redis-server there)", _port),
     Var("QUART_REDIS_DB", "redis.db", "Redis database number", _not_negative),
+    Var("QUART_REDIS_PASSWORD", "redis.password",
+        "Redis password; empty: the one the embedded runtime generates in `<home>/redis-password`"),
     Var("QUART_GATEWAY_HOST", "gateway.host", "the gateway's host (the embedded runtime listens there)"),
     Var("QUART_GATEWAY_PORT", "gateway.port", "the gateway's port", _port),
     Var("QUART_GATEWAY_USER", "gateway.user", "basic-auth user of `/system/*`"),
@@ -253,6 +269,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_DRAIN_TIMEOUT_S", "data.drain_timeout_s", "a replica being removed may finish its work for this long",
         _not_negative),
     Var("QUART_MAX_BODY_BYTES", "limits.max_body_bytes", "largest request body (413 above)", _positive),
+    Var("QUART_READ_TIMEOUT_S", "limits.read_timeout_s",
+        "a function replica waits this long for a request's whole body (408 after; OpenFaaS's read_timeout)",
+        _positive),
     Var("QUART_MAX_PROMPT_TOKENS", "limits.max_prompt_tokens", "longest prompt (413 above)", _positive),
     Var("QUART_MAX_NEW_TOKENS", "limits.max_new_tokens", "most tokens one request may generate", _positive),
     Var("QUART_MAX_INPUTS", "limits.max_inputs", "most inputs in one embedding request", _positive),

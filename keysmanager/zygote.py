@@ -53,6 +53,7 @@ def _become_replica(runner: StageRunner | EmulatedRunner, request: dict, server:
     conn.close()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)   # the zygote's orphan check is not the replica's
     log = os.open(request["log_file"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -85,6 +86,19 @@ def _fork(runner: StageRunner, request: dict, server: socket.socket, conn: socke
     return pid
 
 
+def _exit_when_orphaned(period_s: float = 1.0) -> None:
+    """A zygote whose KeysManager died (kill -9 included) exits: the KeysManager started again
+    caches afresh, and nothing else would ever end it. Checked by a timer signal, not a thread
+    (a thread at fork time could hold a lock the child then waits on forever)."""
+    parent = os.getppid()
+
+    def check(*_: object) -> None:
+        if os.getppid() != parent:
+            sys.exit(0)
+    signal.signal(signal.SIGALRM, check)
+    signal.setitimer(signal.ITIMER_REAL, period_s, period_s)
+
+
 def serve(runner: StageRunner, socket_path: Path) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     socket_path.unlink(missing_ok=True)
@@ -92,6 +106,7 @@ def serve(runner: StageRunner, socket_path: Path) -> None:
     server.listen(16)
     signal.signal(signal.SIGCHLD, _reap)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _exit_when_orphaned()
     # Objects that exist now are never collected: the collector would otherwise touch (and so
     # copy) their pages in every child.
     gc.collect()

@@ -138,7 +138,7 @@ def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) 
     model = requests[0].model
     found = pipelines(read_stack(Path(settings.stack_file))).get(model)
     stages = found.num_stages if found else 0
-    r = redis.Redis(port=settings.redis.port)
+    r = redis.Redis.from_url(settings.redis_url)
     profiled = profile_latency(settings.gateway.url, requests[0])
     tpot_slo = a.tpot_slo_ms / 1000.0 if a.tpot_slo_ms else (2.0 * profiled.tpot_s if profiled.tpot_s else None)
     sampler = Sampler(r, model, stages).start()

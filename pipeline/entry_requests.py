@@ -22,8 +22,14 @@ class GenerateRequest:
 def parse_json(body: bytes) -> dict:
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"malformed JSON: {exc}") from exc
+        # A lone surrogate ("\ud800") parses but is no text: it must not reach the tokenizer.
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except (UnicodeDecodeError, UnicodeEncodeError) as exc:
+        raise BadRequest(f"malformed JSON: not UTF-8 text ({exc.reason})") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and integers longer than Python converts
+        raise BadRequest(f"malformed JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequest(f"the body must be a JSON object, not {type(data).__name__}")
     return data

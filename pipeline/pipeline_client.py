@@ -26,6 +26,9 @@ from pipeline.sampling import Sampling
 log = logging.getLogger("quart.entry")
 # A request whose caches are lost this many times in a row fails rather than loop.
 MAX_RECOMPUTES = 5
+# How long a request waits for an unreachable Redis (a supervised one is back within seconds)
+# before it is answered 503.
+REDIS_WAIT_S = 10.0
 
 
 class StageFailed(Exception):
@@ -118,7 +121,9 @@ class PipelineClient:
         self._pending[header.request_id] = future
         check_s = self.settings.data.reclaim_idle_ms / 1000.0
         try:
-            added = await r.xadd(stream, {MESSAGE_FIELD: pack(header, tensors)}, nomkstream=bool(route))
+            message = pack(header, tensors)
+            added = await self._while_redis_returns(
+                lambda: r.xadd(stream, {MESSAGE_FIELD: message}, nomkstream=bool(route)), deadline)
             if added is None:
                 return None
             while True:
@@ -128,12 +133,26 @@ class PipelineClient:
                 try:
                     reply = await asyncio.wait_for(asyncio.shield(future), timeout=min(left, check_s))
                 except TimeoutError:
-                    if route and not await self._all_alive(route):
+                    if route and not await self._while_redis_returns(lambda: self._all_alive(route), deadline):
                         return None
                     continue
                 return None if reply[0].kind == "lost" else reply
         finally:
             self._pending.pop(header.request_id, None)
+
+    async def _while_redis_returns(self, call, deadline: float):
+        """`call()`'s result, trying again while Redis cannot be reached (down, or loading its
+        file after a restart) for up to REDIS_WAIT_S within the deadline; then 503."""
+        give_up = min(deadline, time.time() + REDIS_WAIT_S)
+        pause = 0.1
+        while True:
+            try:
+                return await call()
+            except (aioredis.ConnectionError, OSError) as exc:
+                if time.time() + pause >= give_up:
+                    raise StageFailed(503, f"the data plane's Redis is unreachable ({exc})", retry_after=1.0) from None
+                await asyncio.sleep(pause)
+                pause = min(1.0, pause * 2)
 
     async def _all_alive(self, route: dict[str, str]) -> bool:
         r = await self._connection()
@@ -160,19 +179,21 @@ class PipelineClient:
     # -- the reply list ----------------------------------------------------------------------
 
     async def _connection(self) -> aioredis.Redis:
-        if self._redis is None:
-            self._redis = aioredis.Redis.from_url(self.settings.redis.url)
-            await self._redis.ping()
+        # The reply reader starts with the first request, whether or not Redis answers then: it
+        # waits for Redis on its own, and every later request needs it.
+        if self._dispatcher is None:
             self._dispatcher = asyncio.create_task(self._dispatch())
+        if self._redis is None:
+            self._redis = aioredis.Redis.from_url(self.settings.redis_url)
         return self._redis
 
     async def _dispatch(self) -> None:
         """One reader of this entry's reply list hands each answer to the request awaiting it."""
-        r = aioredis.Redis.from_url(self.settings.redis.url)
+        r = aioredis.Redis.from_url(self.settings.redis_url)
         while True:
             try:
                 item = await r.blpop([self.reply_key], timeout=1)
-            except (aioredis.ConnectionError, OSError) as exc:
+            except (aioredis.RedisError, OSError) as exc:
                 log.warning("reply reader: %s", exc)
                 await asyncio.sleep(0.5)
                 continue

@@ -71,7 +71,7 @@ class Replica:
         self.manifest = runner.manifest
         self.stage = stage
         self.model, self.first, self.last = stage.model, first, last
-        self.redis = redis.Redis.from_url(settings.redis.url)
+        self.redis = redis.Redis.from_url(settings.redis_url)
         pid = os.getpid()
         self.info = ReplicaInfo(
             replica_id=f"{self.model}-s{stage.stages}.{settings.server}.{pid}", model=self.model,
@@ -103,18 +103,23 @@ class Replica:
         return self.info.replica_id
 
     def start(self) -> None:
-        ensure_group(self.redis, self.stream)
-        if self.next_stream:
-            ensure_group(self.redis, self.next_stream)
-        if self.generation is not None:
-            ensure_group(self.redis, self.private)
-            self.redis.pexpire(self.private, int(self.settings.data.replica_ttl_s * 1000))
+        self._ensure_streams()
         register(self.redis, self.info, self.settings.data.replica_ttl_s)
         for target in (self._work_loop, self._heartbeat_loop):
             thread = threading.Thread(target=target, name=target.__name__, daemon=True)
             thread.start()
             self._threads.append(thread)
         log.info("replica %s serving %s stages [%d, %d)", self.replica_id, self.model, self.first, self.last)
+
+    def _ensure_streams(self) -> None:
+        """The streams this replica reads and writes, with their consumer groups: at start, and
+        again after a Redis that came back without them."""
+        ensure_group(self.redis, self.stream)
+        if self.next_stream:
+            ensure_group(self.redis, self.next_stream)
+        if self.generation is not None:
+            ensure_group(self.redis, self.private)
+            self.redis.pexpire(self.private, int(self.settings.data.replica_ttl_s * 1000))
 
     def stop(self) -> None:
         """Stops taking new work, finishes what it holds (the item in hand; the requests whose
@@ -168,9 +173,14 @@ class Replica:
                     next_expiry = time.monotonic() + 1.0
                     for seq in self.generation.evict_idle(self.settings.data.request_timeout_s):
                         log.info("%s freed idle sequence %s", self.replica_id, seq)
-            except redis.ConnectionError as exc:
+            except redis.ConnectionError as exc:  # Redis down or loading its file: wait for it
                 log.warning("redis unavailable (%s); retrying", exc)
                 self._stop.wait(0.5)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("%s: a stream or group is gone (%s); creating them again", self.replica_id, exc)
+                self._ensure_streams()
             except Exception:  # the loop must outlive any one bad turn
                 log.exception("%s: work loop error; continuing", self.replica_id)
                 self._stop.wait(0.5)
@@ -400,7 +410,7 @@ class Replica:
                         "kv_bytes": str(self.generation.store.used),
                         "sequences": str(len(self.generation.store.sequences))})
                     pipe.execute()
-            except redis.ConnectionError as exc:
+            except redis.RedisError as exc:  # the heartbeat must outlive Redis going away
                 log.warning("heartbeat failed: %s", exc)
 
     # -- direct invoke -------------------------------------------------------------------------

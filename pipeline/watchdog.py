@@ -89,7 +89,7 @@ def _response(result: dict) -> web.Response:
     return web.Response(status=status, body=body, headers=headers)
 
 
-def build_app(handler: ModuleType, max_body: int) -> web.Application:
+def build_app(handler: ModuleType, max_body: int, read_timeout_s: float = 30.0) -> web.Application:
     is_async = inspect.iscoroutinefunction(handler.handle)
 
     async def health(_: web.Request) -> web.Response:
@@ -102,14 +102,22 @@ def build_app(handler: ModuleType, max_body: int) -> web.Application:
     async def invoke(request: web.Request) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > max_body:
             return _too_large(max_body)
-        body = await request.content.read(max_body + 1)
-        if len(body) > max_body:
+        try:
+            body = await asyncio.wait_for(_read_body(request, max_body), read_timeout_s)
+        except TimeoutError:
+            return web.json_response({"error": f"the request body did not arrive within {read_timeout_s:g} s"},
+                                     status=408)
+        if body is None:
             return _too_large(max_body)
         event, context = Event(request, body), Context()
-        if is_async:
-            result = await handler.handle(event, context)
-        else:
-            result = await asyncio.get_running_loop().run_in_executor(None, handler.handle, event, context)
+        try:
+            if is_async:
+                result = await handler.handle(event, context)
+            else:
+                result = await asyncio.get_running_loop().run_in_executor(None, handler.handle, event, context)
+        except Exception as exc:  # noqa: BLE001 - a handler's bug is a JSON 500, and the replica lives on
+            log.exception("the handler failed")
+            return web.json_response({"error": f"internal error: {type(exc).__name__}"}, status=500)
         return await _respond(request, result)
 
     app = web.Application(client_max_size=max_body + 1)
@@ -119,12 +127,24 @@ def build_app(handler: ModuleType, max_body: int) -> web.Application:
     return app
 
 
+async def _read_body(request: web.Request, max_body: int) -> bytes | None:
+    """The whole body however it arrives (in pieces, chunked); None past `max_body` bytes."""
+    chunks, size = [], 0
+    while chunk := await request.content.read(1 << 16):
+        size += len(chunk)
+        if size > max_body:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _too_large(limit: int) -> web.Response:
     return web.json_response({"error": f"body larger than {limit} bytes"}, status=413)
 
 
-async def serve(handler: ModuleType, host: str, port_file: Path | None, max_body: int) -> None:
-    runner = web.AppRunner(build_app(handler, max_body), access_log=None, handler_cancellation=True)
+async def serve(handler: ModuleType, host: str, port_file: Path | None, max_body: int,
+                read_timeout_s: float = 30.0) -> None:
+    runner = web.AppRunner(build_app(handler, max_body, read_timeout_s), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, 0)
     await site.start()
@@ -157,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = load_settings()
     handler = load_handler(args.handler.resolve())
-    asyncio.run(serve(handler, args.host, args.port_file, settings.limits.max_body_bytes))
+    asyncio.run(serve(handler, args.host, args.port_file, settings.limits.max_body_bytes,
+                      settings.limits.read_timeout_s))
     return 0
 
 

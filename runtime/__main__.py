@@ -94,8 +94,12 @@ def down(settings: Settings) -> int:
     pid = _pid(settings)
     pid_file = Path(settings.home) / PID_FILE
     if pid is None:
+        left = _recorded_pid(pid_file)
         pid_file.unlink(missing_ok=True)
-        print("the runtime is not running")
+        if left is not None and _end_group(left):
+            print("the runtime's provider had died; stopped what was left of it (replicas, Redis, KeysManagers)")
+        else:
+            print("the runtime is not running")
         return 0
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + settings.data.drain_timeout_s + 15
@@ -109,6 +113,34 @@ def down(settings: Settings) -> int:
     pid_file.unlink(missing_ok=True)
     print("stopped")
     return 0
+
+
+def _recorded_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _end_group(pgid: int) -> bool:
+    """Ends the processes left in the runtime's process group (its leader, the provider, is
+    gone: the group id stays reserved while any of them lives): SIGTERM, then SIGKILL."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return False
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -127,9 +159,19 @@ def _alive(pid: int) -> bool:
 
 def status(settings: Settings) -> int:
     client = GatewayClient.for_settings(settings)
-    if not client.healthy():
+    try:
+        health = client.request("GET", "/healthz", auth=False)
+    except OSError:
         print("the runtime is not running")
         return 1
+    answer = health.json()
+    if health.status != 200:
+        print(f"degraded: {answer.get('error')}")
+    components = answer.get("components", {})
+    print(f"{'component':<16} {'running':>8} {'restarts':>9}  last exit")
+    for name, c in components.items():
+        print(f"{name:<16} {'yes' if c['running'] else 'no':>8} {c['restarts']:>9}  {c['last_exit'] or '-'}")
+    print()
     print(f"{'function':<16} {'replicas':>8} {'ready':>6} {'invocations':>12}")
     for f in client.functions():
         print(f"{f['name']:<16} {f['replicas']:>8} {f['availableReplicas']:>6} {f['invocationCount']:>12}")

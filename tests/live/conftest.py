@@ -15,7 +15,7 @@ def client(runtime) -> GatewayClient:
 
 @pytest.fixture(scope="module")
 def r(runtime) -> redis.Redis:
-    return redis.Redis(host=runtime.redis.host, port=runtime.redis.port)
+    return redis.Redis.from_url(runtime.redis_url)
 
 
 @pytest.fixture(scope="module")

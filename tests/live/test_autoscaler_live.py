@@ -45,7 +45,7 @@ def emulated(home_settings, tmp_path_factory):
         while len(keys_client.zygotes()) < 8 and time.time() < deadline:
             time.sleep(1)
         assert len(keys_client.zygotes()) == 8, "the emulated stages were not cached"
-        yield settings, redis.Redis(port=settings.redis.port)
+        yield settings, redis.Redis.from_url(settings.redis_url)
     finally:
         control.down(settings)
 

@@ -55,7 +55,7 @@ def km(home_settings: Settings, partitioned, tmp_path_factory):
     wait_until(client.healthy, 60, "the KeysManager")
     children: list[int] = []
     try:
-        yield settings, client, redis.Redis(port=settings.redis.port), children
+        yield settings, client, redis.Redis.from_url(settings.redis_url), children
     finally:
         for pid in children:
             _kill(pid)

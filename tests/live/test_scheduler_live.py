@@ -34,7 +34,7 @@ def three_servers(home_settings, tmp_path_factory):
         deadline = time.time() + 120
         while not any(z["stages"] == "3" for z in clients[0].zygotes()) and time.time() < deadline:
             time.sleep(0.5)
-        yield settings, redis.Redis(port=settings.redis.port), clients
+        yield settings, redis.Redis.from_url(settings.redis_url), clients
     finally:
         control.down(settings)
 

@@ -37,7 +37,8 @@ def test_good_generate_requests():
     assert req.messages == [{"role": "user", "content": "hi"}] and req.max_new_tokens == 5
 
 
-@pytest.mark.parametrize("body", [b"{", b"[1, 2]", b"\xff\xfe", b"null", b'"text"'])
+@pytest.mark.parametrize("body", [b"{", b"[1, 2]", b"\xff\xfe", b"null", b'"text"', b"[" * 100_000 + b"]" * 100_000,
+                                  b'{"max_new_tokens": ' + b"9" * 5000 + b"}", b'{"prompt": "\\ud800"}'])
 def test_bodies_that_are_not_json_objects(body):
     with pytest.raises(BadRequest):
         parse_json(body)

@@ -17,7 +17,7 @@ from contracts.paths import REPO_ROOT
 OURS = REPO_ROOT / "docs" / "openapi.yml"
 UPSTREAM = Path(os.environ.get("QUART_OPENFAAS_SPEC") or REPO_ROOT / BY_NAME["openfaas_spec"].default)
 # Schemas of this project's own entry functions: OpenFaaS leaves function bodies to functions.
-OWN_SCHEMAS = {"Error", "GenerateRequest", "GenerateResponse", "EmbedRequest", "EmbedResponse", "EmulatedRequest"}
+OWN_SCHEMAS = {"Error", "GenerateRequest", "GenerateResponse", "EmbedRequest", "EmbedResponse", "EmulatedRequest", "Health"}
 
 
 def load(path: Path) -> dict:

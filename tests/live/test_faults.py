@@ -1,0 +1,176 @@
+"""Faults in the embedded runtime's own components, on a runtime of its own (emulated 8-stage
+LLaMA-7B): Redis refuses clients without the password; Redis killed -9 during load comes back
+(supervised, from its append-only file) and the data plane recovers by itself, every request
+answered once with its content or a clear 503/504; a KeysManager killed -9 comes back and its
+orphaned zygotes exit; with the provider itself killed, `down` still stops everything."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from contracts import keys
+from contracts.http_client import GatewayClient
+from contracts.stage import StageRef
+from keysmanager.client import KeysClient
+from pipeline.registry import live_replicas
+from runtime.ports import free_port
+from tests.conftest import REPO
+from tests.live.runtime_helpers import wait_until
+
+MODEL = "llama-7b"
+
+
+@pytest.fixture(scope="module")
+def faulty(home_settings, tmp_path_factory):
+    from runtime import __main__ as control
+    settings = home_settings.replace(
+        home=str(tmp_path_factory.mktemp("faults")), models=str(home_settings.models_dir),
+        stack_file=str(REPO / "stack-emulated.yml"), gateway_port=free_port(), redis_port=free_port(),
+        keysmanager_port=free_port(), policy="none", cache_stages="none", request_timeout_s=30.0,
+        reclaim_idle_ms=2000)
+    try:
+        assert control.up(settings, timeout=600) == 0
+        yield settings
+    finally:
+        control.down(settings)
+
+
+def components(settings) -> dict:
+    """The supervised components as /healthz shows them (200 or 503)."""
+    return GatewayClient(settings.gateway.url).request("GET", "/healthz", auth=False).json()["components"]
+
+
+def runtime_processes(settings) -> dict[int, str]:
+    """pid -> command line of every process in the runtime's process group."""
+    from runtime import __main__ as control
+    group = int((Path(settings.home) / control.PID_FILE).read_text())
+    found = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit() and _pgid(int(p)) == group and alive(int(p)):
+            try:
+                found[int(p)] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except FileNotFoundError:
+                pass
+    return found
+
+
+def pid_of(settings, fragment: str) -> int:
+    (pid,) = [pid for pid, cmd in runtime_processes(settings).items() if fragment in cmd]
+    return pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_redis_refuses_clients_without_the_password(faulty):
+    anonymous = redis.Redis(host=faulty.redis.host, port=faulty.redis.port)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host=faulty.redis.host, port=faulty.redis.port, password="guess").ping()
+    assert redis.Redis.from_url(faulty.redis_url).ping()
+    assert oct(faulty.redis_password_file.stat().st_mode & 0o777) == "0o600"
+
+
+class Load:
+    """Requests one after another from a few threads until stopped: (sent, status, body) each."""
+
+    def __init__(self, settings, threads: int = 3) -> None:
+        self.client = GatewayClient(settings.gateway.url, timeout=settings.data.request_timeout_s + 30)
+        self.results: list[tuple[float, int, dict]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            try:
+                reply = self.client.invoke(MODEL, {"tokens": 16})
+                self.results.append((sent, reply.status, reply.json()))
+            except OSError as exc:  # no answer at all: the test fails on it
+                self.results.append((sent, 0, {"error": str(exc)}))
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=120)
+
+
+def test_redis_killed_during_load_comes_back_and_the_data_plane_recovers(faulty):
+    client = GatewayClient.for_settings(faulty)
+    r = redis.Redis.from_url(faulty.redis_url)
+    replicas_before = {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)}
+    before = pid_of(faulty, "redis-server")
+    with Load(faulty) as load:
+        wait_until(lambda: sum(1 for _, s, _ in load.results if s == 200) >= 5, 60, "answers before the fault")
+        os.kill(before, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: components(faulty)["redis"]["restarts"] == 1 and client.healthy(), 60, "Redis started again")
+        wait_until(lambda: any(sent > killed + 1 and status == 200 for sent, status, _ in load.results), 90,
+                   "an answer to a request sent after the fault")
+        time.sleep(2)
+    assert components(faulty)["redis"]["running"] and pid_of(faulty, "redis-server") != before
+    # From its append-only file: the stage streams' consumer groups were there at once.
+    assert r.xinfo_groups(keys.stage_stream(MODEL, 0))
+    # Every request answered once: its content, or a clear error naming the outage or the deadline.
+    for _, status, body in load.results:
+        assert status in (200, 503, 504), (status, body)
+        if status == 200:
+            assert body["emulated"] and body["tokens"] == 16 and len(body["stages"]) == 8, body
+        else:
+            assert "error" in body, body
+    # Nothing was replaced: the replicas that were serving found Redis again by themselves.
+    replicas_after = {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)}
+    assert replicas_after == replicas_before
+    assert client.invoke(MODEL, {"tokens": 16}).status == 200
+
+
+def test_a_killed_keysmanager_comes_back_and_its_zygotes_do_not_linger(faulty):
+    keys_client = KeysClient(f"http://127.0.0.1:{faulty.cache.port}", timeout=120)
+    keys_client.cache(StageRef(MODEL, 2, 3))
+    zygote = next(z for z in keys_client.zygotes() if z["stages"] == "2")["pid"]
+    os.kill(pid_of(faulty, "-m keysmanager "), signal.SIGKILL)
+    wait_until(lambda: components(faulty)["keysmanager"]["restarts"] == 1 and keys_client.healthy(), 60,
+               "the KeysManager started again")
+    wait_until(lambda: not alive(zygote), 30, "the orphaned zygote gone")
+    assert keys_client.zygotes() == []   # it starts empty; key stages are cached again as named
+    assert GatewayClient.for_settings(faulty).invoke(MODEL, {"tokens": 16}).status == 200
+
+
+def test_down_stops_everything_even_when_the_provider_is_gone(faulty):
+    """Last in this module: it ends the runtime."""
+    from runtime import __main__ as control
+    pid = int((Path(faulty.home) / control.PID_FILE).read_text())
+    group = list(runtime_processes(faulty))
+    assert len(group) > 5   # the provider, Redis, the KeysManager, the replicas
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not alive(pid), 10, "the provider gone")
+    assert control.down(faulty) == 0
+    wait_until(lambda: not any(alive(p) for p in group), 30, "every process of the runtime gone")
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
