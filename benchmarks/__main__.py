@@ -5,6 +5,7 @@ import sys
 
 from benchmarks import (
     autoscaler_tick,
+    faults,
     generation,
     hop,
     kv_migration,
@@ -22,7 +23,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "placement": placement.main, "loadgen": loadgen.main, "simulator": simulator.main,
               "generation": generation.main, "kv_migration": kv_migration.main,
               "generation_llama1b": lambda: generation.main(["--model", "llama1b"]),
-              "simulator_generation": simulator_generation.main}
+              "simulator_generation": simulator_generation.main, "faults": faults.main}
 
 
 def main(argv: list[str]) -> int:

@@ -88,6 +88,7 @@ class Replica:
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
         self._holding: dict[bytes, str] = {}  # taken and not yet acknowledged: message id -> stream
+        self._redeliver = False  # Redis went away mid-turn: take this replica's unacknowledged items again
         self._draining = False
         self._steps_without_new = 0
         self._peer: str | None = None
@@ -175,6 +176,7 @@ class Replica:
                         log.info("%s freed idle sequence %s", self.replica_id, seq)
             except redis.ConnectionError as exc:  # Redis down or loading its file: wait for it
                 log.warning("redis unavailable (%s); retrying", exc)
+                self._lost_turn()
                 self._stop.wait(0.5)
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
@@ -189,10 +191,39 @@ class Replica:
         """Started, and both its threads still running (the watchdog's health check)."""
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
+    def _lost_turn(self) -> None:
+        """What this turn took was neither handed on nor acknowledged (the transaction did not
+        run): it is still pending for this replica in Redis, and is taken again from there once
+        Redis answers; a prefill waiting for KV room stays in hand."""
+        waiting = {w.msg_id for w in self.generation.waiting} if self.generation is not None else set()
+        self._holding = {m: s for m, s in self._holding.items() if m in waiting}
+        self._redeliver = True
+
+    def _pending_again(self) -> list[Work]:
+        """This replica's own unacknowledged items (XREADGROUP from id 0), less those in hand."""
+        streams = {self.stream: "0", **({self.private: "0"} if self.generation is not None else {})}
+        in_hand = set(self._holding)
+        answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, streams, count=self.settings.batching.max_batch)
+        works = []
+        for stream, entries in answer or []:
+            for msg_id, fields in entries:
+                if not fields:  # deleted meanwhile
+                    self.redis.xack(stream, keys.GROUP, msg_id)
+                elif msg_id not in in_hand and (w := self._work(stream.decode(), msg_id, fields)) is not None:
+                    works.append(w)
+        self._redeliver = bool(works)  # more may be pending beyond this read
+        if works:
+            log.info("%s takes %d unacknowledged item(s) again after Redis came back", self.replica_id, len(works))
+        return works
+
     def _gather(self, reclaim: bool) -> list[Work]:
         """The next batch: decode steps and frees first (the private stream), then as many new
         items of the shared stream as there are slots, at least one every few steps so prefills
         never starve; blocks briefly only when there is nothing at all."""
+        if self._redeliver:
+            again = self._pending_again()
+            if again:
+                return again
         if self.generation is None:
             return (self._claim_abandoned() if reclaim else []) or self._read({self.stream: ">"}, 1, self.settings.data.block_ms)
         max_batch = self.settings.batching.max_batch

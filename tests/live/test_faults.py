@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient
+from loadgen.closed_loop import ClosedLoop
 from pipeline.registry import live_replicas
 from runtime.ports import free_port
 from tests.conftest import REPO
@@ -87,58 +87,28 @@ def test_redis_refuses_clients_without_the_password(faulty):
     assert oct(faulty.redis_password_file.stat().st_mode & 0o777) == "0o600"
 
 
-class Load:
-    """Requests one after another from a few threads until stopped: (sent, status, body) each."""
-
-    def __init__(self, settings, threads: int = 3) -> None:
-        self.client = GatewayClient(settings.gateway.url, timeout=settings.data.request_timeout_s + 30)
-        self.results: list[tuple[float, int, dict]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            sent = time.monotonic()
-            try:
-                reply = self.client.invoke(MODEL, {"tokens": 16})
-                self.results.append((sent, reply.status, reply.json()))
-            except OSError as exc:  # no answer at all: the test fails on it
-                self.results.append((sent, 0, {"error": str(exc)}))
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=120)
-
-
 def test_redis_killed_during_load_comes_back_and_the_data_plane_recovers(faulty):
     client = GatewayClient.for_settings(faulty)
     r = redis.Redis.from_url(faulty.redis_url)
     replicas_before = {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)}
     before = pid_of(faulty, "redis-server")
-    with Load(faulty) as load:
-        wait_until(lambda: sum(1 for _, s, _ in load.results if s == 200) >= 5, 60, "answers before the fault")
+    with ClosedLoop(faulty.gateway.url, MODEL, {"tokens": 16}) as load:
+        wait_until(lambda: sum(o.status == 200 for o in load.outcomes) >= 5, 60, "answers before the fault")
         os.kill(before, signal.SIGKILL)
         killed = time.monotonic()
         wait_until(lambda: components(faulty)["redis"]["restarts"] == 1 and client.healthy(), 60, "Redis started again")
-        wait_until(lambda: any(sent > killed + 1 and status == 200 for sent, status, _ in load.results), 90,
-                   "an answer to a request sent after the fault")
+        wait_until(lambda: load.ok_after(killed + 1) is not None, 90, "an answer to a request sent after the fault")
         time.sleep(2)
     assert components(faulty)["redis"]["running"] and pid_of(faulty, "redis-server") != before
     # From its append-only file: the stage streams' consumer groups were there at once.
     assert r.xinfo_groups(keys.stage_stream(MODEL, 0))
     # Every request answered once: its content, or a clear error naming the outage or the deadline.
-    for _, status, body in load.results:
-        assert status in (200, 503, 504), (status, body)
-        if status == 200:
-            assert body["emulated"] and body["tokens"] == 16 and len(body["stages"]) == 8, body
+    for o in load.outcomes:
+        assert o.status in (200, 503, 504), o
+        if o.status == 200:
+            assert o.body["emulated"] and o.body["tokens"] == 16 and len(o.body["stages"]) == 8, o
         else:
-            assert "error" in body, body
+            assert "error" in o.body, o
     # Nothing was replaced: the replicas that were serving found Redis again by themselves.
     replicas_after = {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)}
     assert replicas_after == replicas_before
