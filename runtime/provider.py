@@ -379,7 +379,8 @@ async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse, head
 
 
 def read_or_create_password(path: Path) -> str:
-    """OpenFaaS's basic-auth-password file, created on first start and readable only by its owner."""
+    """A password kept in a file (OpenFaaS's basic-auth-password, the runtime's Redis password),
+    created on first start and readable only by its owner."""
     if path.exists():
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
