@@ -50,7 +50,7 @@ def read_stack(path: Path) -> list[StackFunction]:
         raise ValueError(f"{path}: provider.name must be openfaas")
     functions = []
     for name, spec in (data.get("functions") or {}).items():
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):
             raise ValueError(f"{path}: function name {name!r} is not a valid DNS-1123 label")
         deployment = {
             "service": name,

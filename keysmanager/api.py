@@ -46,7 +46,7 @@ async def _json(request: web.Request) -> dict:
 
 def _stage_range(body: dict) -> StageRef:
     model, stages = body.get("model"), body.get("stages")
-    if not isinstance(model, str) or not NAME_RE.match(model):
+    if not isinstance(model, str) or not NAME_RE.fullmatch(model):
         raise Invalid("'model' must be a model name")
     if isinstance(stages, int) and not isinstance(stages, bool):
         stages = str(stages)
@@ -85,7 +85,7 @@ def build_app(manager: KeysManager, watch_period_s: float = 1.0) -> web.Applicat
         body = await _json(request)
         stage = _stage_range(body)
         function = body.get("function", f"{stage.model}-s{stage.stages}")
-        if not isinstance(function, str) or not NAME_RE.match(function):
+        if not isinstance(function, str) or not NAME_RE.fullmatch(function):
             raise Invalid("'function' must be a function name")
         cow = body.get("cow", True)
         if not isinstance(cow, bool):

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import platform
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -38,6 +39,22 @@ HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "aut
 
 def error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+# Variables that make the loader or the interpreter run other code: a replica is a process on this
+# host, not a container, so a deployment may not set them.
+_UNSAFE_ENV = re.compile(r"LD_.*|DYLD_.*|PYTHON.*|PATH|BASH_ENV|ENV")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_env(env: dict[str, str]) -> None:
+    for name, value in env.items():
+        if not _ENV_NAME.fullmatch(name):
+            raise BadDeployment(f"envVars: {name!r} is not a variable name")
+        if _UNSAFE_ENV.fullmatch(name):
+            raise BadDeployment(f"envVars: {name} would change how the replica's process runs; it may not be set")
+        if "\0" in value:
+            raise BadDeployment(f"envVars: {name}'s value holds a NUL byte")
 
 
 class BadDeployment(ValueError):
@@ -101,20 +118,27 @@ class LocalProvider:
         for key in ("service", "image"):
             if not isinstance(d.get(key), str) or not d[key]:
                 raise BadDeployment(f"'{key}' is required and must be a string")
-        if not NAME_RE.match(d["service"]) or len(d["service"]) > 63:
+        if not NAME_RE.fullmatch(d["service"]) or len(d["service"]) > 63:
             raise BadDeployment(f"service {d['service']!r} is not a valid DNS-1123 label")
         if d["image"] not in self.handlers:
             raise BadDeployment(f"image {d['image']!r} is unknown to the local provider, which runs "
                                 f"the handlers of its stack file: {sorted(self.handlers)}")
+        d = dict(d)
         for key in ("envVars", "labels", "annotations", "limits", "requests"):
             value = d.get(key)
-            if value is not None and (not isinstance(value, dict)
-                                      or not all(isinstance(v, str) for v in value.values())):
+            if value is None:
+                d[key] = {}   # OpenFaaS reads null as none
+            elif not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise BadDeployment(f"'{key}' must be an object of strings")
+        _check_env(d["envVars"])
         try:
-            identity(d)
+            model, stage = identity(d)
         except ValueError as exc:
             raise BadDeployment(f"envVars: {exc}") from None
+        if not model:
+            raise BadDeployment("envVars must name the function's model (QUART_MODEL)")
+        if stage is None and Path(self.handlers[d["image"]]).name == "stage":
+            raise BadDeployment(f"image {d['image']!r} is a stage: envVars must name its stages (QUART_STAGES)")
         return d
 
     def _initial_replicas(self, d: dict) -> int:

@@ -2,6 +2,7 @@
 redis-server, as a user would call it."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -331,3 +332,33 @@ def test_kill_9_of_a_forked_replica_holding_work_loses_nothing(client, r, source
     assert any(x["started_by"] == "fork-cow" for x in live_replicas(r, "smollm2", 1))
     kill_holder_during_a_request(client, r, sources, tokenizer, stage=1, forked=True)
     scale_and_wait(client, r, "smollm2-s1", 1, stage=1)
+
+
+@pytest.mark.parametrize("change", [
+    {"service": "minilm-bad\n"},
+    {"envVars": {"LD_PRELOAD": "/tmp/x.so"}},
+    {"envVars": {"PYTHONSTARTUP": "/tmp/x.py"}},
+    {"envVars": {"BAD NAME": "1"}},
+    {"envVars": {"QUART_MODEL": "minilm", "QUART_STAGES": "2", "X": "a\u0000b"}},
+    {"envVars": ["QUART_MODEL"]},
+])
+def test_deployments_that_could_harm_the_host_are_refused(client, change):
+    deployment = {"service": "minilm-bad", "image": "quart/stage:0.1.0",
+                  "envVars": {"QUART_MODEL": "minilm", "QUART_STAGES": "2"}, **change}
+    reply = client.request("POST", "/system/functions", json.dumps(deployment).encode())
+    assert reply.status == 400, reply.body
+    assert client.request("GET", "/system/function/minilm-bad").status == 404
+
+
+def test_a_deployment_without_its_identity_is_refused_and_scaling_goes_on(client, r):
+    """`envVars: null` (as some clients send) reads as no variables, so a stage function would
+    not know its model: refused with a 400 naming it, and the provider keeps scaling."""
+    update = {"service": "minilm-s0", "image": "quart/stage:0.1.0", "envVars": None, "labels": None}
+    reply = client.request("PUT", "/system/functions", json.dumps(update).encode())
+    assert reply.status == 400 and "QUART_MODEL" in reply.json()["error"], reply.body
+    only_model = {**update, "envVars": {"QUART_MODEL": "minilm"}}
+    reply = client.request("PUT", "/system/functions", json.dumps(only_model).encode())
+    assert reply.status == 400 and "QUART_STAGES" in reply.json()["error"], reply.body
+    scale_and_wait(client, r, "minilm-s0", 2, stage=0)
+    scale_and_wait(client, r, "minilm-s0", 1, stage=0)
+    assert client.invoke("minilm", {"inputs": ["still answers"]}).status == 200
