@@ -130,6 +130,8 @@ class Settings:
     stack_file: str = "stack.yml"
     server: str = field(default_factory=lambda: os.uname().nodename)
     log_level: str = "INFO"
+    log_max_bytes: int = 50 * 1024 * 1024
+    log_keep: int = 3
     redis: RedisConfig = field(default_factory=RedisConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     data: DataPlaneConfig = field(default_factory=DataPlaneConfig)
@@ -251,6 +253,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_STACK_FILE", "stack_file", "the OpenFaaS stack file whose functions run"),
     Var("QUART_SERVER", "server", "this server's name (default: the host name); virtual servers are `<server>-<i>`"),
     Var("QUART_LOG_LEVEL", "log_level", "log level of every component", _one_of("DEBUG", "INFO", "WARNING", "ERROR")),
+    Var("QUART_LOG_MAX_BYTES", "log_max_bytes", "a runtime log over this size is rotated (copied to `.1`, then emptied)",
+        _positive),
+    Var("QUART_LOG_KEEP", "log_keep", "rotated copies kept of each log", _not_negative),
     Var("QUART_REDIS_HOST", "redis.host", "Redis host"),
     Var("QUART_REDIS_PORT", "redis.port", "Redis port (the embedded runtime starts its own redis-server there)", _port),
     Var("QUART_REDIS_DB", "redis.db", "Redis database number", _not_negative),

@@ -18,15 +18,18 @@ import redis
 from aiohttp import web
 
 from contracts.config import Settings, child_environment, exit_on_config_error, load_settings
+from contracts.loops import start_thread
 from contracts.paths import REPO_ROOT
 from contracts.stack import StackFunction, read_stack
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
+from runtime.log_rotation import rotate
 from runtime.provider import LocalProvider, read_or_create_password
 from runtime.redis_server import start_redis
 from runtime.supervisor import Supervisor
 
 log = logging.getLogger("quart.server")
+LOG_CHECK_S = 10.0
 
 
 def _start(settings: Settings, module: str, *args: str, log_name: str = "") -> subprocess.Popen:
@@ -118,6 +121,8 @@ def main() -> int:
                 await asyncio.to_thread(supervisor.terminate, "autoscaler")
             app.on_shutdown.insert(0, stop_autoscaler)
         supervisor.run()
+        start_thread(LOG_CHECK_S, lambda: rotate(home / "logs", settings.log_max_bytes, settings.log_keep),
+                     threading.Event(), log, "log rotation")
         web.run_app(app, host=settings.gateway.host, port=settings.gateway.port,
                     print=None, access_log=None, shutdown_timeout=5,
                     handler_cancellation=True)  # a client gone cancels its upstream call
