@@ -91,11 +91,12 @@ class LocalProvider:
     # -- function lifecycle --------------------------------------------------------------------
 
     def deploy(self, deployment: dict, update: bool = False) -> None:
+        service = deployment.get("service") if isinstance(deployment, dict) else None
+        if update and isinstance(service, str) and service not in self.functions:
+            raise KeyError(service)   # 404 before what the body lacks
         deployment = self._validated(deployment)
         name = deployment["service"]
         existing = self.functions.get(name)
-        if update and existing is None:
-            raise KeyError(name)
         if not update and existing is not None:
             raise BadDeployment(f"function {name!r} already exists; update it with PUT")
         desired = self._initial_replicas(deployment)
