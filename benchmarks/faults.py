@@ -84,20 +84,8 @@ def _target(settings: Settings, fault: str) -> int:
         return int(live_replicas(redis.Redis.from_url(settings.redis_url), MODEL, 3)[0]["pid"])
     fragment = {"entry replica": "functions/entry", "redis": "redis-server", "keysmanager": "-m keysmanager ",
                 "autoscaler": "-m autoscaler run"}[fault]
-    (pid,) = [pid for pid, cmd in _group(settings).items() if fragment in cmd]
+    (pid,) = [pid for pid, cmd in control.processes(settings).items() if fragment in cmd]
     return pid
-
-
-def _group(settings: Settings) -> dict[int, str]:
-    leader = int((Path(settings.home) / control.PID_FILE).read_text())
-    found = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getpgid(int(p)) == leader:
-                found[int(p)] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (ProcessLookupError, FileNotFoundError, PermissionError):
-            pass
-    return found
 
 
 def _restarted(settings: Settings, fault: str, old: int) -> bool:

@@ -33,12 +33,13 @@ def ensure_partitioned(settings: Settings) -> None:
 
 
 def _pid(settings: Settings) -> int | None:
-    path = Path(settings.home) / PID_FILE
+    """The running runtime's provider process, if there is one."""
+    pid = _recorded_pid(Path(settings.home) / PID_FILE)
     try:
-        pid = int(path.read_text())
-        os.kill(pid, 0)
+        if pid is not None:
+            os.kill(pid, 0)
         return pid
-    except (FileNotFoundError, ValueError, ProcessLookupError):
+    except ProcessLookupError:
         return None
 
 
@@ -120,6 +121,21 @@ def _recorded_pid(pid_file: Path) -> int | None:
         return int(pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def processes(settings: Settings) -> dict[int, str]:
+    """pid -> command line of every live process in the runtime's process group (the provider,
+    Redis, the KeysManagers and their zygotes, the autoscaler, the replicas)."""
+    group = _recorded_pid(Path(settings.home) / PID_FILE)
+    found = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[2]) == group and stat[0] != "Z":   # fields after the name: state, ppid, pgrp
+                found[int(p)] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            pass
+    return found
 
 
 def _end_group(pgid: int) -> bool:

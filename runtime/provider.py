@@ -41,6 +41,10 @@ def error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+class BadDeployment(ValueError):
+    pass
+
+
 # Variables that make the loader or the interpreter run other code: a replica is a process on this
 # host, not a container, so a deployment may not set them.
 _UNSAFE_ENV = re.compile(r"LD_.*|DYLD_.*|PYTHON.*|PATH|BASH_ENV|ENV")
@@ -55,10 +59,6 @@ def _check_env(env: dict[str, str]) -> None:
             raise BadDeployment(f"envVars: {name} would change how the replica's process runs; it may not be set")
         if "\0" in value:
             raise BadDeployment(f"envVars: {name}'s value holds a NUL byte")
-
-
-class BadDeployment(ValueError):
-    pass
 
 
 class LocalProvider:
@@ -280,7 +280,7 @@ class LocalProvider:
 
     async def _healthz(self, _: web.Request) -> web.Response:
         """200 while every supervised component runs; 503 naming those being started again."""
-        components = {n: {k: c[k] for k in ("running", "restarts", "last_exit")} for n, c in self.components().items()}
+        components = self.components()
         down = sorted(name for name, c in components.items() if not c["running"])
         if not down:
             return web.json_response({"status": "ok", "components": components})

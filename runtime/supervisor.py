@@ -32,9 +32,8 @@ class Component:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def status(self, now: float) -> dict:
-        return {"running": self.running, "pid": self.proc.pid if self.proc else None, "restarts": self.restarts,
-                "up_s": round(now - self.started_at, 1) if self.running else 0.0, "last_exit": self.last_exit}
+    def status(self) -> dict:
+        return {"running": self.running, "restarts": self.restarts, "last_exit": self.last_exit}
 
 
 class Supervisor:
@@ -91,9 +90,8 @@ class Supervisor:
         log.info("%s started again (pid %d, restart %d)", c.name, c.proc.pid, c.restarts)
 
     def status(self) -> dict[str, dict]:
-        now = time.monotonic()
         with self._lock:
-            return {name: c.status(now) for name, c in self.components.items()}
+            return {name: c.status() for name, c in self.components.items()}
 
     def down(self) -> list[str]:
         """The components not running now (being restarted, or waiting to be)."""

@@ -78,7 +78,6 @@ class GenerationPlane:
 
     def __init__(self, sim, cfg: SimConfig, batching: Batching, n: int) -> None:
         self.sim, self.cfg, self.batching = sim, cfg, batching
-        self.requests: dict[int, Request] = {}
         self.out = Outcome(np.full(n, np.nan), np.full(n, np.nan), np.zeros(n, dtype=np.int32),
                            np.zeros(n, dtype=np.int32))
 
@@ -98,7 +97,7 @@ class GenerationPlane:
     # -- requests ----------------------------------------------------------------------------
 
     def arrive(self, i: int, model: GenerativeModel, prompt: int, first: Stage, at: float) -> None:
-        req = self.requests[i] = Request(i, model, prompt)
+        req = Request(i, model, prompt)
         self.out.prompt[i] = prompt
         self.sim.schedule(at, "prefill", first, (req, at, PREFILL))
 
@@ -152,7 +151,6 @@ class GenerationPlane:
     def _free(self, req: Request, now: float) -> None:
         """Every holder frees the request's cache; one whose prefill waited for room, or that
         drains, looks again (as an event: this may run inside one of its own batch formations)."""
-        self.requests.pop(req.i, None)
         for k, r in enumerate(req.route):
             req.route[k] = None
             if r is not None and r.held.pop(req.i, None) is not None:
@@ -304,7 +302,6 @@ class GenerationPlane:
         self.out.migrations += 1
         if peer.kv_used + need > self.batching.kv_bytes:
             self._free(req, now)
-            self.requests[req.i] = req
             self.out.recomputed += 1
             self.sim.schedule(self.sim.entry(now), "prefill", self.sim.chains[req.model.name][0], (req, now, PREFILL))
             return

@@ -19,6 +19,7 @@ from contracts.stage import StageRef
 from keysmanager.client import KeysClient
 from loadgen.closed_loop import ClosedLoop
 from pipeline.registry import live_replicas
+from runtime import __main__ as control
 from runtime.ports import free_port
 from tests.conftest import REPO
 from tests.live.runtime_helpers import wait_until
@@ -28,7 +29,6 @@ MODEL = "llama-7b"
 
 @pytest.fixture(scope="module")
 def faulty(home_settings, tmp_path_factory):
-    from runtime import __main__ as control
     settings = home_settings.replace(
         home=str(tmp_path_factory.mktemp("faults")), models=str(home_settings.models_dir),
         stack_file=str(REPO / "stack-emulated.yml"), gateway_port=free_port(), redis_port=free_port(),
@@ -46,22 +46,8 @@ def components(settings) -> dict:
     return GatewayClient(settings.gateway.url).request("GET", "/healthz", auth=False).json()["components"]
 
 
-def runtime_processes(settings) -> dict[int, str]:
-    """pid -> command line of every process in the runtime's process group."""
-    from runtime import __main__ as control
-    group = int((Path(settings.home) / control.PID_FILE).read_text())
-    found = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit() and _pgid(int(p)) == group and alive(int(p)):
-            try:
-                found[int(p)] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except FileNotFoundError:
-                pass
-    return found
-
-
 def pid_of(settings, fragment: str) -> int:
-    (pid,) = [pid for pid, cmd in runtime_processes(settings).items() if fragment in cmd]
+    (pid,) = [pid for pid, cmd in control.processes(settings).items() if fragment in cmd]
     return pid
 
 
@@ -129,18 +115,10 @@ def test_a_killed_keysmanager_comes_back_and_its_zygotes_do_not_linger(faulty):
 
 def test_down_stops_everything_even_when_the_provider_is_gone(faulty):
     """Last in this module: it ends the runtime."""
-    from runtime import __main__ as control
     pid = int((Path(faulty.home) / control.PID_FILE).read_text())
-    group = list(runtime_processes(faulty))
+    group = list(control.processes(faulty))
     assert len(group) > 5   # the provider, Redis, the KeysManager, the replicas
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not alive(pid), 10, "the provider gone")
     assert control.down(faulty) == 0
     wait_until(lambda: not any(alive(p) for p in group), 30, "every process of the runtime gone")
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except (ProcessLookupError, PermissionError):
-        return None
