@@ -10,6 +10,7 @@ from benchmarks import (
     hop,
     kv_migration,
     loadgen,
+    overload,
     pipeline_overhead,
     placement,
     policies_burst,
@@ -23,7 +24,8 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "placement": placement.main, "loadgen": loadgen.main, "simulator": simulator.main,
               "generation": generation.main, "kv_migration": kv_migration.main,
               "generation_llama1b": lambda: generation.main(["--model", "llama1b"]),
-              "simulator_generation": simulator_generation.main, "faults": faults.main}
+              "simulator_generation": simulator_generation.main, "faults": faults.main,
+              "overload": overload.main}
 
 
 def main(argv: list[str]) -> int:

@@ -143,7 +143,7 @@ def main(repeats: int = 5) -> dict:
     env = child_environment(settings)
     km = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
                           stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
-    client = KeysClient(f"http://127.0.0.1:{settings.cache.port}", timeout=600)
+    client = KeysClient.for_settings(settings)
     r = redis.Redis.from_url(settings.redis_url)
     try:
         while not client.healthy():

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import quote
 
+from contracts.secrets import read_or_create_secret
+
 
 class ConfigError(ValueError):
     """A setting that does not parse or is out of range; the message names the variable."""
@@ -62,6 +64,7 @@ class DataPlaneConfig:
     block_ms: int = 500
     records_maxlen: int = 10000
     drain_timeout_s: float = 30.0
+    admit_wait_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,12 @@ class Limits:
     max_prompt_tokens: int = 2048
     max_new_tokens: int = 64
     max_inputs: int = 64
+    max_pass_tokens: int = 16384
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence a stage takes: a prompt with every token it may generate."""
+        return self.max_prompt_tokens + self.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,7 @@ class Settings:
     log_level: str = "INFO"
     log_max_bytes: int = 50 * 1024 * 1024
     log_keep: int = 3
+    internal_token: str = ""
     redis: RedisConfig = field(default_factory=RedisConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     data: DataPlaneConfig = field(default_factory=DataPlaneConfig)
@@ -154,6 +164,16 @@ class Settings:
     @property
     def redis_password_file(self) -> Path:
         return Path(self.home) / "redis-password"
+
+    @property
+    def internal_token_file(self) -> Path:
+        return Path(self.home) / "internal-token"
+
+    def internal_api_token(self) -> str:
+        """The bearer token of the internal HTTP APIs (KeysManagers, stage replicas' direct
+        invoke): QUART_INTERNAL_TOKEN, else the one kept in <home>/internal-token (made by the
+        first process that needs it)."""
+        return self.internal_token or read_or_create_secret(self.internal_token_file)
 
     @property
     def redis_url(self) -> str:
@@ -256,6 +276,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_LOG_MAX_BYTES", "log_max_bytes", "a runtime log over this size is rotated (copied to `.1`, then emptied)",
         _positive),
     Var("QUART_LOG_KEEP", "log_keep", "rotated copies kept of each log", _not_negative),
+    Var("QUART_INTERNAL_TOKEN", "internal_token",
+        "bearer token of the KeysManager API and of stages' direct invoke; empty: `<home>/internal-token`"),
     Var("QUART_REDIS_HOST", "redis.host", "Redis host"),
     Var("QUART_REDIS_PORT", "redis.port", "Redis port (the embedded runtime starts its own redis-server there)", _port),
     Var("QUART_REDIS_DB", "redis.db", "Redis database number", _not_negative),
@@ -277,9 +299,14 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_READ_TIMEOUT_S", "limits.read_timeout_s",
         "a function replica waits this long for a request's whole body (408 after; OpenFaaS's read_timeout)",
         _positive),
+    Var("QUART_ADMIT_WAIT_S", "data.admit_wait_s",
+        "an entry refuses new requests (429) while its oldest first pass has queued longer than this; 0: never",
+        _not_negative),
     Var("QUART_MAX_PROMPT_TOKENS", "limits.max_prompt_tokens", "longest prompt (413 above)", _positive),
     Var("QUART_MAX_NEW_TOKENS", "limits.max_new_tokens", "most tokens one request may generate", _positive),
     Var("QUART_MAX_INPUTS", "limits.max_inputs", "most inputs in one embedding request", _positive),
+    Var("QUART_MAX_PASS_TOKENS", "limits.max_pass_tokens",
+        "most tokens (inputs × length) in one stage pass; a direct stage invoke above gets 413", _positive),
     Var("QUART_MAX_BATCH", "batching.max_batch",
         "most work items (decode steps and prefills of different requests) a stage replica runs as one batch", _positive),
     Var("QUART_KV_BYTES", "batching.kv_bytes",

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from contracts.config import Limits
+
 # A message is one safetensors blob whose metadata carries the JSON header under this key.
 HEADER_KEY = "quart.header"
 # Field of a stream entry that holds the message.
@@ -80,6 +82,21 @@ class Header:
         return header
 
 
+def load_json(body: bytes) -> object:
+    """A JSON request body; BadRequest (400) naming what is wrong with it, whatever it holds."""
+    try:
+        data = json.loads(body)
+        # A lone surrogate ("\ud800") parses but is no text: it must not reach a tokenizer or a log.
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except (UnicodeDecodeError, UnicodeEncodeError) as exc:
+        raise BadRequest(f"malformed JSON: not UTF-8 text ({exc.reason})") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and integers longer than Python converts
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    return data
+
+
 def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
     return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
 
@@ -117,3 +134,14 @@ def read_metadata(raw: bytes) -> dict[str, str]:
     except (ValueError, AttributeError) as exc:
         raise BadRequest(f"message is not valid safetensors: {exc}") from exc
 
+
+def check_size(t: torch.Tensor, limits: Limits, max_batch: int, max_length: int | None = None) -> None:
+    """A pass's cost is bounded: its batch, each sequence's length, and batch × length."""
+    batch, length = t.shape[0], t.shape[1]
+    if not 1 <= batch <= max_batch:
+        raise BadRequest(f"batch of {batch}; allowed 1..{max_batch}", status=413 if batch else 400)
+    longest = min(limits.max_context, max_length or limits.max_context)
+    if not 1 <= length <= longest:
+        raise BadRequest(f"sequences of {length} tokens; allowed 1..{longest}", status=413 if length else 400)
+    if batch * length > limits.max_pass_tokens:
+        raise BadRequest(f"{batch} × {length} tokens in one pass; at most {limits.max_pass_tokens}", status=413)

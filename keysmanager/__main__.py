@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     manager = KeysManager(settings, redis.Redis.from_url(settings.redis_url))
-    web.run_app(build_app(manager), host="127.0.0.1", port=settings.cache.port, print=None,
-                access_log=None)
+    web.run_app(build_app(manager, settings.internal_api_token()), host="127.0.0.1", port=settings.cache.port,
+                print=None, access_log=None)
     return 0
 
 

@@ -1,5 +1,6 @@
 """The KeysManager's HTTP API, on loopback (the autoscaler, the scheduler and the local provider
-call it). JSON in, JSON out; bad requests get a 4xx naming the problem.
+call it). JSON in, JSON out; bad requests get a 4xx naming the problem. Every path but /healthz
+needs the runtime's internal token (`Authorization: Bearer ...`); 401 without it.
 
     GET  /healthz
     GET  /zygotes                      what is cached
@@ -14,14 +15,16 @@ call it). JSON in, JSON out; bad requests get a 4xx naming the problem.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 
 from aiohttp import web
 
+from contracts.http_errors import json_errors
 from contracts.loops import every
+from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
+from contracts.wire import BadRequest, load_json
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, StaleShard
 
@@ -36,9 +39,9 @@ class Invalid(ValueError):
 
 async def _json(request: web.Request) -> dict:
     try:
-        body = json.loads(await request.read())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Invalid(f"malformed JSON: {exc}") from exc
+        body = load_json(await request.read())
+    except BadRequest as exc:
+        raise Invalid(str(exc)) from None
     if not isinstance(body, dict):
         raise Invalid("the body must be a JSON object")
     return body
@@ -69,7 +72,7 @@ def _env(body: dict) -> dict[str, str]:
     return env
 
 
-def build_app(manager: KeysManager, watch_period_s: float = 1.0) -> web.Application:
+def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> web.Application:
     def run(fn, *args):
         return asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
@@ -114,6 +117,10 @@ def build_app(manager: KeysManager, watch_period_s: float = 1.0) -> web.Applicat
 
     @web.middleware
     async def errors(request: web.Request, handler) -> web.StreamResponse:
+        if request.path != "/healthz" and not bearer_ok(request.headers.get("Authorization"), token):
+            # A fork runs code with the settings it is given: only the runtime may ask for one.
+            return web.json_response({"error": "unauthorized: the KeysManager API needs the internal token"},
+                                     status=401, headers={"WWW-Authenticate": "Bearer"})
         try:
             return await handler(request)
         except Invalid as exc:
@@ -130,7 +137,7 @@ def build_app(manager: KeysManager, watch_period_s: float = 1.0) -> web.Applicat
         app["watcher"].cancel()
         await run(manager.shutdown)
 
-    app = web.Application(middlewares=[errors])
+    app = web.Application(middlewares=[json_errors, errors])
     app.router.add_get("/healthz", lambda _: web.Response(text="OK"))
     app.router.add_get("/zygotes", lambda _: web.json_response(manager.list()))
     app.router.add_get("/stats", lambda _: web.json_response(manager.stats()))

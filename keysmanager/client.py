@@ -1,6 +1,7 @@
 """Client of a server's KeysManager API (see keysmanager/api.py)."""
 from __future__ import annotations
 
+from contracts.config import Settings
 from contracts.http_client import HttpClient
 from contracts.stage import StageRef
 
@@ -12,6 +13,13 @@ class KeysManagerError(RuntimeError):
 
 
 class KeysClient(HttpClient):
+    @classmethod
+    def for_settings(cls, settings: Settings, timeout: float = 600.0) -> KeysClient:
+        """The client of the KeysManager that `settings` name (its port), with the internal token."""
+        client = cls(f"http://127.0.0.1:{settings.cache.port}", timeout)
+        client.auth = f"Bearer {settings.internal_api_token()}"
+        return client
+
     def _call(self, method: str, path: str, body: dict | None = None) -> object:
         reply = self.request(method, path, body)
         if reply.status != 200:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, LlamaModel, PretrainedConfig
 
-from contracts.wire import BadRequest
+from contracts.config import Limits
+from contracts.wire import BadRequest, check_size
 
 EMBED, HEAD = "embed", "head"
 
@@ -52,19 +53,17 @@ class StageModule(nn.Module):
         return re.sub(r"(\.layers?\.)(\d+)\.",
                       lambda m: f"{m.group(1)}{int(m.group(2)) - self.layer_start}.", key, count=1)
 
-    def validate(self, tensors: dict[str, torch.Tensor], max_batch: int) -> None:
+    def validate(self, tensors: dict[str, torch.Tensor], limits: Limits, max_batch: int) -> None:
+        """BadRequest unless the tensors are what this stage takes, in a size `limits` allow."""
         if self.has_embed:
             ids = _require(tensors, "input_ids", (torch.int64, torch.int32), 2)
-            _check_batch(ids, max_batch)
-            limit = self.config.max_position_embeddings
-            if ids.shape[1] < 1 or ids.shape[1] > limit:
-                raise BadRequest(f"input_ids has {ids.shape[1]} tokens; allowed 1..{limit}")
+            check_size(ids, limits, max_batch, self.config.max_position_embeddings)
             if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
                 raise BadRequest(f"input_ids out of range 0..{self.config.vocab_size - 1}")
             shape = tuple(ids.shape)
         else:
             hidden = _require(tensors, "hidden", (torch.float32, torch.bfloat16, torch.float16), 3)
-            _check_batch(hidden, max_batch)
+            check_size(hidden, limits, max_batch, self.config.max_position_embeddings)
             if hidden.shape[2] != self.config.hidden_size:
                 raise BadRequest(f"hidden has width {hidden.shape[2]}; "
                                  f"this stage expects {self.config.hidden_size}")
@@ -89,11 +88,6 @@ def _require(tensors: dict[str, torch.Tensor], name: str, dtypes: tuple, ndim: i
     if t.dim() != ndim:
         raise BadRequest(f"tensor {name!r} has shape {tuple(t.shape)}; expected {ndim} dimensions")
     return t
-
-
-def _check_batch(t: torch.Tensor, max_batch: int) -> None:
-    if not 1 <= t.shape[0] <= max_batch:
-        raise BadRequest(f"batch of {t.shape[0]}; allowed 1..{max_batch}")
 
 
 def _last_positions(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
-from contracts.wire import BadRequest
+from contracts.config import Limits
+from contracts.paths import REPO_ROOT
+from contracts.wire import BadRequest, check_size
 
 WEIGHTS_8 = (0.8, 1.0, 1.0, 1.6, 1.0, 0.9, 0.9, 0.8)
 WIDTH = 64
@@ -89,11 +93,26 @@ class EmulatedRunner:
         shape = 1.0 / (p.cv * p.cv)
         return float(self._rng.gamma(shape, mean / shape))
 
-    def checked_run(self, tensors: dict[str, torch.Tensor], max_batch: int) -> dict[str, torch.Tensor]:
+    def checked_run(self, tensors: dict[str, torch.Tensor], limits: Limits) -> dict[str, torch.Tensor]:
         hidden = tensors.get("hidden")
         if hidden is None or hidden.dim() != 3 or hidden.shape[2] != WIDTH or not hidden.is_floating_point():
             raise BadRequest(f"an emulated stage takes 'hidden' of shape [batch, tokens, {WIDTH}]")
-        if not 1 <= hidden.shape[0] <= max_batch:
-            raise BadRequest(f"batch of {hidden.shape[0]}; allowed 1..{max_batch}")
+        check_size(hidden, limits, limits.max_inputs)
         time.sleep(self.service_s())
         return {"hidden": hidden}
+
+
+def write_stack(model: str, path: Path) -> Path:
+    """An OpenFaaS stack file of one emulated model of PROFILES (an entry and one function per
+    stage, like stack-emulated.yml's llama-7b), for a run that needs another profile."""
+    stages = profile(model).num_stages
+
+    def function(handler: str, **env: str) -> dict:
+        return {"lang": "python3-http", "handler": str(REPO_ROOT / "functions" / handler), "image": f"quart/{handler}:0.1.0",
+                "environment": {"QUART_MODEL": model, **env, "QUART_EMULATE": model},
+                "labels": {"com.openfaas.scale.min": "1"}}
+    functions = {model: function("entry")}
+    functions.update({f"{model}-s{i}": function("stage", QUART_STAGES=str(i)) for i in range(stages)})
+    path.write_text(yaml.safe_dump({"version": "1.0", "provider": {"name": "openfaas"}, "functions": functions},
+                                   sort_keys=False))
+    return path

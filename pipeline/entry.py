@@ -7,12 +7,14 @@ for a generative model, {inputs} for embeddings); a generative model also serves
 POST /v1/completions, POST /v1/chat/completions and GET /v1/models."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ from pipeline.emulated import WIDTH as EMULATED_WIDTH
 from pipeline.emulated import profile as emulation_profile
 from pipeline.entry_requests import (
     EMBED_MAX_TOKENS,
+    check_prompt_chars,
     check_prompt_length,
     parse_embed,
     parse_emulated,
@@ -81,9 +84,11 @@ class Entry:
             self.arch = manifest.arch
             self.config = manifest.config_object()
             self.tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())
+            self.chars_per_token = max(len(t) for t in self.tokenizer.get_vocab())
             eos = self.config.eos_token_id
             self.eos = set(eos) if isinstance(eos, list) else {eos}
         self.client = PipelineClient(settings, model, f"{model}.{settings.server}.{os.getpid()}")
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     async def handle(self, method: str, path: str, body: bytes) -> Answer:
         path = "/" + path.strip("/")
@@ -117,20 +122,25 @@ class Entry:
 
     async def _generate(self, data: dict, request_id: str, started: float) -> dict:
         req = parse_generate(data, self.settings.limits.max_new_tokens)
-        ids = self._prompt_ids(req.prompt, req.messages, req.max_new_tokens)
+        ids = await self._prompt_ids(req.prompt, req.messages, req.max_new_tokens)
+        self.client.admit()
         done = await self._run(request_id, ids, req.max_new_tokens, Sampling(), [], started, req.ignore_eos)
         return {"text": done.text, "token_ids": done.tokens, "passes": done.progress.steps,
                 "finish_reason": done.finish, **done.timing, "stages": _sum_timings(done.progress.timings)}
 
     async def _embed(self, data: dict, request_id: str, started: float) -> dict:
         inputs = parse_embed(data, self.settings.limits.max_inputs)
-        enc = self.tokenizer(inputs, padding=True, truncation=True, max_length=EMBED_MAX_TOKENS,
-                             return_tensors="pt")
+        self.client.admit()
+        # Only the first EMBED_MAX_TOKENS tokens are embedded: the rest of a long input is not read.
+        inputs = [text[:EMBED_MAX_TOKENS * self.chars_per_token] for text in inputs]
+        enc = await self._tokenized(self.tokenizer, inputs, padding=True, truncation=True,
+                                    max_length=EMBED_MAX_TOKENS, return_tensors="pt")
         header, out = await self.client.round_trip(f"{request_id}.0", dict(enc), started + self.settings.data.request_timeout_s)
         return {"embeddings": out["embeddings"].tolist(), "stages": _sum_timings([header.timings])}
 
     async def _emulated(self, data: dict, request_id: str, started: float) -> dict:
         tokens = parse_emulated(data, self.settings.limits.max_prompt_tokens)
+        self.client.admit()
         header, _ = await self.client.round_trip(f"{request_id}.0", {"hidden": torch.zeros(1, tokens, EMULATED_WIDTH)},
                                                  started + self.settings.data.request_timeout_s)
         return {"emulated": True, "tokens": tokens, "stages": _sum_timings([header.timings])}
@@ -150,11 +160,14 @@ class Entry:
             data = parse_json(body)
             req = oa.parse_openai(data, path.endswith("chat/completions"), self.model,
                                   self.settings.limits.max_new_tokens, random.getrandbits(31))
-            ids = self._prompt_ids(req.prompt, req.messages, req.max_tokens)
+            ids = await self._prompt_ids(req.prompt, req.messages, req.max_tokens)
+            self.client.admit()
         except oa.OpenAIError as exc:
             return Answer(exc.status, oa.error_body(str(exc), exc.status, exc.param, exc.code))
         except BadRequest as exc:
             return Answer(exc.status, oa.error_body(str(exc), exc.status))
+        except StageFailed as exc:
+            return Answer(exc.status, oa.error_body(str(exc), exc.status), _retry_after(exc))
         rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
         if req.stream:
             return Answer(200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
@@ -192,12 +205,20 @@ class Entry:
 
     # -- generation --------------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: str | None, messages: list[dict] | None, max_new: int) -> list[int]:
+    async def _tokenized(self, call, *args, **kwargs):
+        """`call(*args, **kwargs)` on the tokenizer's own thread: a body of megabytes takes seconds
+        to tokenize and other requests go on meanwhile; one thread, as a fast tokenizer with
+        truncation set must not be used by two threads at once."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, lambda: call(*args, **kwargs))
+
+    async def _prompt_ids(self, prompt: str | None, messages: list[dict] | None, max_new: int) -> list[int]:
+        chars = len(prompt) if prompt is not None else sum(len(m["content"]) for m in messages)
+        check_prompt_chars(chars, self.settings.limits.max_prompt_tokens, self.chars_per_token)
         if prompt is not None:
-            ids = self.tokenizer(prompt)["input_ids"]
+            ids = (await self._tokenized(self.tokenizer, prompt))["input_ids"]
         else:
-            ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                          tokenize=True, return_dict=True)["input_ids"])
+            ids = list((await self._tokenized(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                              tokenize=True, return_dict=True))["input_ids"])
         check_prompt_length(len(ids), max_new, self.settings.limits.max_prompt_tokens,
                             self.config.max_position_embeddings)
         return ids

@@ -1,10 +1,9 @@
 """Validation of user requests to a model's entry function. Every problem is a BadRequest naming it."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from contracts.wire import BadRequest
+from contracts.wire import BadRequest, load_json
 
 ROLES = ("system", "user", "assistant")
 # sentence-transformers' max_seq_length for all-MiniLM-L6-v2: longer inputs are truncated.
@@ -20,16 +19,7 @@ class GenerateRequest:
 
 
 def parse_json(body: bytes) -> dict:
-    try:
-        data = json.loads(body)
-        # A lone surrogate ("\ud800") parses but is no text: it must not reach the tokenizer.
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except (UnicodeDecodeError, UnicodeEncodeError) as exc:
-        raise BadRequest(f"malformed JSON: not UTF-8 text ({exc.reason})") from None
-    except RecursionError:
-        raise BadRequest("malformed JSON: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and integers longer than Python converts
-        raise BadRequest(f"malformed JSON: {exc}") from None
+    data = load_json(body)
     if not isinstance(data, dict):
         raise BadRequest(f"the body must be a JSON object, not {type(data).__name__}")
     return data
@@ -100,6 +90,12 @@ def check_prompt_length(num_tokens: int, max_new: int, max_prompt: int, max_posi
         raise BadRequest(f"prompt of {num_tokens} tokens plus {max_new} new ones exceeds the "
                          f"model's {max_positions} positions", status=413)
 
+def check_prompt_chars(chars: int, max_prompt: int, chars_per_token: int) -> None:
+    """Before tokenizing: no token covers more than `chars_per_token` characters, so a longer text
+    has more tokens than allowed whatever they are (and tokenizing megabytes takes minutes)."""
+    if chars > max_prompt * chars_per_token:
+        raise BadRequest(f"prompt of {chars} characters is over {max_prompt} tokens long; "
+                         f"at most {max_prompt} tokens", status=413)
 
 
 def parse_emulated(data: dict, max_tokens: int) -> int:

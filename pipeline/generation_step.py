@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from contracts.config import Limits
 from contracts.wire import BadRequest, Header
 from pipeline.batched_llama import BatchedLlama, Step
 from pipeline.kv_cache import KVStore, NoRoom
@@ -57,8 +58,9 @@ class BatchResult:
 
 
 class GenerationStage:
-    def __init__(self, runner: StageRunner, replica_id: str, budget_bytes: int, kv_wait_s: float) -> None:
-        self.runner = runner
+    def __init__(self, runner: StageRunner, replica_id: str, budget_bytes: int, kv_wait_s: float,
+                 limits: Limits) -> None:
+        self.runner, self.limits = runner, limits
         self.engine = BatchedLlama(runner.modules)
         self.store = KVStore(self.engine.kv_shape(), budget_bytes)
         self.replica_id = replica_id
@@ -180,7 +182,7 @@ class GenerationStage:
         """The step's tokens or hidden states without the batch dimension; None (and an error
         outcome) when they are malformed."""
         try:
-            self.runner.validate(w.tensors, 1)
+            self.runner.validate(w.tensors, self.limits, 1)
         except BadRequest as exc:
             outcomes.append(_error(w, exc))
             return None

@@ -21,6 +21,7 @@ import torch
 from contracts import keys
 from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
+from pipeline.admission import Admission
 from pipeline.sampling import Sampling
 
 log = logging.getLogger("quart.entry")
@@ -56,6 +57,15 @@ class PipelineClient:
         self._pending: dict[str, asyncio.Future] = {}
         self._dispatcher: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self.admission = Admission(settings.data.admit_wait_s)
+
+    def admit(self) -> None:
+        """StageFailed(429) when the stages are too far behind to take a new request in time."""
+        retry_after = self.admission.refusal(time.time())
+        if retry_after is not None:
+            raise StageFailed(429, f"{self.model} is overloaded: requests queue "
+                                   f"{self.admission.queued_s(time.time()):.1f} s before their first pass, "
+                                   f"over the {self.admission.max_wait_s:g} s allowed", retry_after)
 
     # -- one pass ----------------------------------------------------------------------------
 
@@ -120,6 +130,10 @@ class PipelineClient:
         future = asyncio.get_running_loop().create_future()
         self._pending[header.request_id] = future
         check_s = self.settings.data.reclaim_idle_ms / 1000.0
+        first_pass = stream == self.first_stream
+        if first_pass:
+            self.admission.sent(header.request_id, time.time())
+        reply = None
         try:
             message = pack(header, tensors)
             added = await self._while_redis_returns(
@@ -139,6 +153,9 @@ class PipelineClient:
                 return None if reply[0].kind == "lost" else reply
         finally:
             self._pending.pop(header.request_id, None)
+            if first_pass:
+                service_s = sum(t.service_ms for t in reply[0].timings) / 1000.0 if reply else None
+                self.admission.answered(header.request_id, service_s)
 
     async def _while_redis_returns(self, call, deadline: float):
         """`call()`'s result, trying again while Redis cannot be reached (down, or loading its

@@ -83,7 +83,7 @@ class Replica:
         self.private = keys.replica_stream(self.replica_id)
         generative = isinstance(runner, StageRunner) and runner.manifest.arch == "llama"
         self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
-                                          settings.batching.kv_wait_s) if generative else None
+                                          settings.batching.kv_wait_s, settings.limits) if generative else None
         self._labels = {"model": self.model, "stage": str(first)}
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
@@ -367,7 +367,7 @@ class Replica:
         started = time.time()
         try:
             with self._compute_lock:
-                out = self.runner.checked_run(tensors, self.settings.limits.max_inputs)
+                out = self.runner.checked_run(tensors, self.settings.limits)
             REQUESTS.labels(**self._labels, outcome="ok").inc()
             return out
         except BadRequest as exc:
@@ -450,5 +450,5 @@ class Replica:
         """Runs this replica's stages on safetensors bytes and answers safetensors bytes."""
         tensors = decode_tensors(body)
         with self._compute_lock:
-            out = self.runner.checked_run(tensors, self.settings.limits.max_inputs)
+            out = self.runner.checked_run(tensors, self.settings.limits)
         return encode_tensors(out)

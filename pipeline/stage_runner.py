@@ -5,6 +5,7 @@ import torch
 from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
+from contracts.config import Limits
 from contracts.wire import BadRequest
 from pipeline.architectures import StageModule, architecture
 from pipeline.manifest import Manifest, sha256_file
@@ -61,8 +62,8 @@ class StageRunner:
     def is_last(self) -> bool:
         return self.last == self.manifest.num_stages
 
-    def validate(self, tensors: dict[str, torch.Tensor], max_batch: int) -> None:
-        self.modules[0].validate(tensors, max_batch)
+    def validate(self, tensors: dict[str, torch.Tensor], limits: Limits, max_batch: int) -> None:
+        self.modules[0].validate(tensors, limits, max_batch)
 
     @torch.inference_mode()
     def run(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -71,8 +72,8 @@ class StageRunner:
             tensors = module(tensors)
         return {k: v.cpu() for k, v in tensors.items()}
 
-    def checked_run(self, tensors: dict[str, torch.Tensor], max_batch: int) -> dict[str, torch.Tensor]:
-        self.validate(tensors, max_batch)
+    def checked_run(self, tensors: dict[str, torch.Tensor], limits: Limits) -> dict[str, torch.Tensor]:
+        self.validate(tensors, limits, limits.max_inputs)
         out = self.run(tensors)
         if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in out.values()):
             raise BadRequest("the stage produced NaN or infinity", status=422)

@@ -29,6 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from contracts.config import load_settings
+from contracts.http_errors import json_errors
 
 HEALTH_PATH = "/_/health"
 METRICS_PATH = "/metrics"
@@ -110,17 +111,14 @@ def build_app(handler: ModuleType, max_body: int, read_timeout_s: float = 30.0) 
         if body is None:
             return _too_large(max_body)
         event, context = Event(request, body), Context()
-        try:
-            if is_async:
-                result = await handler.handle(event, context)
-            else:
-                result = await asyncio.get_running_loop().run_in_executor(None, handler.handle, event, context)
-        except Exception as exc:  # noqa: BLE001 - a handler's bug is a JSON 500, and the replica lives on
-            log.exception("the handler failed")
-            return web.json_response({"error": f"internal error: {type(exc).__name__}"}, status=500)
+        # A handler's bug is a JSON 500 (json_errors), and the replica lives on.
+        if is_async:
+            result = await handler.handle(event, context)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(None, handler.handle, event, context)
         return await _respond(request, result)
 
-    app = web.Application(client_max_size=max_body + 1)
+    app = web.Application(middlewares=[json_errors], client_max_size=max_body + 1)
     app.router.add_get(HEALTH_PATH, health)
     app.router.add_get(METRICS_PATH, metrics)
     app.router.add_route("*", "/{tail:.*}", invoke)

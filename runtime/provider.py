@@ -6,14 +6,11 @@ import asyncio
 import base64
 import binascii
 import hmac
-import json
 import logging
-import os
 import platform
 import re
-import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -22,8 +19,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from contracts.config import Settings
+from contracts.http_errors import json_errors
 from contracts.loops import every
 from contracts.stack import NAME_RE, StackFunction, identity
+from contracts.wire import BadRequest, load_json
 from keysmanager.client import KeysClient
 from runtime.functions import FunctionState, ProcessManager
 from runtime.placer import Placer
@@ -34,7 +33,14 @@ SCALE_MIN_LABEL = "com.openfaas.scale.min"
 SCALE_MAX_LABEL = "com.openfaas.scale.max"
 PROBE_PERIOD_S = 2.0
 FAILURE_THRESHOLD = 3
-HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "authorization"}
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
+
+
+def _forwarded(headers: Mapping[str, str]) -> dict[str, str]:
+    """A request's headers as a replica gets them: hop-by-hop ones dropped, and the gateway's own
+    basic-auth credentials kept from function code (a bearer token, like the internal one, passes)."""
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS
+            and not (k.lower() == "authorization" and v.lower().startswith("basic "))}
 
 
 def error(status: int, message: str) -> web.Response:
@@ -233,7 +239,7 @@ class LocalProvider:
     # -- HTTP ----------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=self.settings.limits.max_body_bytes + 1)
+        app = web.Application(middlewares=[json_errors, self._auth], client_max_size=self.settings.limits.max_body_bytes + 1)
         r = app.router
         r.add_get("/healthz", self._healthz)
         r.add_get("/metrics", self._metrics)
@@ -297,9 +303,9 @@ class LocalProvider:
 
     async def _body(self, request: web.Request) -> object:
         try:
-            return json.loads(await request.read())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadDeployment(f"malformed JSON: {exc}") from exc
+            return load_json(await request.read())
+        except BadRequest as exc:
+            raise BadDeployment(str(exc)) from None
 
     async def _deploy(self, request: web.Request) -> web.Response:
         try:
@@ -360,7 +366,7 @@ class LocalProvider:
 
     async def _forward(self, fn: FunctionState, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers = _forwarded(request.headers)
         tail = request.match_info.get("tail", "")
         # A replica that refuses the connection or drops it before answering (it just died) is
         # skipped for the next one, waiting for a replacement if it was the only one: nothing was
@@ -401,16 +407,3 @@ async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse, head
         return out
     await out.write_eof()
     return out
-
-
-def read_or_create_password(path: Path) -> str:
-    """A password kept in a file (OpenFaaS's basic-auth-password, the runtime's Redis password),
-    created on first start and readable only by its owner."""
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    password = secrets.token_urlsafe(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(password + "\n")
-    return password

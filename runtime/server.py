@@ -20,11 +20,12 @@ from aiohttp import web
 from contracts.config import Settings, child_environment, exit_on_config_error, load_settings
 from contracts.loops import start_thread
 from contracts.paths import REPO_ROOT
+from contracts.secrets import read_or_create_secret
 from contracts.stack import StackFunction, read_stack
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 from runtime.log_rotation import rotate
-from runtime.provider import LocalProvider, read_or_create_password
+from runtime.provider import LocalProvider
 from runtime.redis_server import start_redis
 from runtime.supervisor import Supervisor
 
@@ -46,7 +47,7 @@ def start_keysmanagers(settings: Settings, supervisor: Supervisor) -> dict[str, 
         own = settings.replace(server=name, keysmanager_port=settings.cache.port + i)
         log_name = "keysmanager" if settings.servers.virtual <= 1 else f"keysmanager-{name}"
         supervisor.add(log_name, lambda own=own, log_name=log_name: _start(own, "keysmanager", log_name=log_name))
-        clients[name] = KeysClient(f"http://127.0.0.1:{own.cache.port}", timeout=600)
+        clients[name] = KeysClient.for_settings(own)
     deadline = time.monotonic() + 60
     for name, client in clients.items():
         while not client.healthy():
@@ -63,7 +64,7 @@ def start_redis_supervised(settings: Settings, supervisor: Supervisor) -> None:
     workdir = home / "redis"
     for old in ("appendonly.aof", "dump.rdb"):
         (workdir / old).unlink(missing_ok=True)
-    password = read_or_create_password(settings.redis_password_file) if not settings.redis.password \
+    password = read_or_create_secret(settings.redis_password_file) if not settings.redis.password \
         else settings.redis.password
     supervisor.add("redis", lambda: start_redis(settings.redis.host, settings.redis.port, workdir,
                                                 home / "logs" / "redis.log", password=password, persist=True))
@@ -107,7 +108,7 @@ def main() -> int:
         start_redis_supervised(settings, supervisor)
         stack = read_stack(Path(settings.stack_file))
         clients = start_keysmanagers(settings, supervisor)
-        provider = LocalProvider(settings, stack, read_or_create_password(settings.password_file), clients,
+        provider = LocalProvider(settings, stack, read_or_create_secret(settings.password_file), clients,
                                  redis.Redis.from_url(settings.redis_url), components=supervisor.status)
         for fn in stack:
             provider.deploy(fn.deployment)

@@ -48,7 +48,8 @@ def runtime(home_settings: Settings, partitioned):
     settings = home_settings.replace(
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
         stack_file=str(REPO / "stack.yml"), policy="none",  # these tests scale by hand
-        request_timeout_s=30.0, reclaim_idle_ms=2000, drain_timeout_s=20.0, max_prompt_tokens=256)
+        request_timeout_s=30.0, reclaim_idle_ms=2000, drain_timeout_s=20.0, max_prompt_tokens=256,
+        admit_wait_s=0.0)  # tests that load it assert every request is answered; test_overload covers admission
     # `up` hands these settings to the runtime, which hands them to every replica.
     try:
         assert control.up(settings, timeout=600) == 0, "the embedded runtime did not come up"

@@ -1,9 +1,11 @@
 """Stage function (python3-http template shape). One replica serves the stage range in
 QUART_STAGES of the model in QUART_MODEL: in the background it pulls work from the stage's
-Redis Stream; over HTTP it answers a direct single-stage invoke (safetensors in, safetensors out).
-A replica forked by a KeysManager zygote uses the parameters it inherited instead of loading them.
+Redis Stream; over HTTP it answers a direct single-stage invoke (safetensors in, safetensors out)
+from callers holding the runtime's internal token: users go through the model's entry, which bounds
+what they ask. A replica forked by a KeysManager zygote uses the parameters it inherited instead of loading them.
 """
 from contracts.config import load_settings, replica_identity
+from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
 from contracts.wire import CONTENT_TYPE, BadRequest
 from pipeline.inherited import inherited_runner
@@ -11,13 +13,19 @@ from pipeline.replica import Replica
 
 IDENTITY = replica_identity()
 STAGE = StageRef.parse(IDENTITY.model, IDENTITY.stages)
-REPLICA = Replica(load_settings(), STAGE, IDENTITY.started_by, runner=inherited_runner(STAGE))
+SETTINGS = load_settings()
+TOKEN = SETTINGS.internal_api_token()
+REPLICA = Replica(SETTINGS, STAGE, IDENTITY.started_by, runner=inherited_runner(STAGE))
 REPLICA.start()
 
 
 def handle(event, context):
     if event.method != "POST":
         return {"statusCode": 405, "body": {"error": "POST safetensors bytes to invoke this stage"}}
+    if not bearer_ok(event.headers.get("Authorization"), TOKEN):
+        return {"statusCode": 401, "body": {"error": "unauthorized: a stage is invoked directly only with the "
+                                                     "internal token; users call the model's entry"},
+                "headers": {"WWW-Authenticate": "Bearer"}}
     try:
         out = REPLICA.invoke(event.body)
     except BadRequest as exc:

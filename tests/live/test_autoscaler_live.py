@@ -40,7 +40,7 @@ def emulated(home_settings, tmp_path_factory):
     try:
         assert control.up(settings, timeout=600) == 0
         # Scale-ups are meant to fork: wait until the KeysManager holds every stage.
-        keys_client = KeysClient(f"http://127.0.0.1:{settings.cache.port}", timeout=60)
+        keys_client = KeysClient.for_settings(settings, timeout=60)
         deadline = time.time() + 300
         while len(keys_client.zygotes()) < 8 and time.time() < deadline:
             time.sleep(1)

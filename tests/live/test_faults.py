@@ -102,7 +102,7 @@ def test_redis_killed_during_load_comes_back_and_the_data_plane_recovers(faulty)
 
 
 def test_a_killed_keysmanager_comes_back_and_its_zygotes_do_not_linger(faulty):
-    keys_client = KeysClient(f"http://127.0.0.1:{faulty.cache.port}", timeout=120)
+    keys_client = KeysClient.for_settings(faulty, timeout=120)
     keys_client.cache(StageRef(MODEL, 2, 3))
     zygote = next(z for z in keys_client.zygotes() if z["stages"] == "2")["pid"]
     os.kill(pid_of(faulty, "-m keysmanager "), signal.SIGKILL)

@@ -51,7 +51,7 @@ def km(home_settings: Settings, partitioned, tmp_path_factory):
     env = child_environment(settings)
     proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
                             stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
-    client = KeysClient(f"http://127.0.0.1:{settings.cache.port}", timeout=300)
+    client = KeysClient.for_settings(settings, timeout=300)
     wait_until(client.healthy, 60, "the KeysManager")
     children: list[int] = []
     try:
@@ -91,8 +91,10 @@ def start_cold(settings: Settings, children: list, model: str, stages: str) -> i
     return int(port_file.read_text())
 
 
-def invoke(port: int, tensors: dict) -> dict:
-    reply = HttpClient(f"http://127.0.0.1:{port}").request("POST", "/", encode_tensors(tensors))
+def invoke(client: KeysClient, port: int, tensors: dict) -> dict:
+    """A direct invoke of a replica, with the internal token that `client` holds too."""
+    reply = HttpClient(f"http://127.0.0.1:{port}").request("POST", "/", encode_tensors(tensors),
+                                                          headers={"Authorization": client.auth})
     assert reply.status == 200, reply.body
     return decode_tensors(reply.body)
 
@@ -113,9 +115,9 @@ def test_forked_replicas_compute_exactly_what_a_cold_one_does(km, partitioned):
     _, cow_port = start_forked(client, children, "smollm2", "1", cow=True)
     _, copy_port = start_forked(client, children, "smollm2", "1", cow=False)
     cold_port = start_cold(settings, children, "smollm2", "1")
-    cold = invoke(cold_port, hidden)["hidden"]
-    assert torch.equal(invoke(cow_port, hidden)["hidden"], cold)
-    assert torch.equal(invoke(copy_port, hidden)["hidden"], cold)
+    cold = invoke(client, cold_port, hidden)["hidden"]
+    assert torch.equal(invoke(client, cow_port, hidden)["hidden"], cold)
+    assert torch.equal(invoke(client, copy_port, hidden)["hidden"], cold)
     started = sorted(x["started_by"] for x in live_replicas(r, "smollm2", 1))
     assert started == ["cold", "fork-copy", "fork-cow"]
 
@@ -151,7 +153,7 @@ def test_eviction_under_a_lowered_threshold_is_lru_and_spares_children(km):
                if f[b"event"] == b"evict" and f[b"zygote"].startswith(b"minilm:")]
     assert evicted == ["minilm:1", "minilm:2", "minilm:0"]
     # The child of an evicted zygote still serves.
-    out = invoke(child_port, {"input_ids": torch.tensor([[101, 7592, 102]])})
+    out = invoke(client, child_port, {"input_ids": torch.tensor([[101, 7592, 102]])})
     assert out["hidden"].shape == (1, 3, 384)
 
 
@@ -186,7 +188,7 @@ def test_a_changed_shard_is_never_served_from_the_stale_cache(km, sources, home_
     from pipeline.manifest import Manifest
     manifest = Manifest.load(out)
     hidden = StageRunner(manifest, 0, 1).run({"input_ids": torch.tensor([[101, 7592, 2088, 102]])})
-    torch.testing.assert_close(invoke(port, hidden)["hidden"], StageRunner(manifest, 1, 2).run(hidden)["hidden"],
+    torch.testing.assert_close(invoke(client, port, hidden)["hidden"], StageRunner(manifest, 1, 2).run(hidden)["hidden"],
                                rtol=1e-5, atol=1e-5)
 
 
@@ -197,6 +199,19 @@ def test_a_changed_shard_is_never_served_from_the_stale_cache(km, sources, home_
 def test_bad_cache_requests(km, body, status):
     _, client, _, _ = km
     assert client.request("POST", "/cache", body).status == status
+
+
+def test_the_api_refuses_callers_without_the_internal_token(km):
+    settings, client, _, _ = km
+    anonymous = HttpClient(client.url)
+    body = {"model": "smollm2", "stages": "1", "env": {"QUART_MAX_BATCH": "1"}}
+    for method, path in [("POST", "/fork"), ("POST", "/cache"), ("POST", "/evict"), ("PUT", "/config"),
+                         ("GET", "/zygotes"), ("GET", "/stats")]:
+        for auth in ({}, {"Authorization": "Bearer not-it"}):
+            reply = anonymous.request(method, path, body, headers=auth)
+            assert reply.status == 401 and "internal token" in reply.json()["error"], (method, path, reply.body)
+    assert anonymous.healthy()  # the probe stays open
+    assert client.stats()["memory_threshold"] == settings.cache.memory_threshold
 
 
 def test_bad_fork_requests(km):

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from contracts import keys
 from contracts.http_client import GatewayClient
+from contracts.secrets import bearer
 from contracts.wire import MESSAGE_FIELD, decode_tensors, encode_tensors, unpack
 from pipeline.architectures import mean_pool_normalize
 from pipeline.registry import live_replicas
@@ -59,12 +60,19 @@ def test_minilm_embeds_like_sentence_transformers(client, sources, partitioned):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
-def test_direct_stage_invoke_matches_the_stage(client, partitioned, tokenizer):
+def stage_invoke(client, settings, function: str, tensors: dict | bytes):
+    """A direct invoke of a stage function, as the runtime's own components may make it."""
+    body = tensors if isinstance(tensors, bytes) else encode_tensors(tensors)
+    return client.request("POST", f"/function/{function}", body, headers=bearer(settings.internal_api_token()),
+                          auth=False)
+
+
+def test_direct_stage_invoke_matches_the_stage(client, runtime, partitioned, tokenizer):
     from pipeline.stage_runner import StageRunner
     manifest = partitioned("smollm2", 4)
     ids = tokenizer("Stage one receives what stage zero made", return_tensors="pt")["input_ids"]
     hidden = StageRunner(manifest, 0, 1).run({"input_ids": ids})["hidden"]
-    reply = client.invoke("smollm2-s1", encode_tensors({"hidden": hidden}))
+    reply = stage_invoke(client, runtime, "smollm2-s1", {"hidden": hidden})
     assert reply.status == 200, reply.body
     got = decode_tensors(reply.body)["hidden"]
     expected = StageRunner(manifest, 1, 2).run({"hidden": hidden})["hidden"]
@@ -120,16 +128,36 @@ BAD_TENSORS = [
 
 
 @pytest.mark.parametrize("tensors,text", BAD_TENSORS)
-def test_bad_tensors_in_a_direct_invoke(client, tensors, text):
-    reply = client.invoke("smollm2-s1", encode_tensors(tensors))
+def test_bad_tensors_in_a_direct_invoke(client, runtime, tensors, text):
+    reply = stage_invoke(client, runtime, "smollm2-s1", tensors)
     assert 400 <= reply.status < 500 and text in reply.json()["error"], reply.body
 
 
-def test_garbage_bytes_and_wrong_methods_in_a_direct_invoke(client, r):
+def test_a_direct_invoke_needs_the_internal_token(client, runtime):
+    hidden = encode_tensors({"hidden": torch.randn(1, 3, 576)})
+    for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + "x" * 20}):
+        reply = client.request("POST", "/function/smollm2-s1", hidden, headers=auth, auth=False)
+        assert reply.status == 401 and "internal token" in reply.json()["error"], reply.body
+    assert stage_invoke(client, runtime, "smollm2-s1", hidden).status == 200
+
+
+@pytest.mark.parametrize("tensors", [
+    {"input_ids": torch.ones(1, 8192, dtype=torch.long)},        # longer than any prompt may be
+    {"hidden": torch.randn(64, 300, 1)},                          # every row allowed, their product not
+    {"hidden": torch.randn(65, 1, 576)},                          # more inputs than a request may have
+])
+def test_a_direct_invoke_is_bounded_by_its_cost(client, runtime, tensors):
+    function = "smollm2-s0" if "input_ids" in tensors else "smollm2-s1"
+    reply = stage_invoke(client, runtime, function, tensors)
+    assert reply.status == 413, reply.body
+    assert "allowed" in reply.json()["error"] or "at most" in reply.json()["error"]
+
+
+def test_garbage_bytes_and_wrong_methods_in_a_direct_invoke(client, runtime, r):
     before = {i: sorted(x["replica_id"] for x in live_replicas(r, "smollm2", i)) for i in range(3)}
-    reply = client.invoke("smollm2-s2", b"\x00\x01garbage")
+    reply = stage_invoke(client, runtime, "smollm2-s2", b"\x00\x01garbage")
     assert reply.status == 400 and "safetensors" in reply.json()["error"]
-    out_of_vocab = client.invoke("smollm2-s0", encode_tensors({"input_ids": torch.tensor([[10 ** 6]])}))
+    out_of_vocab = stage_invoke(client, runtime, "smollm2-s0", {"input_ids": torch.tensor([[10 ** 6]])})
     assert out_of_vocab.status == 400 and "out of range" in out_of_vocab.json()["error"]
     assert client.request("GET", "/function/smollm2-s1", auth=False).status == 405
     # The same replicas (ids hold their pids) still serve after all of that: none restarted.
@@ -309,7 +337,7 @@ def test_a_request_that_cannot_finish_gets_504_naming_it(client, r, runtime):
 
 def test_scale_ups_fork_from_the_cache_repeatedly_under_load(client, r, runtime):
     from keysmanager.client import KeysClient
-    keys_client = KeysClient(f"http://127.0.0.1:{runtime.cache.port}", timeout=300)
+    keys_client = KeysClient.for_settings(runtime, timeout=300)
     wait_until(lambda: any(z["model"] == "smollm2" and z["stages"] == "1" for z in keys_client.zygotes()),
                300, "smollm2 stage 1 to be cached")
     results: list = []

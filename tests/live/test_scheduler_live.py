@@ -29,7 +29,7 @@ def three_servers(home_settings, tmp_path_factory):
         cache_stages=STAGE3)  # cached at start on the first server only
     try:
         assert control.up(settings, timeout=600) == 0
-        clients = [KeysClient(f"http://127.0.0.1:{settings.cache.port + i}", timeout=120) for i in range(3)]
+        clients = [KeysClient.for_settings(settings.replace(keysmanager_port=settings.cache.port + i), timeout=120) for i in range(3)]
         clients[1].cache(StageRef.parse(MODEL, "3"))  # pre-warmed by hand on a second server
         deadline = time.time() + 120
         while not any(z["stages"] == "3" for z in clients[0].zygotes()) and time.time() < deadline:
