@@ -8,11 +8,12 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis
 
 from autoscaler.backends import Backend
+from autoscaler.host_cpu import HostCpu
 from autoscaler.observe import Observer
 from autoscaler.policy.controller import Actions, Controller, enact
 from contracts import keys
@@ -32,6 +33,7 @@ class ControlLoop:
     pipelines: dict[str, Pipeline]
     controller: Controller = field(init=False)
     observer: Observer = field(init=False)
+    host_cpu: HostCpu = field(default_factory=HostCpu)
 
     def __post_init__(self) -> None:
         stages = {m: p.stages for m, p in self.pipelines.items()}
@@ -45,6 +47,10 @@ class ControlLoop:
     def tick(self, now: float | None = None) -> list[Actions]:
         now = time.time() if now is None else now
         observations = self.observer.observe(now, self.backend.desired_replicas(), self.settings.autoscaler.slo_s)
+        free = self.host_cpu.idle_cores()
+        if self.settings.compute.device == "cpu":
+            observations = {m: s if self.pipelines[m].emulated else replace(s, cpu_free=free)
+                            for m, s in observations.items()}
         steps = self.controller.step(now, observations)
         for actions in steps:
             enact(self, actions, log)

@@ -17,6 +17,7 @@ from benchmarks import (
     scaleup,
     simulator,
     simulator_generation,
+    soak,
 )
 
 BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main,
@@ -25,7 +26,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "generation": generation.main, "kv_migration": kv_migration.main,
               "generation_llama1b": lambda: generation.main(["--model", "llama1b"]),
               "simulator_generation": simulator_generation.main, "faults": faults.main,
-              "overload": overload.main}
+              "overload": overload.main, "soak": soak.main}
 
 
 def main(argv: list[str]) -> int:

@@ -7,7 +7,7 @@ Per fault, 5 times: the recovery time (from the kill until a request sent after 
 200, or for the KeysManager and the autoscaler, which requests do not pass through, until the
 component answers again), and what became of the requests in flight: answered 200, answered with
 an error (503/504, which the issue allows for the Redis outage only), or not answered at all
-(lost)."""
+(lost: the connection dropped, which only a dying gateway process, the provider, does)."""
 from __future__ import annotations
 
 import os
@@ -30,7 +30,7 @@ from runtime import __main__ as control
 from runtime.ports import free_port
 
 MODEL, REPEATS, GIVE_UP_S = "llama-7b", 5, 120.0
-FAULTS = ("stage replica", "entry replica", "redis", "keysmanager", "autoscaler")
+FAULTS = ("stage replica", "entry replica", "redis", "keysmanager", "autoscaler", "provider")
 
 
 def main() -> dict:
@@ -48,9 +48,12 @@ def main() -> dict:
                 for fault in FAULTS:
                     print(f"  {fault}, {i + 1}/{REPEATS}", flush=True)
                     rows[fault].append(_one(settings, load, fault))
-    finally:
+    except BaseException:
         control.down(settings)
-        shutil.rmtree(home, ignore_errors=True)
+        print(f"the logs are kept in {home}/logs", flush=True)
+        raise
+    control.down(settings)
+    shutil.rmtree(home, ignore_errors=True)
     return _report(rows)
 
 
@@ -83,7 +86,7 @@ def _target(settings: Settings, fault: str) -> int:
     if fault == "stage replica":
         return int(live_replicas(redis.Redis.from_url(settings.redis_url), MODEL, 3)[0]["pid"])
     fragment = {"entry replica": "functions/entry", "redis": "redis-server", "keysmanager": "-m keysmanager ",
-                "autoscaler": "-m autoscaler run"}[fault]
+                "autoscaler": "-m autoscaler run", "provider": "-m runtime.server"}[fault]
     (pid,) = [pid for pid, cmd in control.processes(settings).items() if fragment in cmd]
     return pid
 

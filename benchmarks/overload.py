@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from loadgen.arrivals import poisson_arrivals
 from loadgen.client import replay
 from loadgen.closed_loop import ClosedLoop
 from loadgen.requests import Request
-from pipeline.emulated import write_stack
+from pipeline.profiles import write_stack
 from runtime import __main__ as control
 from runtime.ports import free_port
 
@@ -36,7 +37,7 @@ BODY = {"tokens": 16}
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each open-loop run")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv or [])
     base = load_settings()
     runs, sustainable = [], 0.0
     for admit_wait_s in (base.data.admit_wait_s, 0.0):
@@ -140,4 +141,4 @@ def _plot(runs: list[dict], sustainable: float) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -64,7 +64,7 @@ class DataPlaneConfig:
     block_ms: int = 500
     records_maxlen: int = 10000
     drain_timeout_s: float = 30.0
-    admit_wait_s: float = 5.0
+    admit_wait_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class AutoscalerConfig:
 @dataclass(frozen=True)
 class ServersConfig:
     virtual: int = 1
-    slots: int = 64
+    slots: int = 0
     cache_bytes: int = 0
     bandwidth: float = 1e9
     cold_deadline_s: float = 60.0
@@ -130,6 +130,10 @@ class ServersConfig:
 
 def _default_home() -> str:
     return str(Path.cwd() / ".quart")
+
+
+# Replica slots per core when QUART_SERVER_SLOTS is 0.
+REPLICAS_PER_CORE = 8
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,13 @@ class Settings:
             password = self.redis_password_file.read_text().strip()
         auth = f":{quote(password, safe='')}@" if password else ""
         return f"redis://{auth}{self.redis.host}:{self.redis.port}/{self.redis.db}"
+
+    def server_slots(self) -> int:
+        """Replicas one server hosts: QUART_SERVER_SLOTS, else from the cores (a replica computes
+        on QUART_THREADS of them while busy, and a pipeline's replicas are busy in turn)."""
+        if self.servers.slots:
+            return self.servers.slots
+        return max(1, REPLICAS_PER_CORE * len(os.sched_getaffinity(0)) // self.compute.threads)
 
     def model_dir(self, model: str) -> Path:
         return self.models_dir / model
@@ -300,7 +311,7 @@ VARIABLES: tuple[Var, ...] = (
         "a function replica waits this long for a request's whole body (408 after; OpenFaaS's read_timeout)",
         _positive),
     Var("QUART_ADMIT_WAIT_S", "data.admit_wait_s",
-        "an entry refuses new requests (429) while its oldest first pass has queued longer than this; 0: never",
+        "an entry refuses a request (429) that would queue longer than this before its first pass; 0: never",
         _not_negative),
     Var("QUART_MAX_PROMPT_TOKENS", "limits.max_prompt_tokens", "longest prompt (413 above)", _positive),
     Var("QUART_MAX_NEW_TOKENS", "limits.max_new_tokens", "most tokens one request may generate", _positive),
@@ -319,7 +330,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_DEVICE", "compute.device", "where stages compute", _device),
     Var("QUART_DTYPE", "compute.dtype", "stage weights' dtype", _one_of("float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),
-    Var("QUART_EMULATE", "compute.emulate", "an emulation profile (`pipeline/emulated.py`) instead of real weights"),
+    Var("QUART_EMULATE", "compute.emulate", "an emulation profile (`pipeline/profiles.py`) instead of real weights"),
     Var("QUART_KEYSMANAGER_PORT", "cache.port", "the KeysManager's API port (virtual server i: port + i)", _port),
     Var("QUART_CACHE_STAGES", "cache.stages", "stage ranges cached at start: `all`, `none` or `smollm2:1,minilm:0`"),
     Var("QUART_CACHE_MEMORY_THRESHOLD", "cache.memory_threshold", "host memory use above which zygotes are evicted (LRU)",
@@ -338,7 +349,8 @@ VARIABLES: tuple[Var, ...] = (
         "most replicas of a stage function (the autoscaler's bound and the embedded gateway's cap)", _positive),
     Var("QUART_VIRTUAL_SERVERS", "servers.virtual", "servers the embedded runtime emulates, each with its own KeysManager",
         _positive),
-    Var("QUART_SERVER_SLOTS", "servers.slots", "replica slots per server", _positive),
+    Var("QUART_SERVER_SLOTS", "servers.slots",
+        "replica slots per server; 0: 8 per core this host may use, divided by QUART_THREADS", _not_negative),
     Var("QUART_SERVER_CACHE_BYTES", "servers.cache_bytes", "host-memory budget for cached stages per server (0: none)",
         _not_negative),
     Var("QUART_SERVER_BANDWIDTH", "servers.bandwidth", "bytes/s a cold start reads its shard at", _positive),

@@ -78,6 +78,7 @@ class Pipeline:
     model: str
     stages: tuple[StageRef, ...]
     functions: tuple[str, ...]        # the stage function serving each range
+    emulated: bool = False            # its stages draw compute times (QUART_EMULATE) instead of computing
 
     @property
     def num_stages(self) -> int:
@@ -102,5 +103,6 @@ def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
                 raise ValueError(f"{model}: function {f.name} serves {f.stage.stages}, but the stages before "
                                  f"it end at {end} (ranges must cover 0.. without gaps or overlaps)")
             end = f.stage.last
-        out[model] = Pipeline(model, tuple(f.stage for f in fns), tuple(f.name for f in fns))
+        out[model] = Pipeline(model, tuple(f.stage for f in fns), tuple(f.name for f in fns),
+                              emulated=any(f.deployment["envVars"].get("QUART_EMULATE") for f in fns))
     return out

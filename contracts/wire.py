@@ -14,20 +14,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from contracts.config import Limits
+from contracts.requests import BadRequest as BadRequest  # re-exported: the wire's error
 
 # A message is one safetensors blob whose metadata carries the JSON header under this key.
 HEADER_KEY = "quart.header"
 # Field of a stream entry that holds the message.
 MESSAGE_FIELD = b"m"
 CONTENT_TYPE = "application/octet-stream"
-
-
-class BadRequest(ValueError):
-    """Input that a client must fix; answered with an HTTP 4xx and this message."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -80,21 +73,6 @@ class Header:
         if header.kind not in KINDS:
             raise ValueError(f"unknown message kind {header.kind!r}")
         return header
-
-
-def load_json(body: bytes) -> object:
-    """A JSON request body; BadRequest (400) naming what is wrong with it, whatever it holds."""
-    try:
-        data = json.loads(body)
-        # A lone surrogate ("\ud800") parses but is no text: it must not reach a tokenizer or a log.
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except (UnicodeDecodeError, UnicodeEncodeError) as exc:
-        raise BadRequest(f"malformed JSON: not UTF-8 text ({exc.reason})") from None
-    except RecursionError:
-        raise BadRequest("malformed JSON: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and integers longer than Python converts
-        raise BadRequest(f"malformed JSON: {exc}") from None
-    return data
 
 
 def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

@@ -22,9 +22,9 @@ from aiohttp import web
 
 from contracts.http_errors import json_errors
 from contracts.loops import every
+from contracts.requests import BadRequest, load_json
 from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
-from contracts.wire import BadRequest, load_json
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, StaleShard
 

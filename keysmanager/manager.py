@@ -22,8 +22,8 @@ from contracts.config import Settings, child_environment, settings_environment
 from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
-from pipeline.emulated import PROFILES as EMULATION_PROFILES
 from pipeline.manifest import Manifest
+from pipeline.profiles import PROFILES as EMULATION_PROFILES
 from pipeline.registry import key_stage_ranges
 
 log = logging.getLogger("quart.keysmanager")

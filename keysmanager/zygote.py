@@ -34,8 +34,8 @@ from contracts.stage import StageRef
 from pipeline import inherited, watchdog
 from pipeline import replica as _replica  # noqa: F401
 from pipeline.emulated import EmulatedRunner
-from pipeline.emulated import profile as emulation_profile
 from pipeline.manifest import Manifest
+from pipeline.profiles import profile as emulation_profile
 from pipeline.stage_runner import StageRunner
 
 

@@ -2,60 +2,18 @@
 profile (mean and CV per stage, Gamma-distributed), so a 2-core machine can show many replicas
 "computing" at once. Everything measured with it is labelled emulated.
 
-A profile's stage times come from QUART's Table 1 (standalone GPU execution time of the whole
-model) split over 8 stages with uneven weights, so that one stage is heavier than the others.
-CPU count scales a service time by Amdahl's law with a parallel fraction."""
+The profiles (pipeline/profiles.py) come from QUART's Table 1. CPU count scales a service time by
+Amdahl's law with a parallel fraction."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from contracts.config import Limits
-from contracts.paths import REPO_ROOT
 from contracts.wire import BadRequest, check_size
-
-WEIGHTS_8 = (0.8, 1.0, 1.0, 1.6, 1.0, 0.9, 0.9, 0.8)
-WIDTH = 64
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    total_ms: float
-    cv: float = 0.3
-    parallel_fraction: float = 0.8
-    weights: tuple[float, ...] = WEIGHTS_8
-    # Parameter size of the whole model (QUART Table 1), for cache budgets and cold-start
-    # reads; an emulated zygote holds none of it.
-    size_gb: float = 0.0
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.weights)
-
-    def stage_ms(self, stage: int) -> float:
-        return self.total_ms * self.weights[stage] / sum(self.weights)
-
-    def stage_bytes(self, first: int, last: int) -> int:
-        return int(self.size_gb * 1e9 * sum(self.weights[first:last]) / sum(self.weights))
-
-
-# QUART Table 1, "Exec. (ms)" and "Size (GB)".
-PROFILES = {p.name: p for p in (Profile("whisper-9b", 74, size_gb=2.9), Profile("bert-21b", 137, size_gb=43),
-                                Profile("llama-7b", 243, size_gb=14), Profile("opt-66b", 278, size_gb=132),
-                                Profile("wideresnet", 646, size_gb=16))}
-
-
-def profile(name: str) -> Profile:
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown emulation profile {name!r}; known: {sorted(PROFILES)}") from None
+from pipeline.profiles import WIDTH, Profile
 
 
 class EmulatedManifest:
@@ -101,18 +59,3 @@ class EmulatedRunner:
         time.sleep(self.service_s())
         return {"hidden": hidden}
 
-
-def write_stack(model: str, path: Path) -> Path:
-    """An OpenFaaS stack file of one emulated model of PROFILES (an entry and one function per
-    stage, like stack-emulated.yml's llama-7b), for a run that needs another profile."""
-    stages = profile(model).num_stages
-
-    def function(handler: str, **env: str) -> dict:
-        return {"lang": "python3-http", "handler": str(REPO_ROOT / "functions" / handler), "image": f"quart/{handler}:0.1.0",
-                "environment": {"QUART_MODEL": model, **env, "QUART_EMULATE": model},
-                "labels": {"com.openfaas.scale.min": "1"}}
-    functions = {model: function("entry")}
-    functions.update({f"{model}-s{i}": function("stage", QUART_STAGES=str(i)) for i in range(stages)})
-    path.write_text(yaml.safe_dump({"version": "1.0", "provider": {"name": "openfaas"}, "functions": functions},
-                                   sort_keys=False))
-    return path

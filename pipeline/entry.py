@@ -25,8 +25,6 @@ from transformers import AutoTokenizer
 from contracts.config import Settings
 from contracts.wire import BadRequest, StageTiming
 from pipeline import openai_api as oa
-from pipeline.emulated import WIDTH as EMULATED_WIDTH
-from pipeline.emulated import profile as emulation_profile
 from pipeline.entry_requests import (
     EMBED_MAX_TOKENS,
     check_prompt_chars,
@@ -38,6 +36,8 @@ from pipeline.entry_requests import (
 )
 from pipeline.manifest import Manifest
 from pipeline.pipeline_client import PipelineClient, Progress, StageFailed
+from pipeline.profiles import WIDTH as EMULATED_WIDTH
+from pipeline.profiles import profile as emulation_profile
 from pipeline.sampling import Sampling
 from pipeline.text_stream import TextStream
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.wire import BadRequest, load_json
+from contracts.requests import BadRequest, load_json
 
 ROLES = ("system", "user", "assistant")
 # sentence-transformers' max_seq_length for all-MiniLM-L6-v2: longer inputs are truncated.

@@ -5,10 +5,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
-
-from pipeline.architectures import architecture
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MANIFEST_NAME = "manifest.json"
 
@@ -44,6 +44,8 @@ class Manifest:
         return len(self.stages)
 
     def config_object(self) -> PretrainedConfig:
+        # Imported here: what only reads manifests (the provider's placer) starts without transformers.
+        from pipeline.architectures import architecture
         return architecture(self.arch).config_class.from_dict(self.config)
 
     def shard_path(self, stage: int) -> Path:

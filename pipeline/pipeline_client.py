@@ -61,11 +61,11 @@ class PipelineClient:
 
     def admit(self) -> None:
         """StageFailed(429) when the stages are too far behind to take a new request in time."""
-        retry_after = self.admission.refusal(time.time())
+        now = time.time()
+        retry_after = self.admission.refusal(now)
         if retry_after is not None:
-            raise StageFailed(429, f"{self.model} is overloaded: requests queue "
-                                   f"{self.admission.queued_s(time.time()):.1f} s before their first pass, "
-                                   f"over the {self.admission.max_wait_s:g} s allowed", retry_after)
+            raise StageFailed(429, f"{self.model} is overloaded: a request would queue longer than the "
+                                   f"{self.admission.max_wait_s:g} s allowed before its first pass", retry_after)
 
     # -- one pass ----------------------------------------------------------------------------
 
@@ -155,7 +155,7 @@ class PipelineClient:
             self._pending.pop(header.request_id, None)
             if first_pass:
                 service_s = sum(t.service_ms for t in reply[0].timings) / 1000.0 if reply else None
-                self.admission.answered(header.request_id, service_s)
+                self.admission.answered(header.request_id, service_s, time.time())
 
     async def _while_redis_returns(self, call, deadline: float):
         """`call()`'s result, trying again while Redis cannot be reached (down, or loading its

@@ -24,9 +24,9 @@ from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
 from pipeline.batch_policy import migration_peer, new_item_slots
 from pipeline.emulated import EmulatedRunner
-from pipeline.emulated import profile as emulation_profile
 from pipeline.generation_step import HOLDER, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from pipeline.manifest import Manifest
+from pipeline.profiles import profile as emulation_profile
 from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, register
 from pipeline.stage_runner import StageRunner
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.emulated import PROFILES
 from pipeline.manifest import Manifest
+from pipeline.profiles import PROFILES
 
 
 def stage_bytes(models_dir: Path, model: str, first: int, last: int) -> int:

@@ -33,7 +33,7 @@ def ensure_partitioned(settings: Settings) -> None:
 
 
 def _pid(settings: Settings) -> int | None:
-    """The running runtime's provider process, if there is one."""
+    """The running runtime's guardian process (runtime/guardian.py), if there is one."""
     pid = _recorded_pid(Path(settings.home) / PID_FILE)
     try:
         if pid is not None:
@@ -53,8 +53,9 @@ def up(settings: Settings, timeout: float) -> int:
     (home / "logs").mkdir(parents=True, exist_ok=True)
     env = child_environment(settings)
     with open(home / "logs" / "runtime.log", "ab") as log:
-        # Its own session and process group: `down` can end every replica with it.
-        proc = subprocess.Popen([sys.executable, "-m", "runtime.server"], env=env, cwd=REPO_ROOT,
+        # Its own session and process group: `down` can end every replica with it. The guardian
+        # starts the provider, and starts it again if it dies.
+        proc = subprocess.Popen([sys.executable, "-m", "runtime.guardian"], env=env, cwd=REPO_ROOT,
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     (home / PID_FILE).write_text(str(proc.pid))
@@ -98,7 +99,7 @@ def down(settings: Settings) -> int:
         left = _recorded_pid(pid_file)
         pid_file.unlink(missing_ok=True)
         if left is not None and _end_group(left):
-            print("the runtime's provider had died; stopped what was left of it (replicas, Redis, KeysManagers)")
+            print("the runtime's guardian had died; stopped what was left of it (replicas, Redis, KeysManagers)")
         else:
             print("the runtime is not running")
         return 0
@@ -124,7 +125,7 @@ def _recorded_pid(pid_file: Path) -> int | None:
 
 
 def processes(settings: Settings) -> dict[int, str]:
-    """pid -> command line of every live process in the runtime's process group (the provider,
+    """pid -> command line of every live process in the runtime's process group (the guardian, the provider,
     Redis, the KeysManagers and their zygotes, the autoscaler, the replicas)."""
     group = _recorded_pid(Path(settings.home) / PID_FILE)
     found = {}
@@ -139,7 +140,7 @@ def processes(settings: Settings) -> dict[int, str]:
 
 
 def _end_group(pgid: int) -> bool:
-    """Ends the processes left in the runtime's process group (its leader, the provider, is
+    """Ends the processes left in the runtime's process group (its leader, the guardian, is
     gone: the group id stays reserved while any of them lives): SIGTERM, then SIGKILL."""
     try:
         os.killpg(pgid, signal.SIGTERM)

@@ -20,6 +20,7 @@ from contracts.paths import REPO_ROOT
 from contracts.stack import identity
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
+from runtime.watched_process import WatchedProcess, start_time
 
 log = logging.getLogger("quart.functions")
 _serial = count()
@@ -37,42 +38,9 @@ def start_watchdog(settings: Settings, handler: Path, env: dict[str, str], port_
                                 stdin=subprocess.DEVNULL)
 
 
-class ForkedProcess:
-    """A replica forked by a KeysManager zygote: not our child, so it is watched by pid."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None and not _running(self.pid):
-            self.returncode = -1  # its parent (the zygote) reaped it; the code is not ours to see
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-            time.sleep(0.05)
-        return self.returncode
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # A zombie has exited; it only waits for its parent to reap it.
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
 @dataclass
 class ReplicaProcess:
-    proc: subprocess.Popen | ForkedProcess
+    proc: subprocess.Popen | WatchedProcess
     port_file: Path
     server: str
     started_by: str = "cold"
@@ -90,6 +58,20 @@ class ReplicaProcess:
     @property
     def id(self) -> str:
         return f"{self.server}/{self.pid}"
+
+    def snapshot(self) -> dict:
+        return {"pid": self.pid, "start_ticks": start_time(self.pid), "port_file": str(self.port_file),
+                "port": self.port, "server": self.server, "started_by": self.started_by,
+                "since": self.started, "draining_since": self.draining_since}
+
+    @classmethod
+    def restore(cls, saved: dict) -> ReplicaProcess | None:
+        """The replica a snapshot names, if it still runs; not ready until probed."""
+        proc = WatchedProcess(saved["pid"], saved["start_ticks"])
+        if proc.poll() is not None:
+            return None
+        return cls(proc, Path(saved["port_file"]), saved["server"], saved["started_by"], saved["since"],
+                   saved["port"], draining_since=saved["draining_since"])
 
 
 @dataclass
@@ -116,6 +98,15 @@ class FunctionState:
         """The scheduler's name of what this function runs: its StageRef's key (what a
         KeysManager caches) for a stage function, else the function's name."""
         return self.stage.key if self.stage is not None else self.name
+
+    def snapshot(self) -> dict:
+        return {"deployment": self.deployment, "desired": self.desired, "created_at": self.created_at,
+                "replicas": [r.snapshot() for r in self.replicas]}
+
+    @classmethod
+    def restore(cls, saved: dict, handler: Path) -> FunctionState:
+        replicas = [r for r in map(ReplicaProcess.restore, saved["replicas"]) if r is not None]
+        return cls(saved["deployment"], handler, saved["desired"], saved["created_at"], replicas)
 
     def serving(self) -> list[ReplicaProcess]:
         return [r for r in self.replicas if r.draining_since is None]
@@ -160,7 +151,7 @@ class ProcessManager:
         except (KeysManagerError, OSError) as exc:
             log.info("no fork for %s on %s (%s); cold start", fn.name, server, exc)
             return None
-        return ReplicaProcess(ForkedProcess(answer["pid"]), Path(answer["port_file"]), server, answer["started_by"])
+        return ReplicaProcess(WatchedProcess(answer["pid"]), Path(answer["port_file"]), server, answer["started_by"])
 
     def _cold(self, fn: FunctionState, server: str) -> ReplicaProcess:
         port_file = self.run_dir / f"{fn.name}.{os.getpid()}.{next(_serial)}.port"

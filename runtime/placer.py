@@ -62,7 +62,7 @@ class Placer:
             cached, held = cached_stages(self.redis, name)
             budget = self.settings.servers.cache_bytes
             cold = [(fn, r) for fn, r in replicas if r.server == name and r.started_by == "cold" and not r.ready]
-            servers.append(Server(name, max(0, self.settings.servers.slots - leaving[name]),
+            servers.append(Server(name, max(0, self.settings.server_slots() - leaving[name]),
                                   self.settings.servers.bandwidth, cached, budget > 0 and held >= budget,
                                   self._fetches(cold, now)))
         return ClusterState(

@@ -10,7 +10,7 @@ import logging
 import platform
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import aiohttp
@@ -21,11 +21,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from contracts.config import Settings
 from contracts.http_errors import json_errors
 from contracts.loops import every
+from contracts.requests import BadRequest, load_json
 from contracts.stack import NAME_RE, StackFunction, identity
-from contracts.wire import BadRequest, load_json
 from keysmanager.client import KeysClient
 from runtime.functions import FunctionState, ProcessManager
 from runtime.placer import Placer
+from runtime.state_file import save as save_state
+from runtime.state_file import state_path
+from runtime.supervisor import Supervisor
 
 log = logging.getLogger("quart.provider")
 VERSION = "0.1.0"
@@ -70,11 +73,14 @@ def _check_env(env: dict[str, str]) -> None:
 class LocalProvider:
     def __init__(self, settings: Settings, stack: list[StackFunction], password: str,
                  keys: dict[str, KeysClient | None], r: redis.Redis,
-                 components: Callable[[], dict[str, dict]] | None = None) -> None:
+                 supervisor: Supervisor | None = None, restarts: dict | None = None) -> None:
         """`keys`: the KeysManager of each virtual server; the scheduler places every replica.
-        `components`: the supervised components' state (runtime/supervisor.py), for /healthz."""
+        `supervisor`: the supervised components (runtime/supervisor.py), for /healthz and the
+        state file; `restarts`: how often the provider itself was started again, and why."""
         self.settings = settings
-        self.components = components or dict
+        self.supervisor = supervisor
+        self.restarts = restarts
+        self._saved: dict = {}
         self.password = password
         # One bound for every function: QUART_R_MAX, lowered per function by com.openfaas.scale.max.
         self.max_replicas = settings.autoscaler.bounds.r_max
@@ -204,6 +210,30 @@ class LocalProvider:
             await self._probe(fn)
         self._draining = [fn for fn in self._draining if fn.replicas]
         self.converge()
+        self._save_state()
+
+    # -- what a provider started in this one's place adopts ------------------------------------
+
+    def _save_state(self) -> None:
+        state = {"components": self.supervisor.snapshot() if self.supervisor else {},
+                 "functions": [fn.snapshot() for fn in self.functions.values()]}
+        if state != self._saved:
+            save_state(state_path(self.settings.home), state)
+            self._saved = state
+
+    def adopt(self, functions: list[dict]) -> None:
+        """The functions a provider that died left (runtime/state_file.py), with their replicas
+        that still run; a function whose image this stack no longer has is dropped."""
+        for saved in functions:
+            deployment = saved["deployment"]
+            if deployment.get("image") not in self.handlers:
+                log.warning("not adopting %s: image %s is not in the stack", deployment.get("service"),
+                            deployment.get("image"))
+                continue
+            fn = FunctionState.restore(saved, self.handlers[deployment["image"]])
+            self.functions[fn.name] = fn
+            log.info("adopted %s: %d of %d replicas still run", fn.name, len(fn.replicas), fn.desired)
+        self.converge()
 
     async def _probe(self, fn: FunctionState) -> None:
         """Health checks: starting replicas every tick, ready ones every PROBE_PERIOD_S."""
@@ -286,7 +316,9 @@ class LocalProvider:
 
     async def _healthz(self, _: web.Request) -> web.Response:
         """200 while every supervised component runs; 503 naming those being started again."""
-        components = self.components()
+        components = self.supervisor.status() if self.supervisor else {}
+        if self.restarts is not None:
+            components = {"provider": {"running": True, **self.restarts}, **components}
         down = sorted(name for name, c in components.items() if not c["running"])
         if not down:
             return web.json_response({"status": "ok", "components": components})

@@ -3,11 +3,14 @@ file), one KeysManager per virtual server (QUART_VIRTUAL_SERVERS), the local pro
 gateway port with the scheduler placing every replica, every function of the stack file deployed,
 and the autoscaler (QUART_POLICY; `none` runs none). Redis, the KeysManagers and the autoscaler
 are supervised: one that dies is started again (runtime/supervisor.py). SIGTERM drains all
-replicas and stops. `python -m runtime up` runs this in the background; use that."""
+replicas and stops. `python -m runtime up` runs this in the background under runtime/guardian.py,
+which starts it again with `--adopt` if it dies; use that."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +30,8 @@ from keysmanager.client import KeysClient, KeysManagerError
 from runtime.log_rotation import rotate
 from runtime.provider import LocalProvider
 from runtime.redis_server import start_redis
+from runtime.state_file import load as load_state
+from runtime.state_file import state_path
 from runtime.supervisor import Supervisor
 
 log = logging.getLogger("quart.server")
@@ -40,13 +45,15 @@ def _start(settings: Settings, module: str, *args: str, log_name: str = "") -> s
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def start_keysmanagers(settings: Settings, supervisor: Supervisor) -> dict[str, KeysClient]:
-    """One KeysManager per virtual server, the i-th on keysmanager_port + i, supervised."""
+def start_keysmanagers(settings: Settings, supervisor: Supervisor, previous: dict) -> dict[str, KeysClient]:
+    """One KeysManager per virtual server, the i-th on keysmanager_port + i, supervised (adopted
+    where `previous`, a dead provider's components, names one that still runs)."""
     clients = {}
     for i, name in enumerate(settings.virtual_server_names()):
         own = settings.replace(server=name, keysmanager_port=settings.cache.port + i)
         log_name = "keysmanager" if settings.servers.virtual <= 1 else f"keysmanager-{name}"
-        supervisor.add(log_name, lambda own=own, log_name=log_name: _start(own, "keysmanager", log_name=log_name))
+        supervisor.add(log_name, lambda own=own, log_name=log_name: _start(own, "keysmanager", log_name=log_name),
+                       previous.get(log_name))
         clients[name] = KeysClient.for_settings(own)
     deadline = time.monotonic() + 60
     for name, client in clients.items():
@@ -57,17 +64,20 @@ def start_keysmanagers(settings: Settings, supervisor: Supervisor) -> dict[str, 
     return clients
 
 
-def start_redis_supervised(settings: Settings, supervisor: Supervisor) -> None:
+def start_redis_supervised(settings: Settings, supervisor: Supervisor, adopting: bool, previous: dict | None) -> None:
     """Redis with the runtime's password, persisting to an append-only file: a Redis that dies
-    comes back with its streams, consumer groups and registrations. A new run starts empty."""
+    comes back with its streams, consumer groups and registrations. A new run starts empty; a
+    provider started in place of one that died adopts its Redis (`previous`) or its file."""
     home = Path(settings.home)
     workdir = home / "redis"
-    for old in ("appendonly.aof", "dump.rdb"):
-        (workdir / old).unlink(missing_ok=True)
+    if not adopting:
+        for old in ("appendonly.aof", "dump.rdb"):
+            (workdir / old).unlink(missing_ok=True)
     password = read_or_create_secret(settings.redis_password_file) if not settings.redis.password \
         else settings.redis.password
     supervisor.add("redis", lambda: start_redis(settings.redis.host, settings.redis.port, workdir,
-                                                home / "logs" / "redis.log", password=password, persist=True))
+                                                home / "logs" / "redis.log", password=password, persist=True),
+                   previous)
 
 
 def stages_to_cache(settings: Settings, stack: list[StackFunction]) -> list[StageRef]:
@@ -97,25 +107,39 @@ def cache_in_background(clients: list[KeysClient], ranges: list[StageRef]) -> No
     threading.Thread(target=work, name="cache", daemon=True).start()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--adopt", action="store_true",
+                        help="started in place of a provider that died: adopt what it left running")
+    parser.add_argument("--gateway-fd", type=int, help="serve on this listening socket (the guardian's)")
+    parser.add_argument("--restarts", type=int, default=0, help="how often the provider was started again")
+    parser.add_argument("--last-exit", default="", help="how the provider before this one ended")
+    args = parser.parse_args(argv)
     settings = exit_on_config_error(load_settings)
     home = Path(settings.home)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    previous = load_state(state_path(home)) if args.adopt else {}
+    components = previous.get("components", {})
     supervisor = Supervisor()
     try:
-        start_redis_supervised(settings, supervisor)
+        start_redis_supervised(settings, supervisor, args.adopt, components.get("redis"))
         stack = read_stack(Path(settings.stack_file))
-        clients = start_keysmanagers(settings, supervisor)
+        clients = start_keysmanagers(settings, supervisor, components)
         provider = LocalProvider(settings, stack, read_or_create_secret(settings.password_file), clients,
-                                 redis.Redis.from_url(settings.redis_url), components=supervisor.status)
+                                 redis.Redis.from_url(settings.redis_url), supervisor,
+                                 {"restarts": args.restarts, "last_exit": args.last_exit})
+        if args.adopt:
+            provider.adopt(previous.get("functions", []))
         for fn in stack:
-            provider.deploy(fn.deployment)
-        cache_in_background(list(clients.values()), stages_to_cache(settings, stack))
+            if fn.name not in provider.functions:
+                provider.deploy(fn.deployment)
+        if not args.adopt:
+            cache_in_background(list(clients.values()), stages_to_cache(settings, stack))
         app = provider.app()
         if settings.autoscaler.policy != "none":
-            supervisor.add("autoscaler", lambda: _start(settings, "autoscaler", "run"))
+            supervisor.add("autoscaler", lambda: _start(settings, "autoscaler", "run"), components.get("autoscaler"))
 
             async def stop_autoscaler(_: web.Application) -> None:
                 # Before the provider drains: nothing may scale what is being stopped.
@@ -124,8 +148,9 @@ def main() -> int:
         supervisor.run()
         start_thread(LOG_CHECK_S, lambda: rotate(home / "logs", settings.log_max_bytes, settings.log_keep),
                      threading.Event(), log, "log rotation")
-        web.run_app(app, host=settings.gateway.host, port=settings.gateway.port,
-                    print=None, access_log=None, shutdown_timeout=5,
+        where = {"sock": socket.socket(fileno=args.gateway_fd)} if args.gateway_fd is not None else \
+            {"host": settings.gateway.host, "port": settings.gateway.port}
+        web.run_app(app, **where, print=None, access_log=None, shutdown_timeout=5,
                     handler_cancellation=True)  # a client gone cancels its upstream call
     finally:
         supervisor.terminate()

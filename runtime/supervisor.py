@@ -1,7 +1,7 @@
 """Keeps the embedded runtime's own components running (Redis, the KeysManagers, the autoscaler):
 one that exits when nobody stopped it is started again, after a back-off that doubles with each
 quick failure (a component that cannot start must not be restarted in a tight loop) and resets
-once it has run for a while. Its state is what `/healthz` and `python -m runtime status` show."""
+once it has run for STABLE_S. Its state is what `/healthz` and `python -m runtime status` show."""
 from __future__ import annotations
 
 import logging
@@ -11,16 +11,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runtime.watched_process import WatchedProcess, start_time
+
 log = logging.getLogger("quart.supervisor")
 
-MIN_BACKOFF_S, MAX_BACKOFF_S, STABLE_S, CHECK_S = 0.5, 10.0, 60.0, 0.2
+MIN_BACKOFF_S, MAX_BACKOFF_S, STABLE_S, CHECK_S = 0.5, 10.0, 10.0, 0.2
 
 
 @dataclass
 class Component:
     name: str
     start: Callable[[], subprocess.Popen]
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | WatchedProcess | None = None
     started_at: float = 0.0
     restarts: int = 0
     backoff_s: float = MIN_BACKOFF_S
@@ -43,13 +45,26 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def add(self, name: str, start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
-        """Starts a component now (an error here is the caller's) and watches it from then on."""
+    def add(self, name: str, start: Callable[[], subprocess.Popen], previous: dict | None = None) -> None:
+        """Watches a component from now on: the process `previous` records (see `snapshot`) where
+        it still runs (a provider that died had started it), else one started now (an error here
+        is the caller's)."""
         c = Component(name, start, order=len(self.components))
-        c.proc, c.started_at = start(), time.monotonic()
+        adopted = WatchedProcess(previous["pid"], previous["start_ticks"]) if previous else None
+        if adopted is not None and adopted.poll() is None:
+            c.proc = adopted
+            log.info("%s (pid %d) adopted: it was running", name, adopted.pid)
+        else:
+            c.proc = start()
+        c.started_at = time.monotonic()
         with self._lock:
             self.components[name] = c
-        return c.proc
+
+    def snapshot(self) -> dict[str, dict]:
+        """Each running component's pid and start time, for a provider started in this one's place."""
+        with self._lock:
+            return {name: {"pid": c.proc.pid, "start_ticks": start_time(c.proc.pid)}
+                    for name, c in self.components.items() if c.running}
 
     def run(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)

@@ -13,6 +13,7 @@ class Fluid:
         self.jobs: list[list] = []        # [token, work left]
         self.since = 0.0
         self.version = 0                  # a completion event from an older version is stale
+        self.used = 0.0                   # capacity × seconds used so far (core-seconds for cores)
 
     def rate(self) -> float:
         return min(self.cap_each, self.capacity / len(self.jobs)) if self.jobs else 0.0
@@ -22,6 +23,7 @@ class Fluid:
             done = self.rate() * (now - self.since)
             for job in self.jobs:
                 job[1] -= done
+            self.used += done * len(self.jobs)
         self.since = now
 
     def add(self, token: object, work: float, now: float) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.emulated import PROFILES, Profile
+from pipeline.profiles import PROFILES, Profile
 from sim.step_cost import Calibration, calibrated
 
 

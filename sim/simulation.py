@@ -85,6 +85,7 @@ class Simulation:
         self._seq = itertools.count()
         self.now = 0.0
         self.events = 0
+        self._cpu_seen = (0.0, 0.0)     # (when, core-seconds used by then), for _idle_cores
         rng_root = np.random.SeedSequence(cfg.seed)
         self.chains: dict[str, list[Stage]] = {}
         self.hop: dict[str, float] = {}
@@ -296,15 +297,32 @@ class Simulation:
 
     def _tick(self, now: float) -> None:
         observations = {}
+        cpu_free = self._idle_cores(now)
         for m in self.models:
             states = tuple(st.observe(now, self.cfg.window_s) for st in self.chains[m.name])
             observations[m.name] = PipelineState(m.name, states, slo_s=self.cfg.slo_s,
-                                                 entry_rate=states[0].arrival_rate, now=now)
+                                                 entry_rate=states[0].arrival_rate, now=now,
+                                                 cpu_free=None if isinstance(m, SimModel) else cpu_free)
         for actions in self.controller.step(now, observations):
             enact(self.cluster, actions, log)
             self.decisions += 1
         self.cluster.converge(now)
         self.cluster.watch(now)
+
+    def _idle_cores(self, now: float) -> float | None:
+        """Cores idle since the last tick where the host's cores are modelled (the live loop reads
+        /proc/stat for the same figure); None where they are not."""
+        fluids = [sv.cpu for sv in self.cluster.servers if sv.cpu is not None]
+        if not fluids:
+            return None
+        for f in fluids:
+            f.advance(now)
+        used = sum(f.used for f in fluids)
+        last_t, last_used = self._cpu_seen
+        self._cpu_seen = (now, used)
+        if now <= last_t:
+            return None
+        return sum(f.capacity for f in fluids) - (used - last_used) / (now - last_t)
 
     def _sample(self, now: float) -> None:
         for m in self.models:

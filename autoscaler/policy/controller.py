@@ -18,6 +18,7 @@ from typing import Protocol
 from autoscaler.policy.baselines import BASELINES
 from autoscaler.policy.compensator import Compensator, load_fits
 from autoscaler.policy.corrector import Corrector, PIDConfig
+from autoscaler.policy.cpu_guard import hold_without_cpu
 from autoscaler.policy.quart import Quart
 from autoscaler.policy.smoother import CVAttention, Smoother, predict_cvs
 from autoscaler.policy.state import Decision, PipelineState
@@ -136,7 +137,7 @@ class Controller:
         return out
 
     def _actions(self, state: PipelineState, decision: Decision) -> Actions:
-        decision = decision.bounded(self.bounds)
+        decision = hold_without_cpu(state, decision.bounded(self.bounds))
         refs = self.pipelines[state.model]
         replicas = tuple((ref, d.replicas) for ref, s, d in zip(refs, state.stages, decision.stages)
                          if d.replicas != s.replicas)

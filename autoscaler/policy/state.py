@@ -52,6 +52,9 @@ class PipelineState:
     # Replicas a stage may have: policies may read them (the PID's anti-windup, the smoother's
     # floor); the controller applies them to every decision, once.
     bounds: Bounds = field(default_factory=Bounds)
+    # Cores idle on the host(s) the model's replicas compute on; None where that does not bound
+    # them (emulated compute) or is not measured.
+    cpu_free: float | None = None
 
     def graph(self) -> tuple[tuple[int, int], ...]:
         if self.edges is not None:

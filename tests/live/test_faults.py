@@ -2,7 +2,8 @@
 LLaMA-7B): Redis refuses clients without the password; Redis killed -9 during load comes back
 (supervised, from its append-only file) and the data plane recovers by itself, every request
 answered once with its content or a clear 503/504; a KeysManager killed -9 comes back and its
-orphaned zygotes exit; with the provider itself killed, `down` still stops everything."""
+orphaned zygotes exit; a provider killed -9 is started again and adopts what runs; with the
+guardian itself killed, `down` still stops everything."""
 from __future__ import annotations
 
 import os
@@ -113,12 +114,39 @@ def test_a_killed_keysmanager_comes_back_and_its_zygotes_do_not_linger(faulty):
     assert GatewayClient.for_settings(faulty).invoke(MODEL, {"tokens": 16}).status == 200
 
 
-def test_down_stops_everything_even_when_the_provider_is_gone(faulty):
+def test_a_killed_provider_is_started_again_and_adopts_what_runs(faulty):
+    client = GatewayClient.for_settings(faulty)
+    r = redis.Redis.from_url(faulty.redis_url)
+    replicas_before = {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)}
+    others_before = {pid for pid, cmd in control.processes(faulty).items() if "runtime.server" not in cmd}
+    provider = pid_of(faulty, "runtime.server")
+    with ClosedLoop(faulty.gateway.url, MODEL, {"tokens": 16}) as load:
+        wait_until(lambda: sum(o.status == 200 for o in load.outcomes) >= 5, 60, "answers before the fault")
+        os.kill(provider, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: load.ok_after(killed) is not None, 60, "an answer to a request sent after the fault")
+        time.sleep(2)
+    assert pid_of(faulty, "runtime.server") != provider
+    assert components(faulty)["provider"]["restarts"] == 1
+    assert "SIGKILL" in components(faulty)["provider"]["last_exit"]
+    # Every request sent after the kill was answered with its content; of those the dead provider
+    # had accepted, each lost at most its connection (one per client).
+    after = [o for o in load.outcomes if o.sent > killed]
+    assert after and all(o.status == 200 and o.body["tokens"] == 16 for o in after), after
+    assert all(o.status in (0, 200) for o in load.outcomes), [o for o in load.outcomes if o.status not in (0, 200)]
+    assert sum(o.status == 0 for o in load.outcomes) <= 3
+    # Adopted, not started again: the same replicas, Redis, KeysManager and zygotes.
+    assert {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)} == replicas_before
+    assert others_before <= set(control.processes(faulty))
+    assert client.functions() and all(f["availableReplicas"] == f["replicas"] for f in client.functions())
+
+
+def test_down_stops_everything_even_when_the_guardian_is_gone(faulty):
     """Last in this module: it ends the runtime."""
     pid = int((Path(faulty.home) / control.PID_FILE).read_text())
     group = list(control.processes(faulty))
-    assert len(group) > 5   # the provider, Redis, the KeysManager, the replicas
+    assert len(group) > 5   # the guardian, the provider, Redis, the KeysManager, the replicas
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not alive(pid), 10, "the provider gone")
+    wait_until(lambda: not alive(pid), 10, "the guardian gone")
     assert control.down(faulty) == 0
     wait_until(lambda: not any(alive(p) for p in group), 30, "every process of the runtime gone")

@@ -94,3 +94,17 @@ def test_one_failing_change_holds_back_no_other():
     done = [call[1] for call in mechanism.calls if call[0] == "replicas"]
     assert done == [A[1], A[2], B[0], B[1]]
     assert mechanism.calls[0][0] == "key"  # key stages go out before any replica change
+
+
+@pytest.mark.parametrize("name,cpu_free,observed,static,want", [
+    ("not measured: as decided", None, 2, 5, 5),
+    ("idle cores: as decided", 1.5, 2, 5, 5),
+    ("no idle core: scale-up held", 0.1, 2, 5, 2),
+    ("no idle core: scale-down goes ahead", 0.1, 4, 2, 2),
+])
+def test_no_replica_is_added_where_no_core_is_idle(name, cpu_free, observed, static, want):
+    c = Controller({"a": A}, {"a": Static(static)}, Bounds(1, 16))
+    observed_state = state("a", 3, observed)
+    [actions] = c.step(5.0, {"a": PipelineState(**{**vars(observed_state), "cpu_free": cpu_free})})
+    assert actions.decision.replicas() == [want] * 3
+    assert ("held" in actions.decision.stages[0].reason) == (static > observed and want == observed)
