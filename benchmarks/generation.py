@@ -107,7 +107,7 @@ def running(model: str, new: int) -> Iterator[Settings]:
     settings = base.replace(home=str(run_home), models=str(base.models_dir), gateway_port=free_port(),
                             redis_port=free_port(), keysmanager_port=free_port(), policy="none",
                             stack_file=_stack(run_home, model), max_new_tokens=max(new, base.limits.max_new_tokens),
-                            request_timeout_s=600.0, cache_stages="none")
+                            request_timeout_s=600.0, cache_stages="none", admit_wait_s=0.0)
     if model == "llama1b":
         from pipeline.partition import ensure_partitioned
         ensure_partitioned(settings.models_dir, "llama1b", STAGES, "random-llama", random_config=LLAMA_1B)

@@ -60,7 +60,8 @@ def one_policy(policy: str, send_at: np.ndarray, tail_s: float) -> dict:
     home = tempfile.mkdtemp(prefix=f"quart-{policy}-")
     settings = base.replace(home=home, models=str(base.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
                             gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-                            policy=policy, slo_s=1.0, window_s=5.0)
+                            policy=policy, slo_s=1.0, window_s=5.0,
+                            admit_wait_s=0.0)  # the policies alone: every request waits to be served
     if control.up(settings, timeout=600) != 0:
         raise SystemExit(f"the runtime did not come up for {policy}")
     r = redis.Redis.from_url(settings.redis_url)

@@ -26,11 +26,12 @@ MODEL = "llama-7b"
 
 
 def emulated_settings(home_settings: Settings, home: Path, **changes: object) -> Settings:
-    """The emulated 8-stage stack under QUART on free ports, in its own home."""
+    """The emulated 8-stage stack under QUART on free ports, in its own home. Its bursts are meant
+    to be scaled for, every request answered: no admission control (test_overload has that)."""
     return home_settings.replace(
         home=str(home), models=str(home_settings.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-        policy="quart", slo_s=1.0, window_s=5.0, tick_s=1.0, **changes)
+        policy="quart", slo_s=1.0, window_s=5.0, tick_s=1.0, admit_wait_s=0.0, **changes)
 
 
 @pytest.fixture(scope="module")
