@@ -2,7 +2,7 @@
 LLaMA-7B): Redis refuses clients without the password; Redis killed -9 during load comes back
 (supervised, from its append-only file) and the data plane recovers by itself, every request
 answered once with its content or a clear 503/504; a KeysManager killed -9 comes back and its
-orphaned zygotes exit; a provider killed -9 is started again and adopts what runs; with the
+orphaned zygotes exit; so does a killed autoscaler; a provider killed -9 is started again and adopts what runs; with the
 guardian itself killed, `down` still stops everything."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def faulty(home_settings, tmp_path_factory):
     settings = home_settings.replace(
         home=str(tmp_path_factory.mktemp("faults")), models=str(home_settings.models_dir),
         stack_file=str(REPO / "stack-emulated.yml"), gateway_port=free_port(), redis_port=free_port(),
-        keysmanager_port=free_port(), policy="none", cache_stages="none", request_timeout_s=30.0,
+        keysmanager_port=free_port(), policy="static", cache_stages="none", request_timeout_s=30.0,
         reclaim_idle_ms=2000)
     try:
         assert control.up(settings, timeout=600) == 0
@@ -112,6 +112,19 @@ def test_a_killed_keysmanager_comes_back_and_its_zygotes_do_not_linger(faulty):
     wait_until(lambda: not alive(zygote), 30, "the orphaned zygote gone")
     assert keys_client.zygotes() == []   # it starts empty; key stages are cached again as named
     assert GatewayClient.for_settings(faulty).invoke(MODEL, {"tokens": 16}).status == 200
+
+
+def test_a_killed_autoscaler_comes_back_and_decides_again(faulty):
+    r = redis.Redis.from_url(faulty.redis_url)
+    before = pid_of(faulty, "-m autoscaler run")
+    os.kill(before, signal.SIGKILL)
+    wait_until(lambda: components(faulty)["autoscaler"]["restarts"] == 1 and GatewayClient(faulty.gateway.url).healthy(),
+               60, "the autoscaler started again")
+    assert pid_of(faulty, "-m autoscaler run") != before
+    restarted = time.time()
+    # The one started again makes decisions (the static policy's, every tick) as the first did.
+    wait_until(lambda: float(r.xrevrange(keys.decisions(MODEL), count=1)[0][1][b"t"]) > restarted, 30,
+               "a decision by the restarted autoscaler")
 
 
 def test_a_killed_provider_is_started_again_and_adopts_what_runs(faulty):
