@@ -8,7 +8,9 @@ each sending its next request when the last one is answered (the rate the runtim
 RSS (VmRSS) of every process of the runtime every 30 s, by role: the guardian, the provider,
 Redis, the KeysManager, the autoscaler, each entry and stage replica (by function and pid). The
 goal is flat memory: each process's RSS at the end within 5 % of its RSS after warm-up (the first
-sample after WARMUP_S, when caches, allocator pools and the first compilations are in place)."""
+sample after WARMUP_S, when caches, allocator pools and the first compilations are in place); and
+over the second half, which tells a process that fills a bounded store (Redis's capped streams)
+from one that leaks. Every sample is in the JSON."""
 from __future__ import annotations
 
 import argparse
@@ -109,14 +111,20 @@ def _rss(pid: int) -> int | None:
 
 def _report(samples: list[tuple[float, dict[str, int]]], outcomes: list, minutes: float) -> dict:
     start = next((s for t, s in samples if t >= WARMUP_S), samples[0][1])
+    half = next((s for t, s in samples if t >= samples[-1][0] / 2), start)
     end = samples[-1][1]
     rows, figures, worst = [], [], 0.0
     for role in sorted(set(start) & set(end)):
         growth = end[role] / start[role] - 1
         worst = max(worst, growth)
-        rows.append([role, start[role] / 2 ** 20, end[role] / 2 ** 20, f"{growth * 100:+.1f} %"])
-        figures.append({"name": f"{role}: RSS after warm-up / at the end",
-                        "value": [round(start[role] / 2 ** 20, 1), round(end[role] / 2 ** 20, 1)], "unit": "MiB"})
+        second_half = end[role] / half[role] - 1 if role in half else float("nan")
+        rows.append([role, start[role] / 2 ** 20, end[role] / 2 ** 20, f"{growth * 100:+.1f} %",
+                     f"{second_half * 100:+.1f} %"])
+        figures.append({"name": f"{role}: RSS after warm-up / at half time / at the end",
+                        "value": [round(x[role] / 2 ** 20, 1) if role in x else None for x in (start, half, end)],
+                        "unit": "MiB"})
+    figures.append({"name": "RSS of every process, every sample", "unit": "MiB by seconds since the start",
+                    "value": [{"t": round(t, 1), **{k: round(v / 2 ** 20, 1) for k, v in s.items()}} for t, s in samples]})
     ok = sum(o.status == 200 for o in outcomes)
     errors = sorted({f"{o.status} {str(o.body.get('error', ''))[:80]}" for o in outcomes if o.status != 200})
     figures += [{"name": "largest RSS growth of a process", "value": round(worst * 100, 2), "unit": "%"},
@@ -125,7 +133,7 @@ def _report(samples: list[tuple[float, dict[str, int]]], outcomes: list, minutes
                 {"name": "kinds of errors", "value": errors, "unit": "status and message"},
                 {"name": "processes that ran from warm-up to the end", "value": len(rows), "unit": "processes"}]
     print(table(f"Soak: {minutes:g} min, closed loop (2 generating, 1 embedding), RSS after {WARMUP_S:g} s "
-                f"and at the end", ["process", "MiB after warm-up", "MiB at end", "growth"], rows))
+                f"and at the end", ["process", "MiB after warm-up", "MiB at end", "growth", "second half"], rows))
     print(f"largest growth {worst * 100:+.1f} % (goal: within {GOAL * 100:g} %); {ok} answered 200, "
           f"{len(outcomes) - ok} not")
     write("soak", figures, conditions(minutes=minutes, stack="stack.yml", policy="quart", clients=3,
