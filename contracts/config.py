@@ -128,6 +128,12 @@ class ServersConfig:
     scheduler_params: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ContainersConfig:
+    base: str = "localhost/debian-python:bookworm"
+    oci_runtime: str = "runc"
+
+
 def _default_home() -> str:
     return str(Path.cwd() / ".quart")
 
@@ -155,6 +161,7 @@ class Settings:
     cache: CacheConfig = field(default_factory=CacheConfig)
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     servers: ServersConfig = field(default_factory=ServersConfig)
+    containers: ContainersConfig = field(default_factory=ContainersConfig)
 
     @property
     def models_dir(self) -> Path:
@@ -357,6 +364,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_COLD_DEADLINE_S", "servers.cold_deadline_s", "a cold start must have read its shard by then (HydraServe)",
         _positive),
     Var("QUART_SCHEDULER_PARAMS", "servers.scheduler_params", "the scheduler's parameters as JSON (`SchedulerParams`)"),
+    Var("QUART_IMAGE_BASE", "containers.base",
+        "base image of `make images` (`python:3.11-slim` where a registry is reachable; the default is made here "
+        "with debootstrap)"),
+    Var("QUART_OCI_RUNTIME", "containers.oci_runtime", "the OCI runtime podman and buildah run containers with"),
     Var("QUART_MODEL", "identity.model", "set per function: the model it serves"),
     Var("QUART_STAGES", "identity.stages", "set per stage function: its stage range, `2` or `1-3` (end exclusive)"),
     Var("QUART_STARTED_BY", "identity.started_by", "set per replica by the runtime: `cold`, `fork-cow` or `fork-copy`"),

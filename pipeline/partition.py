@@ -70,6 +70,7 @@ def partition(source: Source, stages: int, out: Path, method: str = "balanced") 
         units = names[a:b]
         state = {k: v for u in units for k, v in tensors[u].items()}
         save_file(state, str(tmp / shard))
+        (tmp / shard).chmod(0o644)  # safetensors writes 0600; an image's replicas run as another user
         blocks = [int(u.split(".")[1]) for u in units if u.startswith("layer.")]
         first_block = blocks[0] if blocks else _blocks_before(names, a)
         infos.append(StageInfo(

@@ -55,7 +55,7 @@ def write_stack(model: str, path: Path) -> Path:
     stages = profile(model).num_stages
 
     def function(handler: str, **env: str) -> dict:
-        return {"lang": "python3-http", "handler": str(REPO_ROOT / "functions" / handler), "image": f"quart/{handler}:0.1.0",
+        return {"lang": "quart-python", "handler": str(REPO_ROOT / "functions" / handler), "image": f"quart/{handler}:0.1.0",
                 "environment": {"QUART_MODEL": model, **env, "QUART_EMULATE": model},
                 "labels": {"com.openfaas.scale.min": "1"}}
     functions = {model: function("entry")}

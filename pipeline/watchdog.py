@@ -3,6 +3,7 @@
 template's watchdog does. It also answers the watchdog's health path and Prometheus metrics.
 
     python -m pipeline.watchdog --handler functions/stage --port-file /tmp/p
+    python -m pipeline.watchdog --handler /home/app/function --host 0.0.0.0 --port 8080   (an image)
 
 Optional handler hooks: `ready()` (health), `shutdown()` (called on SIGTERM before exiting,
 so a replica being scaled down finishes its work first).
@@ -141,10 +142,10 @@ def _too_large(limit: int) -> web.Response:
 
 
 async def serve(handler: ModuleType, host: str, port_file: Path | None, max_body: int,
-                read_timeout_s: float = 30.0) -> None:
+                read_timeout_s: float = 30.0, port: int = 0) -> None:
     runner = web.AppRunner(build_app(handler, max_body, read_timeout_s), access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, 0)
+    site = web.TCPSite(runner, host, port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     if port_file is not None:
@@ -170,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handler", type=Path, required=True, help="folder holding handler.py")
     parser.add_argument("--port-file", type=Path, help="file to write the listening port to")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("QUART_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = load_settings()
     handler = load_handler(args.handler.resolve())
     asyncio.run(serve(handler, args.host, args.port_file, settings.limits.max_body_bytes,
-                      settings.limits.read_timeout_s))
+                      settings.limits.read_timeout_s, args.port))
     return 0
 
 

@@ -33,7 +33,7 @@ def test_the_bundled_stacks_have_one_identity_per_function():
 
 def _stack(tmp_path: Path, ranges: list[str]) -> Path:
     functions = "".join(
-        f"  m-s{i}:\n    lang: python3-http\n    handler: ./functions/stage\n    image: quart/stage:0.1.0\n"
+        f"  m-s{i}:\n    lang: quart-python\n    handler: ./functions/stage\n    image: quart/stage:0.1.0\n"
         f"    environment:\n      QUART_MODEL: m\n      QUART_STAGES: \"{r}\"\n" for i, r in enumerate(ranges))
     path = tmp_path / "stack.yml"
     path.write_text(f"version: 1.0\nprovider:\n  name: openfaas\nfunctions:\n{functions}")

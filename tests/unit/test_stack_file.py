@@ -1,0 +1,63 @@
+"""The stack files as faas-cli reads them: every field one faas-cli knows (contracts/
+stack.schema.json, from its stack.Function), every `lang` a template in template/, every image
+one that `make images` builds, every `configuration.copy` path present."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from containers.images import TEMPLATES, build_context, read_builds
+from contracts.stack import read_stack
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = json.loads((REPO / "contracts" / "stack.schema.json").read_text())
+STACKS = ["stack.yml", "stack-emulated.yml"]
+
+
+@pytest.mark.parametrize("name", STACKS)
+def test_stack_file_has_only_faas_cli_fields(name: str) -> None:
+    jsonschema.validate(yaml.safe_load((REPO / name).read_text()), SCHEMA)
+
+
+def test_schema_refuses_what_faas_cli_does_not_know() -> None:
+    data = yaml.safe_load((REPO / "stack.yml").read_text())
+    data["functions"]["smollm2"]["enviroment"] = {"A": "1"}  # a typo
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, SCHEMA)
+
+
+@pytest.mark.parametrize("name", STACKS)
+def test_every_image_is_one_make_images_builds(name: str) -> None:
+    stack = REPO / name
+    data = yaml.safe_load(stack.read_text())
+    builds, copy = read_builds(stack)
+    assert {f["image"] for f in data["functions"].values()} == {b.image for b in builds}
+    assert {b.image for b in builds} == {"quart/entry:0.1.0", "quart/stage:0.1.0"}
+    for spec in data["functions"].values():
+        template = yaml.safe_load((TEMPLATES / spec["lang"] / "template.yml").read_text())
+        assert template["language"] == spec["lang"]
+        assert (REPO / spec["handler"] / "handler.py").exists()
+    assert copy and all((REPO / path).exists() for path in copy)
+    assert len(read_stack(stack)) == len(data["functions"])  # and the embedded runtime reads it
+
+
+def test_build_context_is_laid_out_as_faas_cli_lays_it_out(tmp_path: Path) -> None:
+    builds, copy = read_builds(REPO / "stack.yml")
+    stage = next(b for b in builds if b.image == "quart/stage:0.1.0")
+    context = build_context(stage, copy, REPO, tmp_path)
+    assert context == tmp_path / stage.function
+    assert (context / "Dockerfile").exists() and (context / "template.yml").exists()
+    assert (context / "function" / "handler.py").read_text() == (REPO / "functions/stage/handler.py").read_text()
+    for path in copy:
+        assert (context / "function" / path).exists()
+    assert not list(context.rglob("__pycache__"))
+
+
+def test_copy_outside_the_project_is_refused(tmp_path: Path) -> None:
+    builds, _ = read_builds(REPO / "stack.yml")
+    with pytest.raises(ValueError, match="not inside"):
+        build_context(builds[0], ["../shared"], REPO, tmp_path)
