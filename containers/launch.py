@@ -1,6 +1,6 @@
 """Containers of the stack on one machine, each on the host's network: Redis, and function
 replicas from the images `make images` builds (the watchdog on its `port`, the partitioned models
-mounted read-only at /models, the settings passed as QUART_* variables). What make
+mounted read-only, the settings passed as QUART_* variables). What make
 up-containers and the image tests start goes through here."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from containers.images import REDIS_IMAGE
 from containers.podman import ContainerError, podman
 from contracts.config import Settings, settings_environment
 
-MODELS_MOUNT = "/models"
+MODELS_MOUNT = "/home/app/models"
 # Paths of this machine that mean nothing inside an image (it has its own home and models).
 HOST_ONLY = ("QUART_HOME", "QUART_MODELS", "QUART_STACK_FILE", "QUART_CONFIG")
 LABEL = "io.quart.stack"

@@ -101,6 +101,7 @@ class ComputeConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
+    host: str = "127.0.0.1"
     port: int = 8091
     stages: str = "all"
     memory_threshold: float = 0.85
@@ -146,6 +147,7 @@ REPLICAS_PER_CORE = 8
 class Settings:
     home: str = field(default_factory=_default_home)
     models: str = ""
+    models_url: str = ""
     stack_file: str = "stack.yml"
     server: str = field(default_factory=lambda: os.uname().nodename)
     log_level: str = "INFO"
@@ -286,6 +288,8 @@ def _no_bounds(v: object) -> str | None:
 VARIABLES: tuple[Var, ...] = (
     Var("QUART_CONFIG", "", "a YAML file of settings by short name (`redis_port: 6391`); the environment overrides it",
         default=""),
+    Var("QUART_SECRETS_DIR", "", "a folder of files named like these variables (`QUART_REDIS_PASSWORD`), each holding "
+        "its value: a mounted Kubernetes Secret or OpenFaaS secret; the environment overrides it", default=""),
     Var("QUART_HOME", "home", "runtime state: partitioned models, logs, pid files, the admin password file"),
     Var("QUART_MODELS", "models", "partitioned models; empty means `<home>/models`"),
     Var("QUART_STACK_FILE", "stack_file", "the OpenFaaS stack file whose functions run"),
@@ -338,6 +342,11 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_DTYPE", "compute.dtype", "stage weights' dtype", _one_of("float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),
     Var("QUART_EMULATE", "compute.emulate", "an emulation profile (`pipeline/profiles.py`) instead of real weights"),
+    Var("QUART_KEYSMANAGER_HOST", "cache.host",
+        "where the KeysManager listens (`0.0.0.0` in a pod, so the autoscaler and the replicas on its node reach it)"),
+    Var("QUART_MODELS_URL", "models_url",
+        "where a replica fetches a partitioned model it does not find in QUART_MODELS (a KeysManager: `http://host:8091`); "
+        "empty: never"),
     Var("QUART_KEYSMANAGER_PORT", "cache.port", "the KeysManager's API port (virtual server i: port + i)", _port),
     Var("QUART_CACHE_STAGES", "cache.stages", "stage ranges cached at start: `all`, `none` or `smollm2:1,minilm:0`"),
     Var("QUART_CACHE_MEMORY_THRESHOLD", "cache.memory_threshold", "host memory use above which zygotes are evicted (LRU)",
@@ -489,11 +498,25 @@ def _from_file(path: str) -> dict[str, object]:
     return data
 
 
+def _from_secrets(folder: Path) -> dict[str, str]:
+    """Settings from files named by their variables, as Kubernetes and OpenFaaS mount secrets (a
+    folder that is not there holds none: a container run without the secret)."""
+    values = {}
+    for v in VARIABLES:
+        path = folder / v.env
+        if v.section == "settings" and path.is_file():
+            values[v.name] = path.read_text().strip()
+    return values
+
+
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-    """Settings from defaults, then the file named by QUART_CONFIG, then QUART_* variables, then
-    explicit overrides by short name (flags). ConfigError names what is wrong."""
+    """Settings from defaults, then the file named by QUART_CONFIG, then the files in
+    QUART_SECRETS_DIR, then QUART_* variables, then explicit overrides by short name (flags).
+    ConfigError names what is wrong."""
     environ = os.environ if environ is None else environ
     values: dict[str, object] = _from_file(environ["QUART_CONFIG"]) if environ.get("QUART_CONFIG") else {}
+    if environ.get("QUART_SECRETS_DIR"):
+        values.update(_from_secrets(Path(environ["QUART_SECRETS_DIR"])))
     for v in VARIABLES:
         if v.section == "settings" and environ.get(v.env, "") != "":
             values[v.name] = environ[v.env]

@@ -15,13 +15,13 @@ from keysmanager.manager import KeysManager
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser, "home", "keysmanager_port", "server", "redis_port", "cache_memory_threshold")
+    add_arguments(parser, "home", "keysmanager_host", "keysmanager_port", "server", "redis_port", "cache_memory_threshold")
     args = parser.parse_args(argv)
     settings = exit_on_config_error(lambda: settings_from_args(args))
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     manager = KeysManager(settings, redis.Redis.from_url(settings.redis_url))
-    web.run_app(build_app(manager, settings.internal_api_token()), host="127.0.0.1", port=settings.cache.port,
+    web.run_app(build_app(manager, settings.internal_api_token()), host=settings.cache.host, port=settings.cache.port,
                 print=None, access_log=None)
     return 0
 

@@ -11,12 +11,16 @@ needs the runtime's internal token (`Authorization: Bearer ...`); 401 without it
                   -> {"pid", "port_file", "started_by"}; 404 not cached, 409 shard changed
     POST /evict   {"model", "stages"}
     PUT  /config  {"memory_threshold": 0.85}
+    GET  /models/{model}               the files of a partitioned model: [{"path", "bytes"}]
+    GET  /models/{model}/{path}        one of them (replicas on a cluster fetch their shards here:
+                                       pipeline/model_fetch.py)
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
+from pathlib import Path
 
 from aiohttp import web
 
@@ -108,6 +112,27 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             return web.json_response({"error": f"{stage.model} stages {stage.stages} are not cached here"}, status=404)
         return web.json_response({"evicted": stage.key})
 
+    def model_dir(request: web.Request) -> Path:
+        model = request.match_info["model"]
+        if not NAME_RE.fullmatch(model):
+            raise Invalid("not a model name")
+        directory = manager.settings.model_dir(model)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"no partitioned model {model!r} on this server")
+        return directory.resolve()
+
+    async def model_files(request: web.Request) -> web.Response:
+        directory = model_dir(request)
+        return web.json_response({"files": [{"path": str(f.relative_to(directory)), "bytes": f.stat().st_size}
+                                            for f in sorted(directory.rglob("*")) if f.is_file()]})
+
+    async def model_file(request: web.Request) -> web.StreamResponse:
+        directory = model_dir(request)
+        path = (directory / request.match_info["path"]).resolve()
+        if directory not in path.parents or not path.is_file():
+            raise FileNotFoundError(f"no file {request.match_info['path']!r} in model {directory.name!r}")
+        return web.FileResponse(path)
+
     async def config(request: web.Request) -> web.Response:
         threshold = (await _json(request)).get("memory_threshold")
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
@@ -145,6 +170,8 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
     app.router.add_post("/fork", fork)
     app.router.add_post("/evict", evict)
     app.router.add_put("/config", config)
+    app.router.add_get("/models/{model}", model_files)
+    app.router.add_get("/models/{model}/{path:.+}", model_file)
     app.on_startup.append(watch)
     app.on_shutdown.append(stop)
     return app

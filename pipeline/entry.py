@@ -35,6 +35,7 @@ from pipeline.entry_requests import (
     parse_json,
 )
 from pipeline.manifest import Manifest
+from pipeline.model_fetch import ensure_model
 from pipeline.pipeline_client import PipelineClient, Progress, StageFailed
 from pipeline.profiles import WIDTH as EMULATED_WIDTH
 from pipeline.profiles import profile as emulation_profile
@@ -80,7 +81,7 @@ class Entry:
             self.arch = "emulated"
             emulation_profile(settings.compute.emulate)  # an unknown profile fails at start, not per request
         else:
-            manifest = Manifest.load(settings.model_dir(model))
+            manifest = Manifest.load(ensure_model(settings, model))
             self.arch = manifest.arch
             self.config = manifest.config_object()
             self.tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())

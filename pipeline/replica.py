@@ -26,6 +26,7 @@ from pipeline.batch_policy import migration_peer, new_item_slots
 from pipeline.emulated import EmulatedRunner
 from pipeline.generation_step import HOLDER, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from pipeline.manifest import Manifest
+from pipeline.model_fetch import ensure_model
 from pipeline.profiles import profile as emulation_profile
 from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, register
 from pipeline.stage_runner import StageRunner
@@ -64,8 +65,8 @@ class Replica:
         if runner is None and settings.compute.emulate:
             runner = EmulatedRunner(emulation_profile(settings.compute.emulate), stage.model, first, last)
         if runner is None:
-            runner = StageRunner(Manifest.load(settings.model_dir(stage.model)), first, last, settings.compute.device,
-                                 settings.compute.dtype)
+            directory = ensure_model(settings, stage.model, range(first, last))
+            runner = StageRunner(Manifest.load(directory), first, last, settings.compute.device, settings.compute.dtype)
             started_by = "cold"  # whatever started this process, it loaded the shard itself
         self.runner = runner
         self.manifest = runner.manifest

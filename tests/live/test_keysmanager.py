@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,9 +18,12 @@ from contracts.config import Settings, child_environment
 from contracts.http_client import HttpClient
 from contracts.paths import REPO_ROOT as REPO
 from contracts.paths import STAGE_HANDLER
+from contracts.secrets import bearer
 from contracts.stage import StageRef
 from contracts.wire import decode_tensors, encode_tensors
 from keysmanager.client import KeysClient, KeysManagerError
+from pipeline.manifest import Manifest, sha256_file
+from pipeline.model_fetch import FetchError, ensure_model
 from pipeline.partition import partition
 from pipeline.registry import live_replicas
 from pipeline.stage_runner import StageRunner
@@ -233,3 +237,42 @@ def test_key_stages_published_by_the_autoscaler_get_cached(km):
                    120, "the key stage to be cached")
     finally:
         r.delete(keys.key_stages("minilm"))
+
+
+def test_a_replica_fetches_only_its_shards_from_the_keysmanager(km, tmp_path) -> None:
+    settings, _, _, _ = km
+    source = settings.model_dir("smollm2")
+    here = settings.replace(models=str(tmp_path / "models"),
+                            models_url=f"http://127.0.0.1:{settings.cache.port}")
+    directory = ensure_model(here, "smollm2", range(1, 3))
+    manifest = Manifest.load(directory)
+    assert sorted(p.name for p in directory.glob("*.safetensors")) == [manifest.stages[1].shard, manifest.stages[2].shard]
+    for i in (1, 2):
+        assert sha256_file(manifest.shard_path(i)) == manifest.stages[i].sha256
+    assert sorted(p.name for p in manifest.tokenizer_path().iterdir()) == \
+        sorted(p.name for p in (source / "tokenizer").iterdir())
+    assert ensure_model(here, "smollm2", range(1, 3)) == directory  # complete: nothing fetched again
+    StageRunner(manifest, 1, 3, "cpu", "float32")                  # and it loads
+
+
+def test_a_fetch_refuses_a_bad_shard_a_bad_token_and_paths_outside_the_model(km, tmp_path) -> None:
+    settings, _, _, _ = km
+    url = f"http://127.0.0.1:{settings.cache.port}"
+    tampered = settings.model_dir("smollm2-tampered")
+    shutil.copytree(settings.model_dir("smollm2"), tampered)
+    try:
+        with open(tampered / Manifest.load(tampered).stages[0].shard, "r+b") as f:
+            f.seek(-4, os.SEEK_END)
+            f.write(b"\0\0\0\1")
+        here = settings.replace(models=str(tmp_path / "a"), models_url=url)
+        with pytest.raises(FetchError, match="sha256"):
+            ensure_model(here, "smollm2-tampered", range(0, 1))
+        assert not list((tmp_path / "a").rglob("*.safetensors"))
+    finally:
+        shutil.rmtree(tampered)
+    with pytest.raises(FetchError, match="401"):
+        ensure_model(settings.replace(models=str(tmp_path / "b"), models_url=url, internal_token="wrong"), "smollm2")
+    client, auth = HttpClient(url), bearer(settings.internal_api_token())
+    assert client.request("GET", "/models/smollm2/..%2Fminilm%2Fmanifest.json", headers=auth).status == 404
+    assert client.request("GET", "/models/smollm2/../minilm/manifest.json", headers=auth).status == 404
+    assert client.request("GET", "/models/no-such-model", headers=auth).status == 404

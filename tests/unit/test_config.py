@@ -50,6 +50,23 @@ def test_precedence_file_then_environment_then_flags(tmp_path):
     assert settings_from_args(args).redis.port == 7002
 
 
+def test_secrets_folder_sits_between_the_file_and_the_environment(tmp_path):
+    config = tmp_path / "quart.yml"
+    config.write_text("redis_port: 7001\nredis_host: from-file\n")
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "QUART_REDIS_PASSWORD").write_text("s3cret\n")
+    (secrets / "QUART_REDIS_HOST").write_text("redis.openfaas-fn")
+    (secrets / "QUART_REDIS_PORT").write_text("7003")
+    s = load_settings(environ={"QUART_CONFIG": str(config), "QUART_SECRETS_DIR": str(secrets),
+                               "QUART_REDIS_PORT": "7004"})
+    assert (s.redis.password, s.redis.host, s.redis.port) == ("s3cret", "redis.openfaas-fn", 7004)
+    assert load_settings(environ={"QUART_SECRETS_DIR": str(tmp_path / "absent")}).redis.password == ""
+    (secrets / "QUART_REDIS_PORT").write_text("not a port")
+    with pytest.raises(ConfigError, match="QUART_REDIS_PORT"):
+        load_settings(environ={"QUART_SECRETS_DIR": str(secrets)})
+
+
 def test_settings_survive_a_trip_through_a_child_environment():
     s = load_settings(environ={}, policy_params={"kp": 0.3}, fork_cow=False, server_bandwidth=2e9, r_min=2)
     again = load_settings(environ=settings_environment(s))
