@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from autoscaler.backends import LocalBackend
+from autoscaler.backends import GatewayBackend, LocalBackend
 from autoscaler.loop import ControlLoop
 from contracts import keys
 from contracts.config import Settings, add_arguments, exit_on_config_error, settings_from_args
@@ -29,11 +29,14 @@ def run(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     r = redis.Redis.from_url(settings.redis_url)
     models = pipelines(read_stack(Path(settings.stack_file)))
-    loop = exit_on_config_error(
-        lambda: ControlLoop(settings, LocalBackend(GatewayClient.for_settings(settings), models, r), r, models))
+    gateway = GatewayClient.for_settings(settings)
+    backend = LocalBackend(gateway, models, r) if settings.autoscaler.backend == "local" else \
+        GatewayBackend(gateway, models)
+    loop = exit_on_config_error(lambda: ControlLoop(settings, backend, r, models))
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    logging.getLogger("quart.autoscaler").info("policy %s every %.1f s over %s", settings.autoscaler.policy,
+    logging.getLogger("quart.autoscaler").info("policy %s, %s backend, every %.1f s over %s",
+                                               settings.autoscaler.policy, settings.autoscaler.backend,
                                                settings.autoscaler.tick_s,
                                                {m: [s.stages for s in p.stages] for m, p in models.items()})
     loop.run(lambda: bool(stopping))

@@ -47,8 +47,9 @@ class ControlLoop:
     def tick(self, now: float | None = None) -> list[Actions]:
         now = time.time() if now is None else now
         observations = self.observer.observe(now, self.backend.desired_replicas(), self.settings.autoscaler.slo_s)
-        free = self.host_cpu.idle_cores()
-        if self.settings.compute.device == "cpu":
+        # This host's idle cores say what a replica more would find only where replicas run here.
+        if self.settings.autoscaler.backend == "local" and self.settings.compute.device == "cpu":
+            free = self.host_cpu.idle_cores()
             observations = {m: s if self.pipelines[m].emulated else replace(s, cpu_free=free)
                             for m, s in observations.items()}
         steps = self.controller.step(now, observations)

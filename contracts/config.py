@@ -48,6 +48,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     user: str = "admin"
+    password: str = ""
     namespace: str = "openfaas-fn"
 
     @property
@@ -111,6 +112,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class AutoscalerConfig:
     policy: str = "quart"
+    backend: str = "local"
     tick_s: float = 1.0
     slo_s: float = 2.0
     window_s: float = 10.0
@@ -308,6 +310,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_GATEWAY_HOST", "gateway.host", "the gateway's host (the embedded runtime listens there)"),
     Var("QUART_GATEWAY_PORT", "gateway.port", "the gateway's port", _port),
     Var("QUART_GATEWAY_USER", "gateway.user", "basic-auth user of `/system/*`"),
+    Var("QUART_GATEWAY_PASSWORD", "gateway.password",
+        "basic-auth password of `/system/*`; empty: the embedded runtime's `<home>/basic-auth-password`"),
     Var("QUART_NAMESPACE", "gateway.namespace", "the functions' namespace"),
     Var("QUART_REQUEST_TIMEOUT_S", "data.request_timeout_s", "a request not answered by then gets 504", _positive),
     Var("QUART_RECLAIM_IDLE_MS", "data.reclaim_idle_ms", "work held this long by a dead replica is claimed again", _positive),
@@ -353,6 +357,9 @@ VARIABLES: tuple[Var, ...] = (
         _fraction),
     Var("QUART_FORK_COW", "cache.fork_cow", "forked replicas share the zygote's pages copy-on-write; false clones them"),
     Var("QUART_POLICY", "autoscaler.policy", "`quart`, a baseline's name, or `none` (no autoscaler)"),
+    Var("QUART_BACKEND", "autoscaler.backend",
+        "how the autoscaler's decisions take effect: `local` (the embedded runtime: replicas and live CPU changes) or "
+        "`gateway` (any OpenFaaS gateway: replicas only)", _one_of("local", "gateway")),
     Var("QUART_TICK_S", "autoscaler.tick_s", "the control loop's period", _positive),
     Var("QUART_SLO_S", "autoscaler.slo_s", "end-to-end latency objective of one pipeline pass", _positive),
     Var("QUART_WINDOW_S", "autoscaler.window_s", "observation window of rates, CVs and service times", _positive),
