@@ -17,22 +17,19 @@ from pathlib import Path
 
 import redis
 
-from autoscaler.backends import GatewayBackend, LocalBackend
+from autoscaler.backends import Backend, GatewayBackend, LocalBackend
 from autoscaler.loop import ControlLoop
 from contracts import keys
 from contracts.config import Settings, add_arguments, exit_on_config_error, settings_from_args
 from contracts.http_client import GatewayClient
-from contracts.stack import pipelines, read_stack
+from contracts.stack import Pipeline, pipelines, read_stack
 
 
 def run(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     r = redis.Redis.from_url(settings.redis_url)
     models = pipelines(read_stack(Path(settings.stack_file)))
-    gateway = GatewayClient.for_settings(settings)
-    backend = LocalBackend(gateway, models, r) if settings.autoscaler.backend == "local" else \
-        GatewayBackend(gateway, models)
-    loop = exit_on_config_error(lambda: ControlLoop(settings, backend, r, models))
+    loop = exit_on_config_error(lambda: ControlLoop(settings, backend(settings, models, r), r, models))
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     logging.getLogger("quart.autoscaler").info("policy %s, %s backend, every %.1f s over %s",
@@ -41,6 +38,24 @@ def run(settings: Settings) -> int:
                                                {m: [s.stages for s in p.stages] for m, p in models.items()})
     loop.run(lambda: bool(stopping))
     return 0
+
+
+def backend(settings: Settings, models: dict[str, Pipeline], r: redis.Redis) -> Backend:
+    """The configured mechanism (QUART_BACKEND): the embedded runtime's, any gateway's, or a
+    Kubernetes cluster's (credentials in the pod, else ~/.kube/config)."""
+    gateway = GatewayClient.for_settings(settings)
+    if settings.autoscaler.backend == "local":
+        return LocalBackend(gateway, models, r)
+    if settings.autoscaler.backend == "gateway":
+        return GatewayBackend(gateway, models)
+    import kubernetes
+
+    from autoscaler.kubernetes_backend import KubernetesBackend
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return KubernetesBackend(settings, gateway, kubernetes.client.CoreV1Api(), models, r)
 
 
 def status(settings: Settings, watch: bool) -> int:

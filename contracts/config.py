@@ -358,8 +358,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_FORK_COW", "cache.fork_cow", "forked replicas share the zygote's pages copy-on-write; false clones them"),
     Var("QUART_POLICY", "autoscaler.policy", "`quart`, a baseline's name, or `none` (no autoscaler)"),
     Var("QUART_BACKEND", "autoscaler.backend",
-        "how the autoscaler's decisions take effect: `local` (the embedded runtime: replicas and live CPU changes) or "
-        "`gateway` (any OpenFaaS gateway: replicas only)", _one_of("local", "gateway")),
+        "how the autoscaler's decisions take effect: `local` (the embedded runtime: replicas and live CPU changes), "
+        "`gateway` (any OpenFaaS gateway: replicas only) or `kubernetes` (OpenFaaS on Kubernetes: forks, pods, "
+        "in-place CPU resize)", _one_of("local", "gateway", "kubernetes")),
     Var("QUART_TICK_S", "autoscaler.tick_s", "the control loop's period", _positive),
     Var("QUART_SLO_S", "autoscaler.slo_s", "end-to-end latency objective of one pipeline pass", _positive),
     Var("QUART_WINDOW_S", "autoscaler.window_s", "observation window of rates, CVs and service times", _positive),

@@ -10,6 +10,8 @@ needs the runtime's internal token (`Authorization: Bearer ...`); 401 without it
     POST /fork    {"model", "stages", "function", "cow": true, "env": {"QUART_...": ...}}
                   -> {"pid", "port_file", "started_by"}; 404 not cached, 409 shard changed
     POST /evict   {"model", "stages"}
+    GET  /forks                        the replicas forked here that still run
+    POST /stop    {"pid"}              drain and end one of them; 404 if it is not one
     PUT  /config  {"memory_threshold": 0.85}
     GET  /models/{model}               the files of a partitioned model: [{"path", "bytes"}]
     GET  /models/{model}/{path}        one of them (replicas on a cluster fetch their shards here:
@@ -112,6 +114,16 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             return web.json_response({"error": f"{stage.model} stages {stage.stages} are not cached here"}, status=404)
         return web.json_response({"evicted": stage.key})
 
+    async def stop_fork(request: web.Request) -> web.Response:
+        pid = (await _json(request)).get("pid")
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            raise Invalid("'pid' must be the process id of a replica forked here")
+        try:
+            await run(manager.stop, pid)
+        except NotCached as exc:
+            return web.json_response({"error": exc.args[0]}, status=404)
+        return web.json_response({"stopped": pid})
+
     def model_dir(request: web.Request) -> Path:
         model = request.match_info["model"]
         if not NAME_RE.fullmatch(model):
@@ -170,6 +182,8 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
     app.router.add_post("/fork", fork)
     app.router.add_post("/evict", evict)
     app.router.add_put("/config", config)
+    app.router.add_get("/forks", lambda _: web.json_response(manager.forks()))
+    app.router.add_post("/stop", stop_fork)
     app.router.add_get("/models/{model}", model_files)
     app.router.add_get("/models/{model}/{path:.+}", model_file)
     app.on_startup.append(watch)

@@ -16,7 +16,12 @@ class KeysClient(HttpClient):
     @classmethod
     def for_settings(cls, settings: Settings, timeout: float = 600.0) -> KeysClient:
         """The client of the KeysManager that `settings` name (its port), with the internal token."""
-        client = cls(f"http://127.0.0.1:{settings.cache.port}", timeout)
+        return cls.at("127.0.0.1", settings, timeout)
+
+    @classmethod
+    def at(cls, host: str, settings: Settings, timeout: float = 600.0) -> KeysClient:
+        """The client of the KeysManager on `host` (a pod's address on a cluster)."""
+        client = cls(f"http://{host}:{settings.cache.port}", timeout)
         client.auth = f"Bearer {settings.internal_api_token()}"
         return client
 
@@ -39,6 +44,12 @@ class KeysClient(HttpClient):
 
     def evict(self, stage: StageRef) -> dict:
         return self._call("POST", "/evict", {"model": stage.model, "stages": stage.stages})
+
+    def forks(self) -> list[dict]:
+        return self._call("GET", "/forks")
+
+    def stop(self, pid: int) -> dict:
+        return self._call("POST", "/stop", {"pid": pid})
 
     def zygotes(self) -> list[dict]:
         return self._call("GET", "/zygotes")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +38,29 @@ class NotCached(KeyError):
 
 class StaleShard(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Fork:
+    """A replica this KeysManager forked: where it can be reached from outside (pid and its start
+    time, so a reused pid is not mistaken for it) and what it serves."""
+    pid: int
+    created: float
+    function: str
+    stage: StageRef
+    started_by: str
+    since: float
+
+    def alive(self) -> bool:
+        try:
+            p = psutil.Process(self.pid)
+            return p.create_time() == self.created and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def describe(self) -> dict:
+        return {"pid": self.pid, "function": self.function, "model": self.stage.model, "stages": self.stage.stages,
+                "started_by": self.started_by, "since": self.since}
 
 
 @dataclass
@@ -85,6 +110,7 @@ class KeysManager:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.zygotes: dict[StageRef, Zygote] = {}
+        self.forked: dict[int, Fork] = {}
         self._lock = threading.RLock()
         self._starting: dict[StageRef, threading.Event] = {}
 
@@ -194,9 +220,27 @@ class KeysManager:
             with self._lock:
                 z.forking -= 1
         z.last_use, z.forks = time.time(), z.forks + 1
+        started_by = "fork-cow" if cow else "fork-copy"
+        with self._lock:
+            self.forked[pid] = Fork(pid, psutil.Process(pid).create_time(), function, stage, started_by, time.time())
         self._publish(z)
         self._event("fork", z, pid=pid, cow=cow)
-        return {"pid": pid, "port_file": str(port_file), "started_by": "fork-cow" if cow else "fork-copy"}
+        return {"pid": pid, "port_file": str(port_file), "started_by": started_by}
+
+    def forks(self) -> list[dict]:
+        """The replicas forked here that still run (on a cluster, the only way to count them)."""
+        with self._lock:
+            for pid in [pid for pid, f in self.forked.items() if not f.alive()]:
+                del self.forked[pid]
+            return [f.describe() for f in self.forked.values()]
+
+    def stop(self, pid: int) -> None:
+        """Drains and ends a replica forked here (SIGTERM: it finishes its work first)."""
+        with self._lock:
+            fork = self.forked.get(pid)
+        if fork is None or not fork.alive():
+            raise NotCached(f"no running replica {pid} was forked here")
+        os.kill(pid, signal.SIGTERM)
 
     # -- evict and watch -----------------------------------------------------------------------
 

@@ -1,11 +1,23 @@
-"""Fixtures of the tests that call the session's embedded runtime (tests/conftest.py starts it)."""
+"""Fixtures of the tests that call the session's embedded runtime (tests/conftest.py starts it),
+and a KeysManager of its own for the tests that fork."""
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import redis
 from transformers import AutoTokenizer
 
+from contracts.config import Settings, child_environment
 from contracts.http_client import GatewayClient
+from contracts.paths import REPO_ROOT as REPO
+from keysmanager.client import KeysClient
+from runtime.ports import free_port
+from runtime.redis_server import start_redis
+from tests.live.runtime_helpers import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -21,3 +33,33 @@ def r(runtime) -> redis.Redis:
 @pytest.fixture(scope="module")
 def tokenizer(partitioned):
     return AutoTokenizer.from_pretrained(partitioned("smollm2", 4).tokenizer_path())
+
+
+@pytest.fixture(scope="module")
+def km(home_settings: Settings, partitioned, tmp_path_factory):
+    """A redis-server and a KeysManager process of their own, over the test models."""
+    partitioned("smollm2", 4)
+    partitioned("minilm", 3)
+    home = tmp_path_factory.mktemp("km")
+    settings = home_settings.replace(home=str(home), models=str(home_settings.models_dir),
+                                     redis_port=free_port(), keysmanager_port=free_port(), server="km-test")
+    (home / "logs").mkdir()
+    redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
+    env = child_environment(settings)
+    proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
+                            stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
+    client = KeysClient.for_settings(settings, timeout=300)
+    wait_until(client.healthy, 60, "the KeysManager")
+    children: list[int] = []
+    try:
+        yield settings, client, redis.Redis.from_url(settings.redis_url), children
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.terminate()
+        proc.wait(timeout=60)
+        redis_proc.terminate()
+        redis_proc.wait()

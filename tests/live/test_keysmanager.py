@@ -4,19 +4,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 
 from contracts import keys
-from contracts.config import Settings, child_environment
+from contracts.config import Settings
 from contracts.http_client import HttpClient
-from contracts.paths import REPO_ROOT as REPO
 from contracts.paths import STAGE_HANDLER
 from contracts.secrets import bearer
 from contracts.stage import StageRef
@@ -28,8 +24,6 @@ from pipeline.partition import partition
 from pipeline.registry import live_replicas
 from pipeline.stage_runner import StageRunner
 from runtime.functions import start_watchdog
-from runtime.ports import free_port
-from runtime.redis_server import start_redis
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -40,33 +34,6 @@ def wait_until(predicate, timeout: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-@pytest.fixture(scope="module")
-def km(home_settings: Settings, partitioned, tmp_path_factory):
-    """A redis-server and a KeysManager process of their own, over the test models."""
-    partitioned("smollm2", 4)
-    partitioned("minilm", 3)
-    home = tmp_path_factory.mktemp("km")
-    settings = home_settings.replace(home=str(home), models=str(home_settings.models_dir),
-                                     redis_port=free_port(), keysmanager_port=free_port(), server="km-test")
-    (home / "logs").mkdir()
-    redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
-    env = child_environment(settings)
-    proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
-                            stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
-    client = KeysClient.for_settings(settings, timeout=300)
-    wait_until(client.healthy, 60, "the KeysManager")
-    children: list[int] = []
-    try:
-        yield settings, client, redis.Redis.from_url(settings.redis_url), children
-    finally:
-        for pid in children:
-            _kill(pid)
-        proc.terminate()
-        proc.wait(timeout=60)
-        redis_proc.terminate()
-        redis_proc.wait()
 
 
 def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
@@ -124,6 +91,25 @@ def test_forked_replicas_compute_exactly_what_a_cold_one_does(km, partitioned):
     assert torch.equal(invoke(client, copy_port, hidden)["hidden"], cold)
     started = sorted(x["started_by"] for x in live_replicas(r, "smollm2", 1))
     assert started == ["cold", "fork-copy", "fork-cow"]
+
+
+def test_forks_are_listed_and_stopped_through_the_api(km):
+    """On a cluster the autoscaler sees and ends forked replicas only through the KeysManager."""
+    settings, client, r, children = km
+    client.cache(StageRef.parse("smollm2", "3"))
+    pid, _ = start_forked(client, children, "smollm2", "3")
+    mine = [f for f in client.forks() if f["pid"] == pid]
+    assert [(f["function"], f["model"], f["stages"], f["started_by"]) for f in mine] == \
+        [("smollm2-s3", "smollm2", "3", "fork-cow")]
+    assert client.stop(pid) == {"stopped": pid}
+    wait_until(lambda: all(f["pid"] != pid for f in client.forks()), 60, "the stopped fork to end")
+    with pytest.raises(KeysManagerError) as err:
+        client.stop(pid)
+    assert err.value.status == 404
+    with pytest.raises(KeysManagerError) as err:
+        client.stop(os.getpid())  # a process it did not fork
+    assert err.value.status == 404
+    assert client.request("POST", "/stop", {"pid": "1"}).status == 400
 
 
 def test_cow_children_share_the_zygote_pages(km):
