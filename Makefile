@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test check live docs up down status bench clean images
+.PHONY: demo test check live docs up up-containers down status bench clean images
 
 $(STAMP): requirements.txt requirements-serve.txt requirements-weights.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ docs: $(STAMP)
 # make up POLICY=knative-kpa picks a baseline (default: quart; none runs no autoscaler).
 up: $(STAMP)
 	$(PY) -m runtime up $(if $(POLICY),--policy $(POLICY))
+
+# The same runtime with Redis, the KeysManagers and every replica in containers of the images.
+up-containers: images
+	QUART_CONTAINERS=true $(PY) -m runtime up $(if $(POLICY),--policy $(POLICY))
 
 down: $(STAMP)
 	$(PY) -m runtime down

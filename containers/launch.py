@@ -22,7 +22,7 @@ def container_environment(settings: Settings, **extra: str) -> dict[str, str]:
     """The QUART_* variables that give a container these settings, with Redis's password and
     the internal token, and `extra` (identity, port) on top."""
     env = {k: v for k, v in settings_environment(settings).items() if k not in HOST_ONLY}
-    env["QUART_REDIS_PASSWORD"] = settings.redis.password
+    env["QUART_REDIS_PASSWORD"] = settings.redis_password()
     env["QUART_INTERNAL_TOKEN"] = settings.internal_api_token()
     return {**env, **extra}
 

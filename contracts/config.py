@@ -133,6 +133,7 @@ class ServersConfig:
 
 @dataclass(frozen=True)
 class ContainersConfig:
+    run: bool = False
     base: str = "localhost/debian-python:bookworm"
     oci_runtime: str = "runc"
 
@@ -195,11 +196,15 @@ class Settings:
         """Where every component reaches Redis: QUART_REDIS_PASSWORD, else the password the
         embedded runtime keeps in <home>/redis-password (read when a client is made, so a
         process that started before the runtime made it still finds it)."""
-        password = self.redis.password
-        if not password and self.redis_password_file.exists():
-            password = self.redis_password_file.read_text().strip()
+        password = self.redis_password()
         auth = f":{quote(password, safe='')}@" if password else ""
         return f"redis://{auth}{self.redis.host}:{self.redis.port}/{self.redis.db}"
+
+    def redis_password(self) -> str:
+        """QUART_REDIS_PASSWORD, else the one the embedded runtime keeps in <home>/redis-password."""
+        if not self.redis.password and self.redis_password_file.exists():
+            return self.redis_password_file.read_text().strip()
+        return self.redis.password
 
     def server_slots(self) -> int:
         """Replicas one server hosts: QUART_SERVER_SLOTS, else from the cores (a replica computes
@@ -381,6 +386,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_COLD_DEADLINE_S", "servers.cold_deadline_s", "a cold start must have read its shard by then (HydraServe)",
         _positive),
     Var("QUART_SCHEDULER_PARAMS", "servers.scheduler_params", "the scheduler's parameters as JSON (`SchedulerParams`)"),
+    Var("QUART_CONTAINERS", "containers.run",
+        "the embedded runtime runs Redis, the KeysManagers and the replicas as containers of the images "
+        "(`make up-containers`)"),
     Var("QUART_IMAGE_BASE", "containers.base",
         "base image of `make images` (`python:3.11-slim` where a registry is reachable; the default is made here "
         "with debootstrap)"),

@@ -98,6 +98,7 @@ def down(settings: Settings) -> int:
     if pid is None:
         left = _recorded_pid(pid_file)
         pid_file.unlink(missing_ok=True)
+        _remove_containers(settings)
         if left is not None and _end_group(left):
             print("the runtime's guardian had died; stopped what was left of it (replicas, Redis, KeysManagers)")
         else:
@@ -113,8 +114,18 @@ def down(settings: Settings) -> int:
     except ProcessLookupError:
         pass
     pid_file.unlink(missing_ok=True)
+    _remove_containers(settings)
     print("stopped")
     return 0
+
+
+def _remove_containers(settings: Settings) -> None:
+    """Containers of this runtime still there (QUART_CONTAINERS): one whose podman command was
+    killed outlives it."""
+    from containers.podman import missing
+    if missing() is None:
+        from containers.runtime import remove_all
+        remove_all(settings)
 
 
 def _recorded_pid(pid_file: Path) -> int | None:

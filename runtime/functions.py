@@ -15,6 +15,8 @@ from datetime import UTC, datetime
 from itertools import count
 from pathlib import Path
 
+from containers import runtime as in_containers
+from containers.podman import ContainerError
 from contracts.config import Settings, child_environment
 from contracts.paths import REPO_ROOT
 from contracts.stack import identity
@@ -130,7 +132,7 @@ class ProcessManager:
         self.keys = keys
         self.run_dir = Path(settings.home) / "run"
         self.log_dir = Path(settings.home) / "logs"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "replicas").mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     def spawn(self, fn: FunctionState, server: str, fork: bool) -> ReplicaProcess:
@@ -154,11 +156,26 @@ class ProcessManager:
         return ReplicaProcess(WatchedProcess(answer["pid"]), Path(answer["port_file"]), server, answer["started_by"])
 
     def _cold(self, fn: FunctionState, server: str) -> ReplicaProcess:
-        port_file = self.run_dir / f"{fn.name}.{os.getpid()}.{next(_serial)}.port"
+        serial = f"{os.getpid()}.{next(_serial)}"
+        port_file = self.run_dir / "replicas" / f"{fn.name}.{serial}.port"
         port_file.unlink(missing_ok=True)
         env = {**fn.deployment.get("envVars", {}), "QUART_SERVER": server}
-        proc = start_watchdog(self.settings, fn.handler, env, port_file, self.log_dir / f"{fn.name}.log")
+        if self.settings.containers.run:
+            with open(self.log_dir / f"{fn.name}.log", "ab") as out:
+                proc = in_containers.replica(self.settings, f"quart-{fn.name}-{serial.replace('.', '-')}",
+                                             fn.deployment["image"], env, port_file, out, self.settings.compute.threads)
+        else:
+            proc = start_watchdog(self.settings, fn.handler, env, port_file, self.log_dir / f"{fn.name}.log")
         return ReplicaProcess(proc, port_file, server)
+
+    def set_cpus(self, fn: FunctionState, cpus: float) -> None:
+        """The CPU quota of the function's replicas in containers of their own, changed in place."""
+        for replica in fn.serving():
+            if isinstance(replica.proc, in_containers.ContainerRun) and replica.proc.cpus != cpus:
+                try:
+                    replica.proc.set_cpus(cpus)
+                except ContainerError as exc:  # it may have just exited
+                    log.warning("no CPU change for %s: %s", replica.id, exc)
 
     def drain(self, replica: ReplicaProcess) -> None:
         """Asks a replica to finish its work and exit (SIGTERM)."""

@@ -18,6 +18,7 @@ import redis
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from contracts import keys
 from contracts.config import Settings
 from contracts.http_errors import json_errors
 from contracts.loops import every
@@ -35,6 +36,7 @@ VERSION = "0.1.0"
 SCALE_MIN_LABEL = "com.openfaas.scale.min"
 SCALE_MAX_LABEL = "com.openfaas.scale.max"
 PROBE_PERIOD_S = 2.0
+CPUS_CHECK_S = 1.0
 FAILURE_THRESHOLD = 3
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 
@@ -99,6 +101,7 @@ class LocalProvider:
                                  ("function_name", "code"), registry=self.registry)
         self._session: aiohttp.ClientSession | None = None
         self._reconciler: asyncio.Task | None = None
+        self._cpus_checked = 0.0
 
     # -- function lifecycle --------------------------------------------------------------------
 
@@ -211,6 +214,16 @@ class LocalProvider:
         self._draining = [fn for fn in self._draining if fn.replicas]
         self.converge()
         self._save_state()
+        if self.settings.containers.run and time.monotonic() >= self._cpus_checked + CPUS_CHECK_S:
+            self._cpus_checked = time.monotonic()
+            await asyncio.to_thread(self._apply_cpus)
+
+    def _apply_cpus(self) -> None:
+        """Replicas in containers get the CPU quota the compensator set for their stage."""
+        for fn in list(self.functions.values()):
+            wanted = self.placer.redis.get(keys.stage_cpus(fn.stage)) if fn.stage is not None else None
+            if wanted is not None:
+                self.processes.set_cpus(fn, float(wanted))
 
     # -- what a provider started in this one's place adopts ------------------------------------
 

@@ -7,7 +7,9 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import redis
 
@@ -25,11 +27,12 @@ def redis_binary() -> str:
 
 
 def start_redis(host: str, port: int, workdir: Path, log_file: Path, password: str = "",
-                persist: bool = False) -> subprocess.Popen:
+                persist: bool = False, launch: Callable[[Path, IO], subprocess.Popen] | None = None) -> subprocess.Popen:
     """A redis-server on `host`:`port` that keeps its files in `workdir`. With `password`, it
     refuses clients that do not give it; with `persist`, it writes every change to an
     append-only file there (fsync every second) and loads it when it starts again. Its settings
-    go in a file only its owner reads, so the password is not on a command line."""
+    go in a file only its owner reads, so the password is not on a command line. `launch` starts
+    it from that file some other way (in a container)."""
     workdir.mkdir(parents=True, exist_ok=True)
     conf = workdir / "redis.conf"
     lines = [f"bind {host}", f"port {port}", 'save ""', f"appendonly {'yes' if persist else 'no'}",
@@ -40,8 +43,8 @@ def start_redis(host: str, port: int, workdir: Path, log_file: Path, password: s
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen([redis_binary(), str(conf)], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        proc = launch(conf, log) if launch else subprocess.Popen([redis_binary(), str(conf)], stdout=log,
+                                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     wait_for_redis(host, port, proc, password=password)
     return proc
 

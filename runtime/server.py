@@ -20,6 +20,7 @@ from pathlib import Path
 import redis
 from aiohttp import web
 
+from containers import runtime as in_containers
 from contracts.config import Settings, child_environment, exit_on_config_error, load_settings
 from contracts.loops import start_thread
 from contracts.paths import REPO_ROOT
@@ -39,8 +40,11 @@ LOG_CHECK_S = 10.0
 
 
 def _start(settings: Settings, module: str, *args: str, log_name: str = "") -> subprocess.Popen:
-    """A component of the runtime as a child process (in the runtime's process group)."""
+    """A component of the runtime as a child process (in the runtime's process group); a
+    KeysManager in a container of its own with QUART_CONTAINERS."""
     with open(Path(settings.home) / "logs" / f"{log_name or module}.log", "ab") as out:
+        if settings.containers.run and module == "keysmanager":
+            return in_containers.keysmanager(settings, out)
         return subprocess.Popen([sys.executable, "-m", module, *args], env=child_environment(settings), cwd=REPO_ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -75,8 +79,10 @@ def start_redis_supervised(settings: Settings, supervisor: Supervisor, adopting:
             (workdir / old).unlink(missing_ok=True)
     password = read_or_create_secret(settings.redis_password_file) if not settings.redis.password \
         else settings.redis.password
+    launch = (lambda conf, out: in_containers.redis(settings, workdir, conf, out)) if settings.containers.run else None
     supervisor.add("redis", lambda: start_redis(settings.redis.host, settings.redis.port, workdir,
-                                                home / "logs" / "redis.log", password=password, persist=True),
+                                                home / "logs" / "redis.log", password=password, persist=True,
+                                                launch=launch),
                    previous)
 
 

@@ -11,6 +11,8 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
+from containers.images import build_images
+from containers.podman import missing
 from contracts.config import Settings, child_environment
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT as REPO
@@ -18,6 +20,8 @@ from keysmanager.client import KeysClient
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 from tests.live.runtime_helpers import wait_until
+
+NEEDS_CONTAINERS = pytest.mark.skipif(missing() is not None, reason=f"containers cannot run here: {missing()}")
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +67,9 @@ def km(home_settings: Settings, partitioned, tmp_path_factory):
         proc.wait(timeout=60)
         redis_proc.terminate()
         redis_proc.wait()
+
+
+@pytest.fixture(scope="session")
+def images(home_settings) -> set[str]:
+    """The images of stack.yml and Redis's, built as `make images` builds them (layers cached)."""
+    return {b["image"] for b in build_images(home_settings, REPO / "stack.yml")}

@@ -16,23 +16,18 @@ import pytest
 import redis
 import yaml
 
-from containers.images import REDIS_IMAGE, build_images
+from containers.images import REDIS_IMAGE
 from containers.launch import logs, remove_stack, start_function, start_redis, wait_healthy
-from containers.podman import missing, podman
+from containers.podman import podman
 from contracts.http_client import HttpClient
 from contracts.secrets import bearer
 from runtime.ports import free_port
 from tests.kustomize import SECRETS, objects
+from tests.live.conftest import NEEDS_CONTAINERS
 from tests.live.runtime_helpers import reference_greedy, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(missing() is not None, reason=f"containers cannot run here: {missing()}")
-
-
-@pytest.fixture(scope="module")
-def images(home_settings):
-    built = build_images(home_settings, REPO / "stack.yml")
-    return {b["image"] for b in built}
+pytestmark = NEEDS_CONTAINERS
 
 
 @pytest.fixture
