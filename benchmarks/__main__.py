@@ -5,6 +5,7 @@ import sys
 
 from benchmarks import (
     autoscaler_tick,
+    containers,
     faults,
     generation,
     hop,
@@ -26,7 +27,8 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "generation": generation.main, "kv_migration": kv_migration.main,
               "generation_llama1b": lambda: generation.main(["--model", "llama1b"]),
               "simulator_generation": simulator_generation.main, "faults": faults.main,
-              "overload": overload.main, "soak": soak.main}
+              "overload": overload.main, "soak": soak.main,
+              "containers": lambda: containers.main([])}
 
 
 def main(argv: list[str]) -> int:

@@ -13,11 +13,11 @@ LAYERS = {
     "contracts": 0,
     "autoscaler.policy": 1, "scheduler": 1, "keysmanager.cache_policy": 1,
     "pipeline": 2, "functions": 2,
-    "keysmanager": 3, "autoscaler": 3, "runtime": 3,
+    "keysmanager": 3, "autoscaler": 3, "runtime": 3, "containers": 3,
     "loadgen": 4, "sim": 4, "tools": 4, "benchmarks": 4,
 }
 NAMES = ("contracts", "autoscaler", "scheduler", "keysmanager", "pipeline", "functions", "runtime",
-         "loadgen", "sim", "tools", "benchmarks")
+         "containers", "loadgen", "sim", "tools", "benchmarks")
 
 
 def unit(module: str) -> str | None:
