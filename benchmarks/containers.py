@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     (home / "logs").mkdir()
     redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
     out = open(home / "logs" / "containers.log", "ab")
-    km_proc = in_containers.keysmanager(settings, out)
+    km_proc = in_containers.keysmanager(settings, out, IMAGE)
     km, r = KeysClient.for_settings(settings), redis.Redis.from_url(settings.redis_url)
     manifest = Manifest.load(settings.model_dir(STAGE.model))
     samples: dict[str, list[float]] = {m: [] for m in MODES}

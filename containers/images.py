@@ -21,11 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from containers.podman import ContainerError, build, image_exists, missing, podman
 from contracts.config import ContainersConfig, Settings, add_arguments, exit_on_config_error, settings_from_args
 from contracts.paths import REPO_ROOT
+from contracts.stack import load_stack_file
 
 BUILD_DIR = REPO_ROOT / "build"
 TEMPLATES = REPO_ROOT / "template"
@@ -47,7 +46,7 @@ class ImageBuild:
 
 def read_builds(stack: Path) -> tuple[list[ImageBuild], list[str]]:
     """The images a stack file's functions build (each once) and its `configuration.copy`."""
-    data = yaml.safe_load(stack.read_text())
+    data = load_stack_file(stack)
     builds: dict[str, ImageBuild] = {}
     for name, spec in (data.get("functions") or {}).items():
         if spec.get("skip_build") or spec["image"] in builds:

@@ -22,7 +22,6 @@ from containers.launch import LABEL, MODELS_MOUNT, container_environment, remove
 from containers.podman import environment, podman
 from contracts.config import Settings
 
-STAGE_IMAGE = "quart/stage:0.1.0"
 WATCHDOG = ["python", "-m", "pipeline.watchdog", "--handler", "/home/app/function", "--host", "127.0.0.1"]
 
 
@@ -84,15 +83,15 @@ def replica(settings: Settings, name: str, image: str, env: dict[str, str], port
     return ContainerRun(settings, name, argv, out, cpus)
 
 
-def keysmanager(settings: Settings, out: IO) -> ContainerRun:
-    """A server's KeysManager in its own container from the stage image; the replicas it forks
+def keysmanager(settings: Settings, out: IO, image: str) -> ContainerRun:
+    """A server's KeysManager in its own container of the stage image; the replicas it forks
     live in that container. Its home is shared at the same path: the runtime finds the forks'
     port files and logs where the KeysManager says they are."""
     home = Path(settings.home).resolve() / "containers" / f"keysmanager-{settings.server}"
     env = container_environment(settings, QUART_HOME=str(home), QUART_KEYSMANAGER_HOST=settings.cache.host)
     name = f"quart-keysmanager-{settings.server}-{settings.cache.port}"
     podman(settings, "rm", "-f", name, check=False)
-    return ContainerRun(settings, name, _run(settings, name, STAGE_IMAGE, ["python", "-m", "keysmanager"], env,
+    return ContainerRun(settings, name, _run(settings, name, image, ["python", "-m", "keysmanager"], env,
                                              [home], pid_host=True), out)
 
 

@@ -4,7 +4,9 @@ model it serves and, for a stage function, its StageRef (from QUART_MODEL and QU
 environment the function's replicas see)."""
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +15,19 @@ import yaml
 from contracts.stage import StageRef
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+VARIABLE_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def substitute(text: str, environ: Mapping[str, str] | None = None) -> str:
+    """faas-cli's environment substitution in a stack file: `${VAR}`, and `${VAR:-default}` when
+    VAR is unset or empty (`image: ${QUART_IMAGE_PREFIX:-quart}/stage:0.1.0`)."""
+    environ = os.environ if environ is None else environ
+    return VARIABLE_RE.sub(lambda m: environ.get(m.group(1)) or (m.group(2) or ""), text)
+
+
+def load_stack_file(path: Path) -> dict:
+    """A stack file's YAML after substitution, as faas-cli reads it."""
+    return yaml.safe_load(substitute(path.read_text()))
 
 
 @dataclass(frozen=True)
@@ -42,7 +57,7 @@ def _strings(value: object, what: str) -> dict[str, str]:
 
 
 def read_stack(path: Path) -> list[StackFunction]:
-    data = yaml.safe_load(path.read_text())
+    data = load_stack_file(path)
     if not isinstance(data, dict) or str(data.get("version")) != "1.0":
         raise ValueError(f"{path}: not an OpenFaaS stack file of version 1.0")
     provider = data.get("provider") or {}

@@ -39,24 +39,26 @@ log = logging.getLogger("quart.server")
 LOG_CHECK_S = 10.0
 
 
-def _start(settings: Settings, module: str, *args: str, log_name: str = "") -> subprocess.Popen:
+def _start(settings: Settings, module: str, *args: str, log_name: str = "", image: str = "") -> subprocess.Popen:
     """A component of the runtime as a child process (in the runtime's process group); a
-    KeysManager in a container of its own with QUART_CONTAINERS."""
+    KeysManager in a container of `image` (the stage functions') with QUART_CONTAINERS."""
     with open(Path(settings.home) / "logs" / f"{log_name or module}.log", "ab") as out:
         if settings.containers.run and module == "keysmanager":
-            return in_containers.keysmanager(settings, out)
+            return in_containers.keysmanager(settings, out, image)
         return subprocess.Popen([sys.executable, "-m", module, *args], env=child_environment(settings), cwd=REPO_ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def start_keysmanagers(settings: Settings, supervisor: Supervisor, previous: dict) -> dict[str, KeysClient]:
+def start_keysmanagers(settings: Settings, supervisor: Supervisor, previous: dict,
+                       image: str = "") -> dict[str, KeysClient]:
     """One KeysManager per virtual server, the i-th on keysmanager_port + i, supervised (adopted
     where `previous`, a dead provider's components, names one that still runs)."""
     clients = {}
     for i, name in enumerate(settings.virtual_server_names()):
         own = settings.replace(server=name, keysmanager_port=settings.cache.port + i)
         log_name = "keysmanager" if settings.servers.virtual <= 1 else f"keysmanager-{name}"
-        supervisor.add(log_name, lambda own=own, log_name=log_name: _start(own, "keysmanager", log_name=log_name),
+        supervisor.add(log_name, lambda own=own, log_name=log_name: _start(own, "keysmanager", log_name=log_name,
+                                                                           image=image),
                        previous.get(log_name))
         clients[name] = KeysClient.for_settings(own)
     deadline = time.monotonic() + 60
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start_redis_supervised(settings, supervisor, args.adopt, components.get("redis"))
         stack = read_stack(Path(settings.stack_file))
-        clients = start_keysmanagers(settings, supervisor, components)
+        stage_images = [f.deployment["image"] for f in stack if f.stage is not None]
+        clients = start_keysmanagers(settings, supervisor, components, stage_images[0] if stage_images else "")
         provider = LocalProvider(settings, stack, read_or_create_secret(settings.password_file), clients,
                                  redis.Redis.from_url(settings.redis_url), supervisor,
                                  {"restarts": args.restarts, "last_exit": args.last_exit})

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from containers.images import read_builds
 from contracts.config import VARIABLES
+from contracts.stack import load_stack_file
 from tests.kustomize import KUSTOMIZE, SECRETS, env_file, objects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def test_every_pod_runs_as_non_root_without_privilege() -> None:
 
 
 def test_functions_get_the_secret_the_kustomization_makes() -> None:
-    stack = yaml.safe_load((REPO / "stack.yml").read_text())
+    stack = load_stack_file(REPO / "stack.yml")
     names = {n for _, n in [(d["kind"], d["metadata"]["name"]) for d in objects() if d["kind"] == "Secret"]}
     for fn in stack["functions"].values():
         assert set(fn["secrets"]) <= names

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from containers.images import TEMPLATES, build_context, read_builds
-from contracts.stack import read_stack
+from contracts.stack import load_stack_file, read_stack, substitute
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((REPO / "contracts" / "stack.schema.json").read_text())
@@ -20,11 +20,11 @@ STACKS = ["stack.yml", "stack-emulated.yml"]
 
 @pytest.mark.parametrize("name", STACKS)
 def test_stack_file_has_only_faas_cli_fields(name: str) -> None:
-    jsonschema.validate(yaml.safe_load((REPO / name).read_text()), SCHEMA)
+    jsonschema.validate(load_stack_file(REPO / name), SCHEMA)
 
 
 def test_schema_refuses_what_faas_cli_does_not_know() -> None:
-    data = yaml.safe_load((REPO / "stack.yml").read_text())
+    data = load_stack_file(REPO / "stack.yml")
     data["functions"]["smollm2"]["enviroment"] = {"A": "1"}  # a typo
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(data, SCHEMA)
@@ -33,7 +33,7 @@ def test_schema_refuses_what_faas_cli_does_not_know() -> None:
 @pytest.mark.parametrize("name", STACKS)
 def test_every_image_is_one_make_images_builds(name: str) -> None:
     stack = REPO / name
-    data = yaml.safe_load(stack.read_text())
+    data = load_stack_file(stack)
     builds, copy = read_builds(stack)
     assert {f["image"] for f in data["functions"].values()} == {b.image for b in builds}
     assert {b.image for b in builds} == {"quart/entry:0.1.0", "quart/stage:0.1.0"}
@@ -61,3 +61,11 @@ def test_copy_outside_the_project_is_refused(tmp_path: Path) -> None:
     builds, _ = read_builds(REPO / "stack.yml")
     with pytest.raises(ValueError, match="not inside"):
         build_context(builds[0], ["../shared"], REPO, tmp_path)
+
+
+def test_images_follow_the_registry_prefix_as_faas_cli_substitutes_it(monkeypatch) -> None:
+    assert substitute("${A:-x}/${B}/${C:-y}", {"A": "reg.io/team", "C": ""}) == "reg.io/team//y"
+    monkeypatch.setenv("QUART_IMAGE_PREFIX", "registry.example.com/ml")
+    builds, _ = read_builds(REPO / "stack.yml")
+    assert {b.image for b in builds} == {"registry.example.com/ml/entry:0.1.0", "registry.example.com/ml/stage:0.1.0"}
+    assert {f.deployment["image"] for f in read_stack(REPO / "stack.yml")} == {b.image for b in builds}
