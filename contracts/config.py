@@ -392,6 +392,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_IMAGE_BASE", "containers.base",
         "base image of `make images` (`python:3.11-slim` where a registry is reachable; the default is made here "
         "with debootstrap)"),
+    Var("QUART_IMAGE_PREFIX", "", "stack files: where the functions' images are named "
+        "(`${QUART_IMAGE_PREFIX:-quart}/stage:0.1.0`, substituted as faas-cli does)", default="quart"),
     Var("QUART_OCI_RUNTIME", "containers.oci_runtime", "the OCI runtime podman and buildah run containers with"),
     Var("QUART_MODEL", "identity.model", "set per function: the model it serves"),
     Var("QUART_STAGES", "identity.stages", "set per stage function: its stage range, `2` or `1-3` (end exclusive)"),
