@@ -1,7 +1,8 @@
 """Containers of the stack on one machine, each on the host's network: Redis, and function
 replicas from the images `make images` builds (the watchdog on its `port`, the partitioned models
-mounted read-only, the settings passed as QUART_* variables). What make
-up-containers and the image tests start goes through here."""
+mounted read-only, the settings passed as QUART_* variables), started detached as the image tests
+and a faasd-like setup start them; and what every container of the project shares (its
+environment, the models' mount, the label it is found and removed by)."""
 from __future__ import annotations
 
 import time
@@ -34,16 +35,13 @@ def start_redis(settings: Settings, name: str, stack: str) -> str:
                   "--requirepass", settings.redis.password, "--save", "", "--appendonly", "no").strip()
 
 
-def start_function(settings: Settings, name: str, image: str, port: int, env: dict[str, str], stack: str,
-                   cpus: float | None = None, command: list[str] | None = None) -> str:
+def start_function(settings: Settings, name: str, image: str, port: int, env: dict[str, str], stack: str) -> str:
     """A function replica from its image, listening on `port`; the container's id."""
     args = ["run", "-d", "--name", name, "--network", "host", "--label", f"{LABEL}={stack}",
             "-v", f"{settings.models_dir.resolve()}:{MODELS_MOUNT}:ro"]
-    if cpus is not None:
-        args += ["--cpus", f"{cpus:g}"]
     for key, value in container_environment(settings, port=str(port), **env).items():
         args += ["-e", f"{key}={value}"]
-    return podman(settings, *args, image, *(command or [])).strip()
+    return podman(settings, *args, image).strip()
 
 
 def wait_healthy(settings: Settings, name: str, port: int, timeout: float) -> None:
