@@ -24,7 +24,7 @@ from benchmarks import (
 BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main,
               "autoscaler_tick": autoscaler_tick.main, "policies_burst": policies_burst.main,
               "placement": placement.main, "loadgen": loadgen.main, "simulator": simulator.main,
-              "generation": generation.main, "kv_migration": kv_migration.main,
+              "generation": lambda: generation.main([]), "kv_migration": kv_migration.main,
               "generation_llama1b": lambda: generation.main(["--model", "llama1b"]),
               "simulator_generation": simulator_generation.main, "faults": faults.main,
               "overload": overload.main, "soak": soak.main,

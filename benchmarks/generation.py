@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument("--new-tokens", type=int, default=64)
-    args = parser.parse_args(argv or [])
+    args = parser.parse_args(argv)
     spec, new = MODELS[args.model], args.new_tokens
     torch.set_num_threads(1)
     levels = spec["levels"]

@@ -19,6 +19,7 @@ from contracts.config import Settings, add_arguments, child_environment, exit_on
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stack import pipelines, read_stack
+from runtime.watched_process import stat_fields
 
 PID_FILE = "runtime.pid"
 
@@ -141,12 +142,12 @@ def processes(settings: Settings) -> dict[int, str]:
     group = _recorded_pid(Path(settings.home) / PID_FILE)
     found = {}
     for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[2]) == group and stat[0] != "Z":   # fields after the name: state, ppid, pgrp
+        stat = stat_fields(int(p))
+        if stat and stat[0] != "Z" and int(stat[2]) == group:
+            try:
                 found[int(p)] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-            pass
+            except (FileNotFoundError, ProcessLookupError):
+                pass
     return found
 
 

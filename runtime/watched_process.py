@@ -10,15 +10,21 @@ import subprocess
 import time
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...); None when
+    there is no such process. The name may hold spaces and parentheses: split after the last one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
 def start_time(pid: int) -> int | None:
     """When the process started (clock ticks since boot, /proc/<pid>/stat field 22); None when
     there is no such process or it has exited (a zombie only waits to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
+    fields = stat_fields(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[19])
 
 
 class WatchedProcess:

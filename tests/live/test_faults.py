@@ -22,6 +22,7 @@ from loadgen.closed_loop import ClosedLoop
 from pipeline.registry import live_replicas
 from runtime import __main__ as control
 from runtime.ports import free_port
+from runtime.watched_process import start_time
 from tests.conftest import REPO
 from tests.live.runtime_helpers import wait_until
 
@@ -53,15 +54,7 @@ def pid_of(settings, fragment: str) -> int:
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return start_time(pid) is not None  # a zombie is dead too
 
 
 def test_redis_refuses_clients_without_the_password(faulty):
