@@ -7,7 +7,8 @@ cluster's real nodes, and takes effect this way:
 
 - a placement by fork: the chosen node's KeysManager forks the replica (it lives in that pod, so
   on exactly that node, and joins the stage's consumer group like any replica);
-- a cold placement: one more replica through the gateway's scale API. OpenFaaS owns its
+- a cold placement: one more replica through the gateway's scale API (pods not ready yet count
+  as cold starts under way on their node, for the scheduler's deadline rule). OpenFaaS owns its
   Deployments and Community Edition lets nobody else place their pods, so kube-scheduler picks
   the node; the dispersion of key stages (QUART §6.2) is carried by the forks, which go where the
   scheduler says. CE also clamps a function to 5 replicas; forks are outside that count.
@@ -36,7 +37,7 @@ from pipeline.model_fetch import FetchError, ensure_model
 from pipeline.registry import cached_stages, key_stage_ranges
 from pipeline.sizes import stage_bytes
 from scheduler.placement import Scheduler, SchedulerParams
-from scheduler.state import Change, ClusterState, Replica, Schedule, Server
+from scheduler.state import Change, ClusterState, Replica, Schedule, Server, fetches_under_way
 
 log = logging.getLogger("quart.kubernetes")
 KEYSMANAGER_SELECTOR = "app.kubernetes.io/name=quart-keysmanager"
@@ -147,16 +148,19 @@ class KubernetesBackend:
 
     def state(self, view: View) -> ClusterState:
         """The scheduler's picture: nodes (slots, cached stages), every stage replica, key stages."""
-        servers = []
+        servers, now = [], time.time()
         for node, slots in sorted(view.nodes.items()):
             cached = cached_stages(self.redis, node)[0] if node in view.keysmanagers else frozenset()
-            servers.append(Server(node, slots, self.settings.servers.bandwidth, cached))
+            starting = [(self.shard_bytes(self.stage_of[p.function]), p.started) for p in view.pods
+                        if p.node == node and not p.ready]
+            fetches = fetches_under_way(starting, self.settings.servers.bandwidth, self.settings.servers.cold_deadline_s,
+                                        now)
+            servers.append(Server(node, slots, self.settings.servers.bandwidth, cached, fetches=fetches))
         replicas = [Replica(f"pod/{p.name}", self.stage_of[p.function].key, p.node, "cold", p.ready, p.started)
                     for p in view.pods if p.node]
         replicas += [Replica(f.id, self.stage_of[f.function].key, f.node, "fork-cow", True, f.since)
                      for f in view.forks]
-        return ClusterState(tuple(servers), tuple(replicas), frozenset(s.key for s in key_stage_ranges(self.redis)),
-                            time.time())
+        return ClusterState(tuple(servers), tuple(replicas), frozenset(s.key for s in key_stage_ranges(self.redis)), now)
 
     def shard_bytes(self, stage: StageRef) -> float:
         """Bytes a cold start of the stage reads (from the manifest, fetched once if need be)."""

@@ -16,7 +16,7 @@ from pipeline.registry import cached_stages, key_stage_ranges
 from pipeline.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager, ReplicaProcess
 from scheduler.placement import Scheduler, SchedulerParams
-from scheduler.state import Change, ClusterState, Fetch, Replica, Schedule, Server
+from scheduler.state import Change, ClusterState, Fetch, Replica, Schedule, Server, fetches_under_way
 
 log = logging.getLogger("quart.placer")
 
@@ -71,10 +71,8 @@ class Placer:
             frozenset(s.key for s in key_stage_ranges(self.redis)), now)
 
     def _fetches(self, cold: list[tuple[FunctionState, ReplicaProcess]], now: float) -> tuple[Fetch, ...]:
-        """Cold starts under way, each assumed to have read its equal share of the bandwidth."""
-        share = self.settings.servers.bandwidth / max(1, len(cold))
-        return tuple(Fetch(max(0.0, self.shard_bytes(fn) - share * (now - r.started)),
-                           r.started + self.settings.servers.cold_deadline_s) for fn, r in cold)
+        return fetches_under_way([(self.shard_bytes(fn), r.started) for fn, r in cold], self.settings.servers.bandwidth,
+                                 self.settings.servers.cold_deadline_s, now)
 
     def _apply(self, schedule: Schedule, by_stage: dict[str, FunctionState]) -> None:
         records = []

@@ -12,6 +12,14 @@ class Fetch:
     deadline: float
 
 
+def fetches_under_way(starts: list[tuple[float, float]], bandwidth: float, deadline_s: float,
+                      now: float) -> tuple[Fetch, ...]:
+    """The cold starts under way on one server, from each one's (shard bytes, start time): each
+    assumed to have read its equal share of the server's bandwidth since it started."""
+    share = bandwidth / max(1, len(starts))
+    return tuple(Fetch(max(0.0, size - share * (now - started)), started + deadline_s) for size, started in starts)
+
+
 @dataclass(frozen=True, slots=True)
 class Server:
     name: str

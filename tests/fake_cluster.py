@@ -59,13 +59,14 @@ def node(name: str, cpus: str) -> dict:
                        "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
-def pod(name: str, node_name: str, labels: dict, namespace: str, ip: str = "10.0.0.9") -> dict:
+def pod(name: str, node_name: str, labels: dict, namespace: str, ip: str = "10.0.0.9", ready: bool = True,
+        started: str = "2026-11-23T10:00:00Z") -> dict:
     container = labels.get("faas_function") or "keysmanager"
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": namespace, "labels": labels},
             "spec": {"nodeName": node_name, "containers": [{"name": container, "image": "quart/stage:0.1.0"}]},
-            "status": {"phase": "Running", "podIP": ip, "startTime": "2026-11-23T10:00:00Z",
-                       "conditions": [{"type": "Ready", "status": "True"}]}}
+            "status": {"phase": "Running", "podIP": ip, "startTime": started,
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
 @dataclass

@@ -5,6 +5,7 @@ loopback (tests/fake_cluster.py), and every request the backend sends them is ch
 the real APIs' descriptions. No live cluster ran these decisions."""
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import kubernetes
@@ -105,6 +106,17 @@ def test_cpus_change_in_place_through_the_resize_subresource(cluster, km) -> Non
     container = resize[0].body["spec"]["containers"][0]
     assert container == {"name": "smollm2-s1", "resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "2"}}}
     assert r.get(keys.stage_cpus(S1)) == b"2"  # what the forked replicas read
+
+
+def test_pods_not_ready_yet_are_cold_starts_under_way_on_their_node(cluster) -> None:
+    backend, fake, _, _ = cluster
+    backend.settings = backend.settings.replace(server_bandwidth=1e6)  # a cold start then reads for minutes
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    fake.pods.append(pod("smollm2-s2-7d9f-9", "node-b", {"faas_function": "smollm2-s2"}, NS, ready=False, started=now))
+    servers = {s.name: s for s in backend.state(backend.view()).servers}
+    assert servers["km-test"].fetches == ()
+    (fetch,) = servers["node-b"].fetches
+    assert 0 < fetch.pending_bytes <= backend.shard_bytes(S2)
 
 
 def test_the_checks_refuse_what_the_api_would() -> None:
