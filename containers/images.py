@@ -5,9 +5,9 @@ For each image the stack file names: a build context laid out as faas-cli lays i
 `configuration.copy` paths beside the handler), a wheelhouse of requirements-serve.txt in it (so
 the build needs no package index and takes the CPU build of torch this machine has), and
 `buildah bud` with BASE as a build argument. The default base is made here with debootstrap when
-it is missing; a user with a registry passes `--base python:3.11-slim`.
+it is missing; a user with a registry passes `--image-base python:3.11-slim`.
 
-    python -m containers.images [--stack stack.yml] [--base IMAGE] [--image quart/stage:0.1.0]
+    python -m containers.images [--stack-file stack.yml] [--image-base IMAGE] [--image quart/stage:0.1.0]
 """
 from __future__ import annotations
 

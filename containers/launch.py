@@ -35,13 +35,20 @@ def start_redis(settings: Settings, name: str, stack: str) -> str:
                   "--requirepass", settings.redis.password, "--save", "", "--appendonly", "no").strip()
 
 
+def run_args(settings: Settings, name: str, stack: str, env: dict[str, str]) -> list[str]:
+    """What every `podman run` of the project says: the name, the host's network, the stack's
+    label, the partitioned models read-only, the environment."""
+    args = ["--name", name, "--network", "host", "--label", f"{LABEL}={stack}",
+            "-v", f"{settings.models_dir.resolve()}:{MODELS_MOUNT}:ro"]
+    for key, value in env.items():
+        args += ["-e", f"{key}={value}"]
+    return args
+
+
 def start_function(settings: Settings, name: str, image: str, port: int, env: dict[str, str], stack: str) -> str:
     """A function replica from its image, listening on `port`; the container's id."""
-    args = ["run", "-d", "--name", name, "--network", "host", "--label", f"{LABEL}={stack}",
-            "-v", f"{settings.models_dir.resolve()}:{MODELS_MOUNT}:ro"]
-    for key, value in container_environment(settings, port=str(port), **env).items():
-        args += ["-e", f"{key}={value}"]
-    return podman(settings, *args, image).strip()
+    env = container_environment(settings, port=str(port), **env)
+    return podman(settings, "run", "-d", *run_args(settings, name, stack, env), image).strip()
 
 
 def wait_healthy(settings: Settings, name: str, port: int, timeout: float) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from containers.images import REDIS_IMAGE
-from containers.launch import LABEL, MODELS_MOUNT, container_environment, remove_stack
+from containers.launch import container_environment, remove_stack, run_args
 from containers.podman import environment, podman
 from contracts.config import Settings
 
@@ -60,9 +60,8 @@ def label(settings: Settings) -> str:
 
 def _run(settings: Settings, name: str, image: str, command: list[str], env: dict[str, str], shared: list[Path],
          pid_host: bool = False, cpus: float | None = None) -> list[str]:
-    argv = ["podman", "--runtime", settings.containers.oci_runtime, "run", "--rm", "--name", name,
-            "--network", "host", "--label", f"{LABEL}={label(settings)}",
-            "-v", f"{settings.models_dir.resolve()}:{MODELS_MOUNT}:ro"]
+    argv = ["podman", "--runtime", settings.containers.oci_runtime, "run", "--rm",
+            *run_args(settings, name, label(settings), env)]
     for folder in shared:
         folder.mkdir(parents=True, exist_ok=True)
         argv += ["-v", f"{folder}:{folder}:U"]
@@ -70,8 +69,6 @@ def _run(settings: Settings, name: str, image: str, command: list[str], env: dic
         argv += ["--pid", "host"]
     if cpus is not None:
         argv += ["--cpus", f"{cpus:g}"]
-    for key, value in env.items():
-        argv += ["-e", f"{key}={value}"]
     return [*argv, image, *command]
 
 

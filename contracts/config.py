@@ -206,6 +206,13 @@ class Settings:
             return self.redis_password_file.read_text().strip()
         return self.redis.password
 
+    def gateway_password(self) -> str | None:
+        """QUART_GATEWAY_PASSWORD, else the embedded runtime's <home>/basic-auth-password; None
+        when neither is there."""
+        if not self.gateway.password and self.password_file.exists():
+            return self.password_file.read_text().strip()
+        return self.gateway.password or None
+
     def server_slots(self) -> int:
         """Replicas one server hosts: QUART_SERVER_SLOTS, else from the cores (a replica computes
         on QUART_THREADS of them while busy, and a pipeline's replicas are busy in turn)."""

@@ -58,9 +58,8 @@ class GatewayClient(HttpClient):
 
     @classmethod
     def for_settings(cls, settings: Settings) -> GatewayClient:
-        password = settings.gateway.password or \
-            (settings.password_file.read_text().strip() if settings.password_file.exists() else None)
-        return cls(settings.gateway.url, settings.gateway.user, password, settings.data.request_timeout_s + 30)
+        return cls(settings.gateway.url, settings.gateway.user, settings.gateway_password(),
+                   settings.data.request_timeout_s + 30)
 
     def invoke(self, function: str, body: bytes | dict) -> Reply:
         return self.request("POST", f"/function/{function}", body, auth=False)

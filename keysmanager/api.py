@@ -32,7 +32,7 @@ from contracts.requests import BadRequest, load_json
 from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
 from keysmanager.cache_policy import OverBudget
-from keysmanager.manager import KeysManager, NotCached, StaleShard
+from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
 
 log = logging.getLogger("quart.keysmanager")
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
@@ -120,7 +120,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             raise Invalid("'pid' must be the process id of a replica forked here")
         try:
             await run(manager.stop, pid)
-        except NotCached as exc:
+        except NotForkedHere as exc:
             return web.json_response({"error": exc.args[0]}, status=404)
         return web.json_response({"stopped": pid})
 

@@ -40,6 +40,10 @@ class StaleShard(RuntimeError):
     pass
 
 
+class NotForkedHere(KeyError):
+    pass
+
+
 @dataclass(frozen=True)
 class Fork:
     """A replica this KeysManager forked: where it can be reached from outside (pid and its start
@@ -239,7 +243,7 @@ class KeysManager:
         with self._lock:
             fork = self.forked.get(pid)
         if fork is None or not fork.alive():
-            raise NotCached(f"no running replica {pid} was forked here")
+            raise NotForkedHere(f"no running replica {pid} was forked here")
         os.kill(pid, signal.SIGTERM)
 
     # -- evict and watch -----------------------------------------------------------------------

@@ -75,11 +75,6 @@ class FakeKubernetes:
     pods: list[dict]
     requests: list[Request] = field(default_factory=list)
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        return app
-
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         record = Request(request.method, request.path, dict(request.query), request.content_type,
@@ -126,11 +121,6 @@ class FakeGateway:
     replicas: dict[str, int]
     requests: list[tuple[str, str, dict | None]] = field(default_factory=list)
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        return app
-
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         scale = request.path.startswith("/system/scale-function/")
@@ -149,9 +139,11 @@ class FakeGateway:
 
 
 class Served:
-    """An aiohttp application on a loopback port, in a thread of its own."""
+    """A fake's `handle` answering every path, on a loopback port, in a thread of its own."""
 
-    def __init__(self, app: web.Application) -> None:
+    def __init__(self, handle) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
         self.loop = asyncio.new_event_loop()
         self.runner = web.AppRunner(app)
         ready = threading.Event()

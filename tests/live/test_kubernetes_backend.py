@@ -40,7 +40,7 @@ def cluster(km):
     settings, client, r, children = km
     fake, gateway = scenario(), FakeGateway({f"smollm2-s{i}": 1 for i in range(4)} | {"smollm2": 1})
     fake.validate_scenario()
-    k8s, gw = Served(fake.app()), Served(gateway.app())
+    k8s, gw = Served(fake.handle), Served(gateway.handle)
     config = kubernetes.client.Configuration(host=k8s.url)
     core = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(config))
     backend = KubernetesBackend(settings.replace(namespace=NS), GatewayClient(gw.url, "admin", "secret"), core,

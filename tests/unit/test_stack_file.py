@@ -60,7 +60,7 @@ def test_build_context_is_laid_out_as_faas_cli_lays_it_out(tmp_path: Path) -> No
 def test_copy_outside_the_project_is_refused(tmp_path: Path) -> None:
     builds, _ = read_builds(REPO / "stack.yml")
     with pytest.raises(ValueError, match="not inside"):
-        build_context(builds[0], ["../shared"], REPO, tmp_path)
+        build_context(builds[0], ["../outside"], REPO, tmp_path)
 
 
 def test_images_follow_the_registry_prefix_as_faas_cli_substitutes_it(monkeypatch) -> None:
