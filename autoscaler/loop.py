@@ -47,6 +47,12 @@ class ControlLoop:
     def tick(self, now: float | None = None) -> list[Actions]:
         now = time.time() if now is None else now
         observations = self.observer.observe(now, self.backend.desired_replicas(), self.settings.autoscaler.slo_s)
+        # A model the gateway put to sleep (scale to zero) is left alone until a request wakes it.
+        pipe = self.r.pipeline(transaction=False)
+        for model in observations:
+            pipe.exists(keys.asleep(model))
+        asleep = {m for m, found in zip(list(observations), pipe.execute()) if found}
+        observations = {m: s for m, s in observations.items() if m not in asleep}
         # This host's idle cores say what a replica more would find only where replicas run here.
         if self.settings.autoscaler.backend == "local" and self.settings.compute.device == "cpu":
             free = self.host_cpu.idle_cores()

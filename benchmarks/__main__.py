@@ -5,6 +5,7 @@ import sys
 
 from benchmarks import (
     autoscaler_tick,
+    coldstart,
     containers,
     faults,
     generation,
@@ -28,7 +29,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "generation_llama1b": lambda: generation.main(["--model", "llama1b"]),
               "simulator_generation": simulator_generation.main, "faults": faults.main,
               "overload": overload.main, "soak": soak.main,
-              "containers": lambda: containers.main([])}
+              "containers": lambda: containers.main([]), "coldstart": lambda: coldstart.main([])}
 
 
 def main(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -132,6 +133,15 @@ class ServersConfig:
 
 
 @dataclass(frozen=True)
+class ColdStartConfig:
+    stream: bool = True
+    overlap: bool = True
+    prefetch_dir: str = ""
+    prefetch_ttl_s: float = 120.0
+    stall_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class ContainersConfig:
     run: bool = False
     base: str = "localhost/debian-python:bookworm"
@@ -167,6 +177,7 @@ class Settings:
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     servers: ServersConfig = field(default_factory=ServersConfig)
     containers: ContainersConfig = field(default_factory=ContainersConfig)
+    coldstart: ColdStartConfig = field(default_factory=ColdStartConfig)
 
     @property
     def models_dir(self) -> Path:
@@ -222,6 +233,16 @@ class Settings:
 
     def model_dir(self, model: str) -> Path:
         return self.models_dir / model
+
+    def prefetch_dir(self, server: str) -> Path:
+        """Where `server`'s prefetcher puts shards: QUART_PREFETCH_DIR, else shared memory
+        (/dev/shm where it exists) in a folder named for this home, so two runtimes never share one."""
+        if self.coldstart.prefetch_dir:
+            return Path(self.coldstart.prefetch_dir) / server
+        shm = Path("/dev/shm")
+        root = shm if shm.is_dir() else Path(self.home)
+        home = hashlib.sha1(str(Path(self.home).resolve()).encode()).hexdigest()[:10]
+        return root / f"quart-{os.getuid()}-{home}" / "prefetch" / server
 
     def virtual_server_names(self) -> list[str]:
         """One server keeps this server's name; several are <server>-0, <server>-1, ..."""
@@ -393,6 +414,15 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_COLD_DEADLINE_S", "servers.cold_deadline_s", "a cold start must have read its shard by then (HydraServe)",
         _positive),
     Var("QUART_SCHEDULER_PARAMS", "servers.scheduler_params", "the scheduler's parameters as JSON (`SchedulerParams`)"),
+    Var("QUART_STREAM_LOAD", "coldstart.stream",
+        "a cold replica builds its tensors as its shard's bytes arrive (HydraServe §5.2); false waits for the whole shard"),
+    Var("QUART_OVERLAP_IMPORTS", "coldstart.overlap",
+        "a cold replica starts reading its shard before it imports torch (HydraServe §5); false reads after"),
+    Var("QUART_PREFETCH_DIR", "coldstart.prefetch_dir",
+        "where each server's prefetcher keeps the shards it pulls from QUART_MODELS_URL; empty: /dev/shm"),
+    Var("QUART_PREFETCH_TTL_S", "coldstart.prefetch_ttl_s", "a finished prefetch is freed this long after it completed",
+        _positive),
+    Var("QUART_FETCH_STALL_S", "coldstart.stall_s", "a shard read that makes no progress for this long fails", _positive),
     Var("QUART_CONTAINERS", "containers.run",
         "the embedded runtime runs Redis, the KeysManagers and the replicas as containers of the images "
         "(`make up-containers`)"),

@@ -77,3 +77,15 @@ def decisions(model: str) -> str:
 def placements() -> str:
     """Where the scheduler put each new replica and which it removed, with the reason, capped."""
     return f"{PREFIX}:placements"
+
+
+def asleep(model: str) -> str:
+    """Set (to the time) while the gateway holds a model's stage functions at zero replicas for
+    idleness: the autoscaler leaves such a model alone until a request wakes it."""
+    return f"{PREFIX}:asleep:{model}"
+
+
+def waking(model: str) -> str:
+    """Set (to the time, expiring) while a model's stages start from zero: its entry admits
+    requests to queue behind the first instead of refusing them for the queue they find."""
+    return f"{PREFIX}:waking:{model}"

@@ -13,6 +13,10 @@ needs the runtime's internal token (`Authorization: Bearer ...`); 401 without it
     GET  /forks                        the replicas forked here that still run
     POST /stop    {"pid"}              drain and end one of them; 404 if it is not one
     PUT  /config  {"memory_threshold": 0.85}
+    POST /prefetch {"model", "stages"} start pulling those shards from QUART_MODELS_URL into shared
+                                       memory for a cold start placed here; 409 without a store
+    GET  /prefetch                     the prefetches and their state (fetching, done, failed)
+    DELETE /prefetch/{model}           cancel that model's prefetches and free their memory
     GET  /models/{model}               the files of a partitioned model: [{"path", "bytes"}]
     GET  /models/{model}/{path}        one of them (replicas on a cluster fetch their shards here:
                                        pipeline/model_fetch.py)
@@ -33,6 +37,8 @@ from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
+from keysmanager.prefetch import NoStore, Prefetcher
+from pipeline.model_fetch import FetchError
 
 log = logging.getLogger("quart.keysmanager")
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
@@ -79,6 +85,8 @@ def _env(body: dict) -> dict[str, str]:
 
 
 def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> web.Application:
+    prefetcher = Prefetcher(manager.settings)
+
     def run(fn, *args):
         return asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
@@ -145,6 +153,21 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             raise FileNotFoundError(f"no file {request.match_info['path']!r} in model {directory.name!r}")
         return web.FileResponse(path)
 
+    async def prefetch(request: web.Request) -> web.Response:
+        stage = _stage_range(await _json(request))
+        try:
+            return web.json_response(await run(prefetcher.start, stage))
+        except NoStore as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+        except FetchError as exc:  # the store's 404 is the caller's unknown model; anything else is the store's
+            return web.json_response({"error": str(exc)}, status=404 if exc.status == 404 else 502)
+
+    async def cancel_prefetch(request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if not NAME_RE.fullmatch(model):
+            raise Invalid("not a model name")
+        return web.json_response({"cancelled": await run(prefetcher.cancel, model)})
+
     async def config(request: web.Request) -> web.Response:
         threshold = (await _json(request)).get("memory_threshold")
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
@@ -169,9 +192,12 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
 
     async def watch(app: web.Application) -> None:
         app["watcher"] = asyncio.create_task(every(watch_period_s, lambda: run(manager.watch_once), log, "watcher"))
+        app["sweeper"] = asyncio.create_task(every(watch_period_s, lambda: run(prefetcher.sweep), log, "prefetch sweeper"))
 
     async def stop(app: web.Application) -> None:
         app["watcher"].cancel()
+        app["sweeper"].cancel()
+        await run(prefetcher.shutdown)
         await run(manager.shutdown)
 
     app = web.Application(middlewares=[json_errors, errors])
@@ -184,6 +210,9 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
     app.router.add_put("/config", config)
     app.router.add_get("/forks", lambda _: web.json_response(manager.forks()))
     app.router.add_post("/stop", stop_fork)
+    app.router.add_post("/prefetch", prefetch)
+    app.router.add_get("/prefetch", lambda _: web.json_response(prefetcher.list()))
+    app.router.add_delete("/prefetch/{model}", cancel_prefetch)
     app.router.add_get("/models/{model}", model_files)
     app.router.add_get("/models/{model}/{path:.+}", model_file)
     app.on_startup.append(watch)

@@ -45,6 +45,15 @@ class KeysClient(HttpClient):
     def evict(self, stage: StageRef) -> dict:
         return self._call("POST", "/evict", {"model": stage.model, "stages": stage.stages})
 
+    def prefetch(self, stage: StageRef) -> dict:
+        return self._call("POST", "/prefetch", {"model": stage.model, "stages": stage.stages})
+
+    def prefetches(self) -> list[dict]:
+        return self._call("GET", "/prefetch")
+
+    def cancel_prefetch(self, model: str) -> dict:
+        return self._call("DELETE", f"/prefetch/{model}")
+
     def forks(self) -> list[dict]:
         return self._call("GET", "/forks")
 

@@ -9,8 +9,10 @@ import hashlib
 import json
 import logging
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from contracts.config import Settings
@@ -22,7 +24,12 @@ CHUNK = 1 << 20
 
 
 class FetchError(RuntimeError):
-    """The model could not be fetched, or a shard did not match its checksum."""
+    """The model could not be fetched, or a shard did not match its checksum; `status` is the
+    store's HTTP status where it answered one."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def ensure_model(settings: Settings, model: str, stages: range = range(0)) -> Path:
@@ -32,19 +39,37 @@ def ensure_model(settings: Settings, model: str, stages: range = range(0)) -> Pa
     if not settings.models_url or _complete(directory, stages):
         return directory
     started = time.monotonic()
-    base = f"{settings.models_url.rstrip('/')}/models/{urllib.parse.quote(model)}"
+    manifest = ensure_manifest(settings, model)
     token = settings.internal_api_token()
-    listing = json.loads(_get(f"{base}", token).read())
-    others = {f["path"] for f in listing["files"]} - {MANIFEST_NAME}
-    _download(f"{base}/{MANIFEST_NAME}", token, directory / MANIFEST_NAME)
-    manifest = Manifest.load(directory)
-    shards = {manifest.stages[i].shard: manifest.stages[i].sha256 for i in stages}
-    tokenizer = {p for p in others if p.startswith(manifest.tokenizer + "/")}
-    for path in sorted(tokenizer | set(shards)):
-        _download(f"{base}/{urllib.parse.quote(path)}", token, directory / path, shards.get(path))
+    for i in stages:
+        info = manifest.stages[i]
+        if not manifest.shard_path(i).is_file():
+            download(shard_url(settings, model, info.shard), token, manifest.shard_path(i), info.sha256)
     log.info("fetched %s (stages %s) from %s in %.1f s", model, list(stages), settings.models_url,
              time.monotonic() - started)
     return directory
+
+
+def ensure_manifest(settings: Settings, model: str) -> Manifest:
+    """The model's manifest, with its tokenizer beside it: fetched from QUART_MODELS_URL when they
+    are not on disk (the shards are left to the caller)."""
+    directory = settings.model_dir(model)
+    if not settings.models_url or ((directory / MANIFEST_NAME).is_file()
+                                   and Manifest.load(directory).tokenizer_path().is_dir()):
+        return Manifest.load(directory)
+    base = f"{settings.models_url.rstrip('/')}/models/{urllib.parse.quote(model)}"
+    token = settings.internal_api_token()
+    with open_url(base, token) as reply:
+        listing = json.loads(reply.read())
+    download(f"{base}/{MANIFEST_NAME}", token, directory / MANIFEST_NAME)
+    manifest = Manifest.load(directory)
+    for path in sorted(f["path"] for f in listing["files"] if f["path"].startswith(manifest.tokenizer + "/")):
+        download(f"{base}/{urllib.parse.quote(path)}", token, directory / path)
+    return manifest
+
+
+def shard_url(settings: Settings, model: str, shard: str) -> str:
+    return f"{settings.models_url.rstrip('/')}/models/{urllib.parse.quote(model)}/{urllib.parse.quote(shard)}"
 
 
 def _complete(directory: Path, stages: range) -> bool:
@@ -55,24 +80,34 @@ def _complete(directory: Path, stages: range) -> bool:
     return manifest.tokenizer_path().is_dir() and all(manifest.shard_path(i).is_file() for i in stages)
 
 
-def _get(url: str, token: str):
+def open_url(url: str, token: str):
     request = urllib.request.Request(url, headers=bearer(token))
     try:
         return urllib.request.urlopen(request, timeout=30)
+    except urllib.error.HTTPError as exc:
+        raise FetchError(f"fetching {url}: {exc}", exc.code) from None
     except (OSError, ValueError) as exc:
         raise FetchError(f"fetching {url}: {exc}") from None
 
 
-def _download(url: str, token: str, target: Path, sha256: str | None = None) -> None:
-    """`url` to `target` (whole, or not at all), checked against `sha256` when given."""
+def download(url: str, token: str, target: Path, sha256: str | None = None,
+             cancelled: Callable[[], bool] = lambda: False) -> None:
+    """`url` to `target` (whole, or not at all: it is written as `<target>.part` until checked
+    against `sha256` when given); FetchError once `cancelled()` says so."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".part")
     digest = hashlib.sha256()
-    with _get(url, token) as reply, open(partial, "wb") as out:
-        while chunk := reply.read(CHUNK):
-            digest.update(chunk)
-            out.write(chunk)
-    if sha256 is not None and digest.hexdigest() != sha256:
-        partial.unlink()
-        raise FetchError(f"{url}: sha256 {digest.hexdigest()[:12]}… is not the manifest's {sha256[:12]}…")
+    try:
+        with open_url(url, token) as reply, open(partial, "wb") as out:
+            while chunk := reply.read(CHUNK):
+                if cancelled():
+                    raise FetchError(f"{url}: cancelled")
+                digest.update(chunk)
+                out.write(chunk)
+                out.flush()  # a reader following the .part sees each chunk as it lands
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise FetchError(f"{url}: sha256 {digest.hexdigest()[:12]}… is not the manifest's {sha256[:12]}…")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     partial.rename(target)

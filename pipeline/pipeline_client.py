@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import redis
 import redis.asyncio as aioredis
 import torch
 
@@ -58,14 +59,27 @@ class PipelineClient:
         self._dispatcher: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.admission = Admission(settings.data.admit_wait_s)
+        self._sync_redis: redis.Redis | None = None
 
     def admit(self) -> None:
         """StageFailed(429) when the stages are too far behind to take a new request in time."""
         now = time.time()
         retry_after = self.admission.refusal(now)
+        if retry_after is not None and self._waking():
+            return  # the stages are starting from zero: requests queue behind the first, as in an activator
         if retry_after is not None:
             raise StageFailed(429, f"{self.model} is overloaded: a request would queue longer than the "
                                    f"{self.admission.max_wait_s:g} s allowed before its first pass", retry_after)
+
+    def _waking(self) -> bool:
+        """Whether the gateway is starting this model's stages from zero (asked only before a
+        refusal, which is rare, so a blocking look at Redis costs little)."""
+        if self._sync_redis is None:
+            self._sync_redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=1.0)
+        try:
+            return bool(self._sync_redis.exists(keys.waking(self.model)))
+        except redis.RedisError:
+            return False
 
     # -- one pass ----------------------------------------------------------------------------
 

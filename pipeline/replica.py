@@ -9,6 +9,7 @@ QUART_DRAIN, either hands each cache it holds to a peer of its stage with the re
 (`migrate`) or finishes the requests (`finish`), then exits."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -25,10 +26,11 @@ from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decod
 from pipeline.batch_policy import migration_peer, new_item_slots
 from pipeline.emulated import EmulatedRunner
 from pipeline.generation_step import HOLDER, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
-from pipeline.manifest import Manifest
-from pipeline.model_fetch import ensure_model
+from pipeline.model_fetch import ensure_manifest
 from pipeline.profiles import profile as emulation_profile
 from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, register
+from pipeline.shard_reader import ShardReader, process_started_at, start_readers
+from pipeline.shard_stream import stream_tensors
 from pipeline.stage_runner import StageRunner
 
 log = logging.getLogger("quart.replica")
@@ -57,16 +59,17 @@ def ensure_group(r: redis.Redis, stream: str) -> None:
 
 class Replica:
     def __init__(self, settings: Settings, stage: StageRef, started_by: str = "cold",
-                 runner: StageRunner | None = None) -> None:
-        """`runner`: stages already loaded (inherited from a KeysManager zygote); else loads them."""
+                 runner: StageRunner | None = None, readers: dict[int, ShardReader] | None = None) -> None:
+        """`runner`: stages already loaded (inherited from a KeysManager zygote); else loads them,
+        from `readers` when the caller started reading the shards already (before its imports)."""
         self.settings = settings
         first, last = stage.first, stage.last
         torch.set_num_threads(max(1, settings.compute.threads))
         if runner is None and settings.compute.emulate:
             runner = EmulatedRunner(emulation_profile(settings.compute.emulate), stage.model, first, last)
+        self.coldstart: dict[str, float] = {}
         if runner is None:
-            directory = ensure_model(settings, stage.model, range(first, last))
-            runner = StageRunner(Manifest.load(directory), first, last, settings.compute.device, settings.compute.dtype)
+            runner = self._load(stage, readers)
             started_by = "cold"  # whatever started this process, it loaded the shard itself
         self.runner = runner
         self.manifest = runner.manifest
@@ -103,6 +106,25 @@ class Replica:
     @property
     def replica_id(self) -> str:
         return self.info.replica_id
+
+    def _load(self, stage: StageRef, readers: dict[int, ShardReader] | None) -> StageRunner:
+        """Streams the stages' shards in (or waits for them whole: QUART_STREAM_LOAD=false) and
+        notes when each step of this cold start ended (time.time())."""
+        settings = self.settings
+        imported = time.time()
+        readers = readers or start_readers(settings, stage)
+        manifest = ensure_manifest(settings, stage.model)
+        whole = not settings.coldstart.stream
+        runner = StageRunner(manifest, stage.first, stage.last, settings.compute.device, settings.compute.dtype,
+                             tensors=lambda i: stream_tensors(readers[i], whole_first=whole))
+        self.coldstart = {"process_at": process_started_at(), "imported_at": imported, "loaded_at": time.time(),
+                          "fetch_started_at": min(r.started for r in readers.values()),
+                          "fetched_at": max(r.finished for r in readers.values()),
+                          "bytes": sum(r.info.bytes for r in readers.values())}
+        log.info("%s stages [%d, %d) loaded from %s in %.2f s since the process started", stage.model, stage.first,
+                 stage.last, ", ".join(sorted({r.where for r in readers.values()})),
+                 self.coldstart["loaded_at"] - self.coldstart["process_at"])
+        return runner
 
     def start(self) -> None:
         self._ensure_streams()
@@ -267,7 +289,9 @@ class Replica:
         if self.first_work_at is None:
             # When a new replica took its first work: what scale-up latency is measured to.
             self.first_work_at = time.time()
-            self.redis.hset(keys.replica(self.replica_id), "first_work_at", f"{self.first_work_at:.6f}")
+            self.redis.hset(keys.replica(self.replica_id), mapping={
+                "first_work_at": f"{self.first_work_at:.6f}",
+                **({"coldstart": json.dumps(self.coldstart)} if self.coldstart else {})})
         try:
             header, tensors = unpack(fields[MESSAGE_FIELD])
         except (BadRequest, KeyError, TypeError) as exc:

@@ -1,6 +1,8 @@
 """Runs a contiguous range of stages [first, last) of a partitioned model in this process."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 from accelerate import init_empty_weights
 from safetensors.torch import load_file
@@ -21,29 +23,40 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}") from None
 
 
-def load_stage_module(manifest: Manifest, stage: int, verify: bool = True) -> StageModule:
-    """One stage's module with its shard's weights, on the CPU in the shard's dtype."""
+def load_stage_module(manifest: Manifest, stage: int, verify: bool = True,
+                      tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+                      place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> StageModule:
+    """One stage's module with its shard's weights, on the CPU in the shard's dtype; from
+    `tensors` as they arrive (`pipeline/shard_stream.py`; each put in `place` on arrival) instead of
+    the file when given."""
     info = manifest.stages[stage]
-    path = manifest.shard_path(stage)
-    if verify and sha256_file(path) != info.sha256:
-        raise ValueError(f"shard {path} does not match the sha256 in its manifest; re-partition")
     cls = architecture(manifest.arch).stage_class
     # Parameters start empty (meta) and take the shard's tensors as they are: no random
     # initialisation to throw away, and no kernel runs (a KeysManager zygote must not compute).
     with init_empty_weights(include_buffers=False):
         module = cls(manifest.config_object(), *info.layers, info.has_embed, info.has_head)
-    state = {module.rename(k): v for k, v in load_file(str(path)).items()}
+    if tensors is None:
+        path = manifest.shard_path(stage)
+        if verify and sha256_file(path) != info.sha256:
+            raise ValueError(f"shard {path} does not match the sha256 in its manifest; re-partition")
+        tensors = load_file(str(path)).items()
+    state = {module.rename(k): place(v) for k, v in tensors}
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()
 
 
 class StageRunner:
     def __init__(self, manifest: Manifest, first: int, last: int, device: str = "cpu",
-                 dtype: str = "float32", verify: bool = True) -> None:
+                 dtype: str = "float32", verify: bool = True,
+                 tensors: Callable[[int], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
+        """`tensors(stage)`: that stage's tensors as they arrive (a cold start's shard readers);
+        each goes to the device and dtype on arrival. Else the shards are read from disk."""
         if not 0 <= first < last <= manifest.num_stages:
             raise ValueError(f"stage range [{first}, {last}) outside 0..{manifest.num_stages}")
         self.manifest, self.first, self.last = manifest, first, last
-        self.modules = [load_stage_module(manifest, i, verify) for i in range(first, last)]
+        place = lambda t: t.to(device, torch_dtype(dtype) if t.is_floating_point() else t.dtype)  # noqa: E731
+        self.modules = [load_stage_module(manifest, i, verify, tensors(i) if tensors else None, place)
+                        for i in range(first, last)]
         self.to(device, dtype)
 
     def to(self, device: str, dtype: str) -> None:

@@ -18,6 +18,7 @@ import redis
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from autoscaler.policy.idle import ZeroScaling
 from contracts import keys
 from contracts.config import Settings
 from contracts.http_errors import json_errors
@@ -26,6 +27,7 @@ from contracts.requests import BadRequest, load_json
 from contracts.stack import NAME_RE, StackFunction, identity
 from keysmanager.client import KeysClient
 from runtime.functions import FunctionState, ProcessManager
+from runtime.idler import Idler
 from runtime.placer import Placer
 from runtime.state_file import save as save_state
 from runtime.state_file import state_path
@@ -94,6 +96,7 @@ class LocalProvider:
         self._draining: list[FunctionState] = []
         self.processes = ProcessManager(settings, keys)
         self.placer = Placer(settings, self.processes, r)
+        self.idler = Idler(r, lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s)
         self.registry = CollectorRegistry()
         self.invocations = Counter("gateway_function_invocation", "Function invocations",
                                    ("function_name", "code"), registry=self.registry)
@@ -151,6 +154,10 @@ class LocalProvider:
             model, stage = identity(d)
         except ValueError as exc:
             raise BadDeployment(f"envVars: {exc}") from None
+        try:
+            ZeroScaling.from_labels(d["labels"])
+        except ValueError as exc:
+            raise BadDeployment(str(exc)) from None
         if not model:
             raise BadDeployment("envVars must name the function's model (QUART_MODEL)")
         if stage is None and Path(self.handlers[d["image"]]).name == "stage":
@@ -212,6 +219,7 @@ class LocalProvider:
             self.processes.refresh(fn)
             await self._probe(fn)
         self._draining = [fn for fn in self._draining if fn.replicas]
+        await asyncio.to_thread(self.idler.step, list(self.functions.values()))
         self.converge()
         self._save_state()
         if self.settings.containers.run and time.monotonic() >= self._cpus_checked + CPUS_CHECK_S:
@@ -402,7 +410,14 @@ class LocalProvider:
         if fn is None or namespace not in ("", self.settings.gateway.namespace):
             return error(404, f"function {request.match_info['name']!r} not found")
         started = time.time()
-        response = await self._forward(fn, request)
+        model = identity(fn.deployment)[0]
+        self.idler.started(model)
+        try:
+            if fn.stage is None and self.idler.wake(list(self.functions.values()), model, started):
+                self.converge()  # the stages start now; the entry holds the request meanwhile
+            response = await self._forward(fn, request)
+        finally:
+            self.idler.finished(model)
         fn.invocations += 1
         code = str(response.status)
         self.invocations.labels(name, code).inc()

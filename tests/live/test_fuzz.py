@@ -117,7 +117,7 @@ def test_no_malformed_request_gets_a_5xx_or_a_non_json_error(runtime, client):
         check(user.request(method, path, body, headers=headers), f"{method} {path} {body[:80]!r}")
 
 
-@pytest.mark.parametrize("path", ["/cache", "/fork", "/evict"])
+@pytest.mark.parametrize("path", ["/cache", "/fork", "/evict", "/prefetch"])
 def test_no_malformed_keysmanager_request_gets_a_5xx(runtime, path):
     keys = KeysClient.for_settings(runtime, timeout=60)
     rng = random.Random(SEED)
@@ -126,6 +126,8 @@ def test_no_malformed_keysmanager_request_gets_a_5xx(runtime, path):
                         "env": {"QUART_MAX_BATCH": "1"}}, rng, extra=10):
         check(keys.request("POST", path, body, headers={"Content-Type": "application/json"}), f"{path} {body[:80]!r}")
     check(keys.request("PUT", "/config", b'{"memory_threshold": NaN}'), "/config NaN")
+    for model in ("NoSuch", "..", "a%2F..%2Fb", "x" * 300):
+        check(keys.request("DELETE", f"/prefetch/{model}"), f"DELETE /prefetch/{model}")
 
 
 def test_valid_bodies_up_to_the_documented_caps_are_accepted(runtime, client, tokenizer):

@@ -1,0 +1,308 @@
+"""Cold start from zero to the first token, HydraServe's way (its Fig. 8): a random-weight LLaMA
+of about 2 GB in 4 stages, no replica anywhere, a prompt waiting in stage 0's stream. Each
+variant adds one mechanism to the one before:
+
+  sequential   one process for the whole model: start, import, fetch from the store, load, prefill
+  +prefetch    the server's prefetcher pulls the shards into shared memory from the moment of
+               placement, while the process starts and imports (HydraServe §5.1)
+  +stream      tensors are made as their bytes arrive instead of after the whole shard (§5.2)
+  +overlap     the process starts reading its shards before it imports torch (§5)
+  +parallel s  s workers on s servers, each fetching and loading 1/s of the model (§4)
+
+The model store stands for remote storage: each connection is paced to --bandwidth (one
+server's link; HydraServe's testbed has 16 Gbps), so s servers fetch over s links. The page cache
+is dropped before each trial where the machine allows (the store then reads from disk and every
+process imports its libraries from disk, as on a cold node); the JSON says which.
+
+The predictors are calibrated on the sequential runs (process creation, imports, load rate,
+prefill) and predict every other variant: Eq. 1 where nothing overlaps, Eq. 5 where it does.
+
+    python -m benchmarks coldstart                      # or: python -m benchmarks.coldstart --reps 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+import torch
+
+from benchmarks.report import RESULTS, conditions, table, write
+from contracts import keys
+from contracts.config import Settings, child_environment, load_settings
+from contracts.paths import REPO_ROOT, STAGE_HANDLER
+from contracts.stage import StageRef
+from contracts.wire import MESSAGE_FIELD, Header, pack, unpack
+from keysmanager.client import KeysClient
+from pipeline.sampling import Sampling
+from pipeline.shard_reader import process_started_at
+from runtime.functions import start_watchdog
+from runtime.ports import free_port
+from runtime.redis_server import start_redis
+from scheduler.coldstart import ColdServer, ColdStartCosts, stage_ranges, ttft_overlapped, ttft_sequential
+
+MODEL = "coldstart-2g"
+CONFIG = {"hidden_size": 2048, "num_hidden_layers": 8, "intermediate_size": 5632, "num_attention_heads": 16,
+          "num_key_value_heads": 16, "vocab_size": 32000}
+STAGES = 4
+PROMPT = list(range(1, 33))
+HOP_S = 0.001  # a Redis hop of a prompt's activations (benchmarks/results/hop.json: 0.7 ms)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    prefetch: bool
+    stream: bool
+    overlap: bool
+    size: int
+
+
+VARIANTS = [Variant("sequential", False, False, False, 1), Variant("+prefetch", True, False, False, 1),
+            Variant("+stream", True, True, False, 1), Variant("+overlap", True, True, True, 1),
+            Variant("+parallel s=2", True, True, True, 2), Variant("+parallel s=4", True, True, True, 4)]
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+class Bench:
+    def __init__(self, settings: Settings, bandwidth: float, work: Path) -> None:
+        self.settings, self.bandwidth, self.work = settings, bandwidth, work
+        self.procs: list[subprocess.Popen] = []
+        (work / "logs").mkdir(parents=True, exist_ok=True)
+        self.stores = []
+        for i in range(STAGES):  # one link to the store per server
+            port = free_port()
+            self._spawn([sys.executable, "-m", "benchmarks.model_store", "--models", str(settings.models_dir),
+                         "--port", str(port), "--bandwidth", str(bandwidth)], f"store-{i}")
+            self.stores.append(f"http://127.0.0.1:{port}")
+        self.base = settings.replace(home=str(work), redis_port=free_port(),
+                                     cache_stages="none", threads=1, drain_timeout_s=1.0)
+        self.km_ports = [free_port() for _ in range(STAGES)]
+        self.procs.append(start_redis("127.0.0.1", self.base.redis.port, work / "redis", work / "logs" / "redis.log"))
+        self.r = redis.Redis.from_url(self.base.redis_url)
+        self.kms = [self._keysmanager(i) for i in range(STAGES)]
+        for km in self.kms:
+            deadline = time.monotonic() + 120
+            while not km.healthy():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("a KeysManager did not start")
+                time.sleep(0.2)
+
+    def _spawn(self, cmd: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
+        out = open(self.work / "logs" / f"{name}.log", "ab")
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env or child_environment(self.settings), stdout=out,
+                                stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def server(self, i: int) -> Settings:
+        return self.base.replace(server=f"srv-{i}", models=str(self.work / "replica-models" / f"srv-{i}"),
+                                 models_url=self.stores[i],
+                                 keysmanager_port=self.km_ports[i])
+
+    def _keysmanager(self, i: int) -> KeysClient:
+        settings = self.server(i).replace(models=str(self.work / "km-models" / f"srv-{i}"))
+        self._spawn([sys.executable, "-m", "keysmanager"], f"keysmanager-{i}", child_environment(settings))
+        return KeysClient.for_settings(settings, timeout=60)
+
+    def trial(self, v: Variant, page_cache_dropped: bool) -> dict:
+        self.r.flushdb()
+        shutil.rmtree(self.work / "replica-models", ignore_errors=True)
+        if page_cache_dropped:
+            drop_page_cache()
+        ranges = stage_ranges(STAGES, v.size)
+        seq = f"bench-{time.time_ns()}"
+        t0 = time.time()
+        if v.prefetch:  # the placement is decided: each server's prefetcher is told first
+            for i, (a, b) in enumerate(ranges):
+                self.kms[i].prefetch(StageRef(MODEL, a, b))
+        workers = []
+        for i, (a, b) in enumerate(ranges):
+            settings = self.server(i).replace(stream_load=v.stream, overlap_imports=v.overlap)
+            env = {"QUART_MODEL": MODEL, "QUART_STAGES": StageRef(MODEL, a, b).stages}
+            workers.append(start_watchdog(settings, STAGE_HANDLER, env, None, self.work / "logs" / "replicas.log"))
+        header = Header(request_id=f"{seq}.0", model=MODEL, stage=0, reply_to="quart:bench:coldstart",
+                        deadline=t0 + 600, kind="prefill", seq=seq, capacity=len(PROMPT) + 4,
+                        sampling=Sampling().to_dict())
+        self.r.xadd(keys.stage_stream(MODEL, 0), {MESSAGE_FIELD: pack(header, {"input_ids": torch.tensor([PROMPT])})})
+        got = None
+        while got is None and time.time() < t0 + 600:
+            got = self.r.blpop(["quart:bench:coldstart"], timeout=1)
+            if any(p.poll() is not None for p in workers):
+                raise RuntimeError(f"{v.name}: a worker exited; see {self.work / 'logs' / 'replicas.log'}")
+        token_at = time.time()
+        if got is None:
+            raise TimeoutError(f"{v.name}: no first token in 600 s")
+        reply, out = unpack(got[1])
+        if reply.error:
+            raise RuntimeError(f"{v.name}: {reply.error}")
+        starts = [process_started_at(p.pid) for p in workers]
+        steps = [self._steps(a, t0) for a, _ in ranges]
+        for p in workers:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        for km in self.kms:
+            km.cancel_prefetch(MODEL)
+        return {"ttft_s": token_at - t0, "token": int(out["token"][0]),
+                "workers": [{**s, "process_s": start - t0} for s, start in zip(steps, starts)]}
+
+    def _steps(self, first: int, t0: float) -> dict:
+        for rid in self.r.smembers(keys.stage_replicas(MODEL, first)):
+            info = self.r.hget(keys.replica(rid.decode()), "coldstart")
+            if info:
+                c = json.loads(info)
+                return {"imported_s": c["imported_at"] - t0, "fetch_started_s": c["fetch_started_at"] - t0,
+                        "fetched_s": c["fetched_at"] - t0, "loaded_s": c["loaded_at"] - t0, "bytes": c["bytes"]}
+        raise RuntimeError(f"the replica of stage {first} published no cold-start steps")
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def calibrate(trials: list[dict], manifest_bytes: float, bandwidth: float) -> tuple[ColdStartCosts, float]:
+    """HydraServe's history from the sequential runs: process creation, imports, prefill; and the
+    rate tensors are made from fetched bytes (p) from the +prefetch runs' load step."""
+    seq = [t["workers"][0] | {"ttft_s": t["ttft_s"]} for t in trials if t["variant"] == "sequential"]
+    pre = [t["workers"][0] for t in trials if t["variant"] == "+prefetch"]
+    med = statistics.median
+    costs = ColdStartCosts(create_s=med(w["process_s"] for w in seq),
+                           libraries_s=med(w["imported_s"] - w["process_s"] for w in seq),
+                           prefill_s=med(w["ttft_s"] - w["loaded_s"] for w in seq), decode_s=0.0, hop_s=HOP_S)
+    load = med(w["loaded_s"] - max(w["fetched_s"], w["imported_s"]) for w in pre)
+    return costs, manifest_bytes / max(load, 1e-3)
+
+
+def predict(v: Variant, costs: ColdStartCosts, model_bytes: float, bandwidth: float, load_rate: float,
+            cores: int) -> float:
+    servers = [ColdServer(f"srv-{i}", bandwidth, load_rate) for i in range(v.size)]
+    if v.overlap:
+        return ttft_overlapped(costs, model_bytes, servers, v.size, cpu_share=max(1.0, v.size / cores))
+    return ttft_sequential(costs, model_bytes, servers, v.size)
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(summary) + 1.5))
+    colours = {"start+imports": "#9ecae1", "fetch": "#fdae6b", "load": "#74c476", "prefill": "#de2d26"}
+    for y, row in enumerate(summary):
+        for w, step in enumerate(row["median_worker_steps"]):
+            off = y + (w - (len(row["median_worker_steps"]) - 1) / 2) * 0.18
+            ax.barh(off, step["imported_s"], left=0, height=0.16, color=colours["start+imports"])
+            ax.barh(off, step["fetched_s"] - step["fetch_started_s"], left=step["fetch_started_s"], height=0.08,
+                    color=colours["fetch"])
+            ax.barh(off, max(0.0, step["loaded_s"] - max(step["fetched_s"], step["imported_s"])),
+                    left=max(step["fetched_s"], step["imported_s"]), height=0.16, color=colours["load"])
+        ax.plot([row["ttft_s"]], [y], "k|", markersize=18)
+    ax.set_yticks(range(len(summary)), [r["variant"] for r in summary])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from placement (| = first token)")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=list(colours),
+              loc="lower right")
+    ax.set_title(f"Cold start of a {summary[0]['model_gb']:.2f} GB model, medians")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--bandwidth", type=float, default=2.5e8, help="bytes/s of each server's link to the store")
+    parser.add_argument("--warm-cache", action="store_true", help="leave the page cache as it is between trials")
+    args = parser.parse_args(argv)
+    settings = load_settings()
+    from pipeline.partition import ensure_partitioned
+    manifest = ensure_partitioned(settings.models_dir, MODEL, STAGES, "random-llama", "balanced", CONFIG)
+    model_bytes = float(sum(s.bytes for s in manifest.stages))
+    dropped = not args.warm_cache and drop_page_cache()
+    cores = len(os.sched_getaffinity(0))
+    work = Path(tempfile.mkdtemp(prefix="quart-coldstart-"))
+    bench = Bench(settings, args.bandwidth, work)
+    trials = []
+    try:
+        for rep in range(args.reps):
+            for v in VARIANTS:
+                t = bench.trial(v, dropped) | {"variant": v.name, "rep": rep}
+                print(f"  rep {rep} {v.name:15s} first token after {t['ttft_s']:.2f} s", flush=True)
+                trials.append(t)
+    except BaseException:
+        print(f"logs kept in {work / 'logs'}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    finally:
+        bench.close()
+    tokens = {t["token"] for t in trials}
+    costs, load_rate = calibrate(trials, model_bytes, args.bandwidth)
+    summary, figures = [], []
+    base = statistics.median(t["ttft_s"] for t in trials if t["variant"] == "sequential")
+    for v in VARIANTS:
+        mine = [t for t in trials if t["variant"] == v.name]
+        ttft = statistics.median(t["ttft_s"] for t in mine)
+        steps = [{k: statistics.median(t["workers"][i][k] for t in mine) for k in mine[0]["workers"][i]}
+                 for i in range(v.size)]
+        predicted = predict(v, costs, model_bytes, args.bandwidth, load_rate, cores)
+        summary.append({"variant": v.name, "ttft_s": ttft, "ratio": ttft / base, "predicted_s": predicted,
+                        "error": (predicted - ttft) / ttft, "median_worker_steps": steps,
+                        "model_gb": model_bytes / 1e9})
+        slowest = max(steps, key=lambda s: s["loaded_s"])
+        figures += [
+            {"name": f"{v.name} TTFT", "value": round(ttft, 3), "unit": "s", "samples": [round(t["ttft_s"], 3) for t in mine]},
+            {"name": f"{v.name} TTFT / sequential", "value": round(ttft / base, 3), "unit": "ratio"},
+            {"name": f"{v.name} predicted TTFT", "value": round(predicted, 3), "unit": "s",
+             "equation": "HydraServe Eq. 5" if v.overlap else "HydraServe Eq. 1"},
+            {"name": f"{v.name} prediction error", "value": round(100 * (predicted - ttft) / ttft, 1), "unit": "%"},
+            {"name": f"{v.name} slowest worker: process start", "value": round(slowest["process_s"], 3), "unit": "s"},
+            {"name": f"{v.name} slowest worker: imports done", "value": round(slowest["imported_s"], 3), "unit": "s"},
+            {"name": f"{v.name} slowest worker: fetch", "value": round(slowest["fetched_s"] - slowest["fetch_started_s"], 3),
+             "unit": "s", "from_s": round(slowest["fetch_started_s"], 3)},
+            {"name": f"{v.name} slowest worker: loaded", "value": round(slowest["loaded_s"], 3), "unit": "s"},
+            {"name": f"{v.name} first token after load", "value": round(ttft - max(s["loaded_s"] for s in steps), 3),
+             "unit": "s"}]
+    rows = [[r["variant"], r["median_worker_steps"][0]["process_s"], max(s["imported_s"] for s in r["median_worker_steps"]),
+             max(s["fetched_s"] - s["fetch_started_s"] for s in r["median_worker_steps"]),
+             max(s["loaded_s"] for s in r["median_worker_steps"]), r["ttft_s"], r["ratio"], r["predicted_s"],
+             f"{100 * r['error']:+.0f}%"] for r in summary]
+    print(table(f"Cold start to the first token, {model_bytes / 1e9:.2f} GB in {STAGES} stages, "
+                f"{args.bandwidth * 8 / 1e9:g} Gbps per server, medians of {args.reps} (s, from placement)",
+                ["variant", "process", "imports done", "fetch", "loaded", "TTFT", "× seq", "predicted", "error"], rows))
+    print(f"calibrated: {costs}, load rate {load_rate / 1e9:.2f} GB/s; tokens {sorted(tokens)}")
+    png = RESULTS / "coldstart.png"
+    plot(summary, png)
+    path = write("coldstart", figures, conditions(
+        model=f"random LLaMA {CONFIG}", model_bytes=int(model_bytes), stages=STAGES, prompt_tokens=len(PROMPT),
+        bandwidth_bytes_per_s=args.bandwidth, reps=args.reps, threads_per_worker=1,
+        page_cache="dropped before each trial" if dropped else "warm (left as it was)",
+        calibration={"create_s": costs.create_s, "libraries_s": costs.libraries_s, "prefill_s": costs.prefill_s,
+                     "hop_s": costs.hop_s, "load_rate_bytes_per_s": load_rate},
+        same_first_token_everywhere=len(tokens) == 1, plot=str(png.relative_to(REPO_ROOT))))
+    print(f"wrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,188 @@
+"""Reads a stage's shard into memory in a background thread, from the first place that has it:
+this server's disk, the server's prefetcher (shared memory, possibly still being filled), or the
+model store (QUART_MODELS_URL, kept on disk as it arrives). Bytes are hashed as they come and the
+whole is checked against the manifest's sha256 at the end.
+
+It imports no torch, so that a cold replica starts reading before it imports its libraries and the
+two overlap (HydraServe §5); `pipeline/shard_stream.py` makes tensors of the bytes as they arrive."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from contracts.config import Settings
+from contracts.stage import StageRef
+from pipeline.manifest import Manifest, StageInfo
+from pipeline.model_fetch import FetchError, ensure_manifest, open_url, shard_url
+
+log = logging.getLogger("quart.shard_reader")
+CHUNK = 4 << 20
+POLL_S = 0.01
+PART, ERROR = ".part", ".error"
+
+
+class ShardReader:
+    """One shard's bytes in `buffer`, filled by a thread; `wait_for(n)` blocks until the first n
+    bytes are there and raises FetchError once the read failed (a checksum, a stall, a cancel)."""
+
+    def __init__(self, info: StageInfo, where: str, chunks: Callable[[memoryview], Iterator[int]],
+                 settle: Callable[[bool], None] = lambda ok: None, verify: bool = True) -> None:
+        """`chunks` fills the buffer it is given and yields each chunk's length; `settle(ok)` is
+        told whether the whole read was good (a copy being kept on disk is then kept or removed);
+        `verify`: hash the bytes here (False where the source checked them already)."""
+        self.info, self.where, self.verify = info, where, verify
+        self._settle = settle
+        self.buffer = bytearray(info.bytes)
+        self.filled = 0
+        self.error: FetchError | None = None
+        self.done = False
+        self.started = self.finished = 0.0
+        self._chunks = chunks
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"shard-{info.index}", daemon=True)
+
+    def start(self) -> ShardReader:
+        self.started = time.time()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        digest = hashlib.sha256()
+        view = memoryview(self.buffer)
+        try:
+            for n in self._chunks(view):
+                if self.verify:
+                    digest.update(view[self.filled:self.filled + n])
+                with self._changed:
+                    self.filled += n
+                    self._changed.notify_all()
+            if self.filled != self.info.bytes:
+                raise FetchError(f"{self.where}: {self.filled} bytes, the manifest says {self.info.bytes}")
+            if self.verify and digest.hexdigest() != self.info.sha256:
+                raise FetchError(f"shard {self.info.shard} from {self.where}: sha256 {digest.hexdigest()[:12]}… "
+                                 f"is not the manifest's {self.info.sha256[:12]}…")
+        except FetchError as exc:
+            self._finish(exc)
+        except Exception as exc:  # any failure of the source ends the read with its reason
+            self._finish(FetchError(f"reading shard {self.info.shard} from {self.where}: {exc}"))
+        else:
+            self._finish(None)
+
+    def _finish(self, error: FetchError | None) -> None:
+        try:
+            self._settle(error is None)
+        except OSError as exc:
+            log.warning("shard %s: keeping the copy failed: %s", self.info.shard, exc)
+        with self._changed:
+            self.error, self.done, self.finished = error, True, time.time()
+            self._changed.notify_all()
+
+    def wait_for(self, end: int) -> None:
+        """Until bytes [0, end) are in the buffer."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.filled >= end or self.done)
+        if self.error is not None:
+            raise self.error
+        if self.filled < end:
+            raise FetchError(f"shard {self.info.shard} ended at {self.filled} bytes; {end} were needed")
+
+    def wait_done(self) -> None:
+        """Until the whole shard is read and its sha256 checked."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.done)
+        if self.error is not None:
+            raise self.error
+
+
+def process_started_at(pid: int | str = "self") -> float:
+    """When a process started, as time.time() (from the kernel's start time in clock ticks since
+    boot): a cold start's steps are timed from there."""
+    with open(f"/proc/{pid}/stat") as f:
+        start_ticks = int(f.read().rpartition(")")[2].split()[19])
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age
+
+
+def start_readers(settings: Settings, stage: StageRef) -> dict[int, ShardReader]:
+    """A started reader per stage of `stage`, each from the first place that holds its shard."""
+    manifest = ensure_manifest(settings, stage.model)
+    return {i: _reader(settings, stage.model, manifest, manifest.stages[i]).start() for i in stage.indices()}
+
+
+def _reader(settings: Settings, model: str, manifest: Manifest, info: StageInfo) -> ShardReader:
+    local = manifest.directory / info.shard
+    if local.is_file():
+        return ShardReader(info, str(local), lambda view: _read_file(local, view))
+    prefetched = settings.prefetch_dir(settings.server) / model / info.shard
+    if prefetched.exists() or prefetched.with_name(prefetched.name + PART).exists():
+        # The prefetcher checks the sha256 and renames the .part only then: its rename is the check.
+        return ShardReader(info, f"prefetch {prefetched}", lambda view: _follow(prefetched, view, settings.coldstart.stall_s),
+                           verify=False)
+    if settings.models_url:
+        url = shard_url(settings, model, info.shard)
+        partial = local.with_name(local.name + PART)
+        return ShardReader(info, url, lambda view: _download(url, settings.internal_api_token(), partial, view),
+                           lambda ok: partial.rename(local) if ok else partial.unlink(missing_ok=True))
+    raise FetchError(f"no shard {info.shard} of {model} in {manifest.directory}, none prefetched, "
+                     f"and no QUART_MODELS_URL to fetch it from")
+
+
+def _read_file(path: Path, view: memoryview) -> Iterator[int]:
+    with open(path, "rb", buffering=0) as f:
+        filled = 0
+        while filled < len(view) and (n := f.readinto(view[filled:filled + CHUNK])):
+            filled += n
+            yield n
+
+
+def _follow(path: Path, view: memoryview, stall_s: float) -> Iterator[int]:
+    """A shard the prefetcher is still writing (`<shard>.part`, renamed `<shard>` once whole and
+    checked): read what is there, wait for more, and end once it is renamed; its `.error` file
+    or a stall ends the read."""
+    part, error = path.with_name(path.name + PART), path.with_name(path.name + ERROR)
+    f = _open_either(path, part)
+    filled, last = 0, time.monotonic()
+    with f:
+        while filled < len(view) or not path.exists():
+            n = f.readinto(view[filled:filled + CHUNK]) if filled < len(view) else 0
+            if n:
+                filled, last = filled + n, time.monotonic()
+                yield n
+                continue
+            if error.exists():
+                raise FetchError(f"the prefetch of {path.name} failed: {error.read_text().strip()}")
+            if not (path.exists() or part.exists()):
+                time.sleep(10 * POLL_S)  # a failed prefetch removes its .part just before writing its .error
+                if error.exists():
+                    raise FetchError(f"the prefetch of {path.name} failed: {error.read_text().strip()}")
+                raise FetchError(f"the prefetch of {path.name} was cancelled")
+            if time.monotonic() - last > stall_s:
+                raise FetchError(f"the prefetch of {path.name} made no progress for {stall_s:g} s")
+            time.sleep(POLL_S)
+
+
+def _open_either(path: Path, part: Path):
+    for _ in range(3):  # the .part may be renamed between the two looks
+        for candidate in (path, part):
+            try:
+                return open(candidate, "rb", buffering=0)
+            except FileNotFoundError:
+                pass
+    raise FetchError(f"the prefetch of {path.name} is gone")
+
+
+def _download(url: str, token: str, partial: Path, view: memoryview) -> Iterator[int]:
+    """The shard from the model store into the buffer and into `partial` on disk (renamed to the
+    shard once its sha256 is checked)."""
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    filled = 0
+    with open_url(url, token) as reply, open(partial, "wb") as out:
+        while filled < len(view) and (n := reply.readinto(view[filled:filled + CHUNK])):
+            out.write(view[filled:filled + n])
+            filled += n
+            yield n

@@ -1,0 +1,93 @@
+"""The embedded gateway's scale to zero and back (`autoscaler/policy/idle.py` decides): it notes
+each model's latest request, puts the stage functions labelled for it to zero replicas once the
+model is idle, and wakes them all when a request comes (at once, on the request's way in) or when
+work waits in a stage's stream (a request that reached an entry some other way)."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+
+from autoscaler.policy.idle import ModelActivity, ZeroScaling, decide
+from contracts import keys
+from pipeline.registry import stream_backlog
+from runtime.functions import FunctionState
+
+log = logging.getLogger("quart.idler")
+CHECK_S = 1.0
+
+
+class Idler:
+    def __init__(self, r: redis.Redis, initial: Callable[[FunctionState], int], waking_ttl_s: float) -> None:
+        """`initial(fn)`: the replicas a function wakes to (its minimum); `waking_ttl_s`: how long
+        the entry may admit requests behind a cold start (its request timeout)."""
+        self.redis, self.initial, self.waking_ttl_s = r, initial, waking_ttl_s
+        self.last_request: dict[str, float] = {}
+        self.in_flight: dict[str, int] = {}
+        self._checked = 0.0
+
+    def touched(self, model: str, now: float | None = None) -> None:
+        self.last_request[model] = time.time() if now is None else now
+
+    def started(self, model: str) -> None:
+        """A request of `model` came in: it counts as work until it is answered (a generation's
+        decode steps pass through no shared stream, so the streams alone would look idle)."""
+        self.touched(model)
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+
+    def finished(self, model: str) -> None:
+        self.touched(model)  # idleness counts from the last answer
+        self.in_flight[model] -= 1
+
+    @staticmethod
+    def sleepers(functions: list[FunctionState], model: str) -> list[FunctionState]:
+        return [fn for fn in functions if fn.stage is not None and fn.stage.model == model
+                and ZeroScaling.from_labels(fn.deployment.get("labels") or {}).enabled]
+
+    def wake(self, functions: list[FunctionState], model: str, now: float | None = None) -> bool:
+        """Every sleeping stage function of `model` back to its minimum; True if any was asleep."""
+        now = time.time() if now is None else now
+        asleep = [fn for fn in self.sleepers(functions, model) if fn.desired == 0]
+        if not asleep:
+            return False
+        for fn in asleep:
+            fn.desired = self.initial(fn)
+        pipe = self.redis.pipeline()
+        pipe.delete(keys.asleep(model))
+        pipe.set(keys.waking(model), f"{now:.3f}", ex=max(1, int(self.waking_ttl_s)))
+        pipe.execute()
+        self.touched(model, now)
+        log.info("woke %s: %s", model, ", ".join(f"{fn.name}={fn.desired}" for fn in asleep))
+        return True
+
+    def step(self, functions: list[FunctionState], now: float | None = None) -> list[str]:
+        """Once a second: each model's sleep or wake; the models whose desired counts changed."""
+        now = time.time() if now is None else now
+        if now < self._checked + CHECK_S:
+            return []
+        self._checked = now
+        changed = []
+        for model in sorted({fn.stage.model for fn in functions if fn.stage is not None}):
+            fns = self.sleepers(functions, model)
+            if not fns:
+                continue
+            activity = ModelActivity(self.last_request.setdefault(model, now),
+                                     min(ZeroScaling.from_labels(fn.deployment["labels"]).idle_s for fn in fns),
+                                     sum(fn.desired for fn in fns), self.in_flight.get(model, 0) + self._work(fns))
+            decision = decide(now, activity)
+            if decision == "sleep":
+                for fn in fns:
+                    fn.desired = 0
+                self.redis.set(keys.asleep(model), f"{now:.3f}")
+                log.info("%s idle for %.0f s: its stage functions scale to zero", model, now - activity.last_request_at)
+                changed.append(model)
+            elif decision == "wake" and self.wake(functions, model, now):
+                changed.append(model)
+            elif decision is None and activity.replicas > 0:
+                self.redis.delete(keys.asleep(model))  # scaled up by hand: the autoscaler's again
+        return changed
+
+    def _work(self, fns: list[FunctionState]) -> int:
+        return sum(sum(stream_backlog(self.redis, fn.stage.model, fn.stage.first)) for fn in fns)
