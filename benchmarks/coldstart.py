@@ -8,20 +8,25 @@ variant adds one mechanism to the one before:
   +stream      tensors are made as their bytes arrive instead of after the whole shard (§5.2)
   +overlap     the process starts reading its shards before it imports torch (§5)
   +parallel s  s workers on s servers, each fetching and loading 1/s of the model (§4)
+  +runtime s   and each worker forked from its server's runtime zygote (libraries imported, no
+               parameters: QUART_WARM_RUNTIME), so neither process creation nor imports remain
 
 The model store stands for remote storage: each connection is paced to --bandwidth (one
 server's link; HydraServe's testbed has 16 Gbps), so s servers fetch over s links. The page cache
 is dropped before each trial where the machine allows (the store then reads from disk and every
 process imports its libraries from disk, as on a cold node); the JSON says which.
 
-The predictors are calibrated on the sequential runs (process creation, imports, load rate,
-prefill) and predict every other variant: Eq. 1 where nothing overlaps, Eq. 5 where it does.
+The predictors are calibrated on the sequential and +prefetch runs (process creation, imports,
+prefill, the link's measured rate, the CPU a fetched byte costs) and predict every variant: Eq. 1
+where nothing overlaps, Eq. 5 where it does, and each also bounded below by the run's CPU work over
+this machine's cores (the servers are emulated on one machine).
 
     python -m benchmarks coldstart                      # or: python -m benchmarks.coldstart --reps 3
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -34,6 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import redis
 import torch
 
@@ -66,11 +72,19 @@ class Variant:
     stream: bool
     overlap: bool
     size: int
+    runtime: bool = False
 
 
 VARIANTS = [Variant("sequential", False, False, False, 1), Variant("+prefetch", True, False, False, 1),
             Variant("+stream", True, True, False, 1), Variant("+overlap", True, True, True, 1),
-            Variant("+parallel s=2", True, True, True, 2), Variant("+parallel s=4", True, True, True, 4)]
+            Variant("+parallel s=2", True, True, True, 2), Variant("+parallel s=4", True, True, True, 4),
+            Variant("+runtime s=1", True, True, True, 1, True), Variant("+runtime s=2", True, True, True, 2, True),
+            Variant("+runtime s=4", True, True, True, 4, True)]
+
+
+def cpu_s(procs: list) -> float:
+    """CPU seconds (user and system) the processes have used so far."""
+    return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in procs)
 
 
 def drop_page_cache() -> bool:
@@ -86,12 +100,16 @@ class Bench:
     def __init__(self, settings: Settings, bandwidth: float, work: Path) -> None:
         self.settings, self.bandwidth, self.work = settings, bandwidth, work
         self.procs: list[subprocess.Popen] = []
+        self._children: list[subprocess.Popen] = []
+        self.store_procs: list[subprocess.Popen] = []
+        self.km_procs: list[subprocess.Popen] = []
         (work / "logs").mkdir(parents=True, exist_ok=True)
         self.stores = []
         for i in range(STAGES):  # one link to the store per server
             port = free_port()
-            self._spawn([sys.executable, "-m", "benchmarks.model_store", "--models", str(settings.models_dir),
-                         "--port", str(port), "--bandwidth", str(bandwidth)], f"store-{i}")
+            self.store_procs.append(self._spawn([sys.executable, "-m", "benchmarks.model_store", "--models",
+                                                 str(settings.models_dir), "--port", str(port), "--bandwidth",
+                                                 str(bandwidth)], f"store-{i}"))
             self.stores.append(f"http://127.0.0.1:{port}")
         self.base = settings.replace(home=str(work), redis_port=free_port(),
                                      cache_stages="none", threads=1, drain_timeout_s=1.0)
@@ -99,12 +117,12 @@ class Bench:
         self.procs.append(start_redis("127.0.0.1", self.base.redis.port, work / "redis", work / "logs" / "redis.log"))
         self.r = redis.Redis.from_url(self.base.redis_url)
         self.kms = [self._keysmanager(i) for i in range(STAGES)]
-        for km in self.kms:
-            deadline = time.monotonic() + 120
-            while not km.healthy():
+        for km in self.kms:  # each with its runtime zygote up, so that no trial shares the CPUs with them
+            deadline = time.monotonic() + 300
+            while not (km.healthy() and km.stats()["runtime_zygote"]):
                 if time.monotonic() > deadline:
-                    raise TimeoutError("a KeysManager did not start")
-                time.sleep(0.2)
+                    raise TimeoutError("a KeysManager or its runtime zygote did not start")
+                time.sleep(0.5)
 
     def _spawn(self, cmd: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
         out = open(self.work / "logs" / f"{name}.log", "ab")
@@ -119,8 +137,9 @@ class Bench:
                                  keysmanager_port=self.km_ports[i])
 
     def _keysmanager(self, i: int) -> KeysClient:
-        settings = self.server(i).replace(models=str(self.work / "km-models" / f"srv-{i}"))
-        self._spawn([sys.executable, "-m", "keysmanager"], f"keysmanager-{i}", child_environment(settings))
+        settings = self.server(i).replace(models=str(self.work / "km-models" / f"srv-{i}"), warm_runtime=True)
+        self.km_procs.append(self._spawn([sys.executable, "-m", "keysmanager"], f"keysmanager-{i}",
+                                         child_environment(settings)))
         return KeysClient.for_settings(settings, timeout=60)
 
     def trial(self, v: Variant, page_cache_dropped: bool) -> dict:
@@ -130,15 +149,12 @@ class Bench:
             drop_page_cache()
         ranges = stage_ranges(STAGES, v.size)
         seq = f"bench-{time.time_ns()}"
+        cpu0 = {"stores": cpu_s(self.store_procs), "keysmanagers": cpu_s(self.km_procs)}
         t0 = time.time()
         if v.prefetch:  # the placement is decided: each server's prefetcher is told first
             for i, (a, b) in enumerate(ranges):
                 self.kms[i].prefetch(StageRef(MODEL, a, b))
-        workers = []
-        for i, (a, b) in enumerate(ranges):
-            settings = self.server(i).replace(stream_load=v.stream, overlap_imports=v.overlap)
-            env = {"QUART_MODEL": MODEL, "QUART_STAGES": StageRef(MODEL, a, b).stages}
-            workers.append(start_watchdog(settings, STAGE_HANDLER, env, None, self.work / "logs" / "replicas.log"))
+        workers = [self._start(i, StageRef(MODEL, a, b), v) for i, (a, b) in enumerate(ranges)]
         header = Header(request_id=f"{seq}.0", model=MODEL, stage=0, reply_to="quart:bench:coldstart",
                         deadline=t0 + 600, kind="prefill", seq=seq, capacity=len(PROMPT) + 4,
                         sampling=Sampling().to_dict())
@@ -146,23 +162,40 @@ class Bench:
         got = None
         while got is None and time.time() < t0 + 600:
             got = self.r.blpop(["quart:bench:coldstart"], timeout=1)
-            if any(p.poll() is not None for p in workers):
-                raise RuntimeError(f"{v.name}: a worker exited; see {self.work / 'logs' / 'replicas.log'}")
+            if not all(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in workers):
+                raise RuntimeError(f"{v.name}: a worker exited; see {self.work / 'logs'}")
         token_at = time.time()
         if got is None:
             raise TimeoutError(f"{v.name}: no first token in 600 s")
         reply, out = unpack(got[1])
         if reply.error:
             raise RuntimeError(f"{v.name}: {reply.error}")
-        starts = [process_started_at(p.pid) for p in workers]
+        cpu = {"replicas": sum(cpu_s([psutil.Process(pid)]) for pid in workers),
+               "stores": cpu_s(self.store_procs) - cpu0["stores"],
+               "keysmanagers": cpu_s(self.km_procs) - cpu0["keysmanagers"]}
+        starts = [process_started_at(pid) for pid in workers]
         steps = [self._steps(a, t0) for a, _ in ranges]
-        for p in workers:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        for proc in self._children:
+            proc.wait()
+        self._children.clear()
         for km in self.kms:
             km.cancel_prefetch(MODEL)
-        return {"ttft_s": token_at - t0, "token": int(out["token"][0]),
+        return {"ttft_s": token_at - t0, "token": int(out["token"][0]), "cpu_s": cpu,
                 "workers": [{**s, "process_s": start - t0} for s, start in zip(steps, starts)]}
+
+    def _start(self, i: int, stage: StageRef, v: Variant) -> int:
+        """A worker on server i: a new process, or a fork of that server's runtime zygote."""
+        settings = self.server(i).replace(stream_load=v.stream, overlap_imports=v.overlap)
+        env = {"QUART_MODEL": MODEL, "QUART_STAGES": stage.stages}
+        if v.runtime:
+            env |= {"QUART_MODELS": str(settings.models_dir), "QUART_STREAM_LOAD": str(v.stream).lower(),
+                    "QUART_OVERLAP_IMPORTS": str(v.overlap).lower()}
+            return self.kms[i].start_cold(stage, f"{MODEL}-s{stage.first}", env)["pid"]
+        proc = start_watchdog(settings, STAGE_HANDLER, env, None, self.work / "logs" / "replicas.log")
+        self._children.append(proc)
+        return proc.pid
 
     def _steps(self, first: int, t0: float) -> dict:
         for rid in self.r.smembers(keys.stage_replicas(MODEL, first)):
@@ -183,25 +216,52 @@ class Bench:
                 p.kill()
 
 
-def calibrate(trials: list[dict], manifest_bytes: float, bandwidth: float) -> tuple[ColdStartCosts, float]:
-    """HydraServe's history from the sequential runs: process creation, imports, prefill; and the
-    rate tensors are made from fetched bytes (p) from the +prefetch runs' load step."""
-    seq = [t["workers"][0] | {"ttft_s": t["ttft_s"]} for t in trials if t["variant"] == "sequential"]
-    pre = [t["workers"][0] for t in trials if t["variant"] == "+prefetch"]
+@dataclass(frozen=True)
+class Calibration:
+    """HydraServe's history, from the sequential and +prefetch runs only: process creation,
+    imports, prefill, the link's measured rate, and the CPU a fetched byte costs this machine."""
+    costs: ColdStartCosts
+    bandwidth: float          # b: bytes/s one server's fetch really got (the sequential runs)
+    load_rate: float          # p: bytes/s tensors are made from fetched bytes (the +prefetch runs)
+    cpu_per_byte: float       # CPU s per byte fetched straight from the store (store, replica)
+    cpu_per_byte_prefetched: float  # the same through a prefetcher (store, prefetcher, replica)
+
+
+def calibrate(trials: list[dict], model_bytes: float) -> Calibration:
     med = statistics.median
-    costs = ColdStartCosts(create_s=med(w["process_s"] for w in seq),
-                           libraries_s=med(w["imported_s"] - w["process_s"] for w in seq),
-                           prefill_s=med(w["ttft_s"] - w["loaded_s"] for w in seq), decode_s=0.0, hop_s=HOP_S)
-    load = med(w["loaded_s"] - max(w["fetched_s"], w["imported_s"]) for w in pre)
-    return costs, manifest_bytes / max(load, 1e-3)
+    seq = [t for t in trials if t["variant"] == "sequential"]
+    pre = [t for t in trials if t["variant"] == "+prefetch"]
+    first = [t["workers"][0] for t in seq]
+    costs = ColdStartCosts(create_s=med(w["process_s"] for w in first),
+                           libraries_s=med(w["imported_s"] - w["process_s"] for w in first),
+                           prefill_s=med(t["ttft_s"] - t["workers"][0]["loaded_s"] for t in seq), decode_s=0.0,
+                           hop_s=HOP_S)
+    load = med(w["loaded_s"] - max(w["fetched_s"], w["imported_s"]) for w in (t["workers"][0] for t in pre))
+
+    def per_byte(ts: list[dict]) -> float:  # all the CPU of a run but the imports and the prefill
+        return med((sum(t["cpu_s"].values()) - costs.libraries_s - costs.prefill_s) / model_bytes for t in ts)
+
+    return Calibration(costs, model_bytes / med(w["fetched_s"] - w["fetch_started_s"] for w in first),
+                       model_bytes / max(load, 1e-3), per_byte(seq), per_byte(pre))
 
 
-def predict(v: Variant, costs: ColdStartCosts, model_bytes: float, bandwidth: float, load_rate: float,
-            cores: int) -> float:
-    servers = [ColdServer(f"srv-{i}", bandwidth, load_rate) for i in range(v.size)]
-    if v.overlap:
-        return ttft_overlapped(costs, model_bytes, servers, v.size, cpu_share=max(1.0, v.size / cores))
-    return ttft_sequential(costs, model_bytes, servers, v.size)
+def predict(v: Variant, cal: Calibration, model_bytes: float, cores: int) -> tuple[float, float]:
+    """(HydraServe's prediction, and it bounded below by the CPU work over this machine's cores).
+    Eq. 1 where nothing overlaps; Eq. 5 once the fetch starts at placement (prefetch); a worker
+    forked from a runtime zygote has neither process creation nor imports left. The s servers are
+    emulated on one machine, so no cold start is faster than its CPU work (imports, the fetch's
+    bytes through the store, prefetcher and reader, the prefill) spread over the cores."""
+    costs = cal.costs
+    servers = [ColdServer(f"srv-{i}", cal.bandwidth, cal.load_rate) for i in range(v.size)]
+    if not v.prefetch:
+        paper = ttft_sequential(costs, model_bytes, servers, v.size)
+    else:
+        if v.runtime:
+            costs = dataclasses.replace(costs, create_s=0.0, libraries_s=0.0)
+        paper = ttft_overlapped(costs, model_bytes, servers, v.size)
+    per_byte = cal.cpu_per_byte_prefetched if v.prefetch else cal.cpu_per_byte
+    work = v.size * costs.libraries_s + model_bytes * per_byte + costs.prefill_s
+    return paper, max(paper, work / cores)
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -258,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         bench.close()
     tokens = {t["token"] for t in trials}
-    costs, load_rate = calibrate(trials, model_bytes, args.bandwidth)
+    cal = calibrate(trials, model_bytes)
     summary, figures = [], []
     base = statistics.median(t["ttft_s"] for t in trials if t["variant"] == "sequential")
     for v in VARIANTS:
@@ -266,17 +326,23 @@ def main(argv: list[str] | None = None) -> None:
         ttft = statistics.median(t["ttft_s"] for t in mine)
         steps = [{k: statistics.median(t["workers"][i][k] for t in mine) for k in mine[0]["workers"][i]}
                  for i in range(v.size)]
-        predicted = predict(v, costs, model_bytes, args.bandwidth, load_rate, cores)
+        paper, predicted = predict(v, cal, model_bytes, cores)
         summary.append({"variant": v.name, "ttft_s": ttft, "ratio": ttft / base, "predicted_s": predicted,
-                        "error": (predicted - ttft) / ttft, "median_worker_steps": steps,
+                        "error": (predicted - ttft) / ttft, "paper_s": paper, "paper_error": (paper - ttft) / ttft,
+                        "median_worker_steps": steps,
                         "model_gb": model_bytes / 1e9})
         slowest = max(steps, key=lambda s: s["loaded_s"])
         figures += [
             {"name": f"{v.name} TTFT", "value": round(ttft, 3), "unit": "s", "samples": [round(t["ttft_s"], 3) for t in mine]},
             {"name": f"{v.name} TTFT / sequential", "value": round(ttft / base, 3), "unit": "ratio"},
-            {"name": f"{v.name} predicted TTFT", "value": round(predicted, 3), "unit": "s",
-             "equation": "HydraServe Eq. 5" if v.overlap else "HydraServe Eq. 1"},
-            {"name": f"{v.name} prediction error", "value": round(100 * (predicted - ttft) / ttft, 1), "unit": "%"},
+            {"name": f"{v.name} predicted TTFT (paper)", "value": round(paper, 3), "unit": "s",
+             "equation": "HydraServe Eq. 5" if v.prefetch else "HydraServe Eq. 1"},
+            {"name": f"{v.name} prediction error (paper)", "value": round(100 * (paper - ttft) / ttft, 1), "unit": "%"},
+            {"name": f"{v.name} predicted TTFT (with the CPU bound)", "value": round(predicted, 3), "unit": "s"},
+            {"name": f"{v.name} prediction error (with the CPU bound)", "value": round(100 * (predicted - ttft) / ttft, 1),
+             "unit": "%", "calibrated_on_this_variant": v.name in ("sequential", "+prefetch")},
+            {"name": f"{v.name} CPU used", "value": round(statistics.median(sum(t["cpu_s"].values()) for t in mine), 2),
+             "unit": "CPU s"},
             {"name": f"{v.name} slowest worker: process start", "value": round(slowest["process_s"], 3), "unit": "s"},
             {"name": f"{v.name} slowest worker: imports done", "value": round(slowest["imported_s"], 3), "unit": "s"},
             {"name": f"{v.name} slowest worker: fetch", "value": round(slowest["fetched_s"] - slowest["fetch_started_s"], 3),
@@ -286,20 +352,22 @@ def main(argv: list[str] | None = None) -> None:
              "unit": "s"}]
     rows = [[r["variant"], r["median_worker_steps"][0]["process_s"], max(s["imported_s"] for s in r["median_worker_steps"]),
              max(s["fetched_s"] - s["fetch_started_s"] for s in r["median_worker_steps"]),
-             max(s["loaded_s"] for s in r["median_worker_steps"]), r["ttft_s"], r["ratio"], r["predicted_s"],
-             f"{100 * r['error']:+.0f}%"] for r in summary]
+             max(s["loaded_s"] for s in r["median_worker_steps"]), r["ttft_s"], r["ratio"], r["paper_s"],
+             f"{100 * r['paper_error']:+.0f}%", r["predicted_s"], f"{100 * r['error']:+.0f}%"] for r in summary]
     print(table(f"Cold start to the first token, {model_bytes / 1e9:.2f} GB in {STAGES} stages, "
                 f"{args.bandwidth * 8 / 1e9:g} Gbps per server, medians of {args.reps} (s, from placement)",
-                ["variant", "process", "imports done", "fetch", "loaded", "TTFT", "× seq", "predicted", "error"], rows))
-    print(f"calibrated: {costs}, load rate {load_rate / 1e9:.2f} GB/s; tokens {sorted(tokens)}")
+                ["variant", "process", "imports done", "fetch", "loaded", "TTFT", "× seq", "Eq. 1/5", "error",
+                 "with CPU bound", "error"], rows))
+    print(f"calibrated: {cal}; tokens {sorted(tokens)}")
     png = RESULTS / "coldstart.png"
     plot(summary, png)
     path = write("coldstart", figures, conditions(
         model=f"random LLaMA {CONFIG}", model_bytes=int(model_bytes), stages=STAGES, prompt_tokens=len(PROMPT),
         bandwidth_bytes_per_s=args.bandwidth, reps=args.reps, threads_per_worker=1,
         page_cache="dropped before each trial" if dropped else "warm (left as it was)",
-        calibration={"create_s": costs.create_s, "libraries_s": costs.libraries_s, "prefill_s": costs.prefill_s,
-                     "hop_s": costs.hop_s, "load_rate_bytes_per_s": load_rate},
+        calibration={**dataclasses.asdict(cal.costs), "bandwidth_bytes_per_s": cal.bandwidth,
+                     "load_rate_bytes_per_s": cal.load_rate, "cpu_s_per_gb": cal.cpu_per_byte * 1e9,
+                     "cpu_s_per_gb_prefetched": cal.cpu_per_byte_prefetched * 1e9, "cores": cores},
         same_first_token_everywhere=len(tokens) == 1, plot=str(png.relative_to(REPO_ROOT))))
     print(f"wrote {path} and {png}")
 

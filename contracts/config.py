@@ -139,6 +139,7 @@ class ColdStartConfig:
     prefetch_dir: str = ""
     prefetch_ttl_s: float = 120.0
     stall_s: float = 30.0
+    warm_runtime: bool = True
 
 
 @dataclass(frozen=True)
@@ -422,6 +423,9 @@ VARIABLES: tuple[Var, ...] = (
         "where each server's prefetcher keeps the shards it pulls from QUART_MODELS_URL; empty: /dev/shm"),
     Var("QUART_PREFETCH_TTL_S", "coldstart.prefetch_ttl_s", "a finished prefetch is freed this long after it completed",
         _positive),
+    Var("QUART_WARM_RUNTIME", "coldstart.warm_runtime",
+        "each KeysManager keeps a runtime zygote (libraries imported, no parameters) and cold replicas are forked "
+        "from it, skipping process start and imports; false starts them as new processes"),
     Var("QUART_FETCH_STALL_S", "coldstart.stall_s", "a shard read that makes no progress for this long fails", _positive),
     Var("QUART_CONTAINERS", "containers.run",
         "the embedded runtime runs Redis, the KeysManagers and the replicas as containers of the images "

@@ -9,6 +9,10 @@ needs the runtime's internal token (`Authorization: Bearer ...`); 401 without it
                   507 when it does not fit the server's cache budget
     POST /fork    {"model", "stages", "function", "cow": true, "env": {"QUART_...": ...}}
                   -> {"pid", "port_file", "started_by"}; 404 not cached, 409 shard changed
+    POST /start   {"model", "stages", "function", "env"}
+                  -> {"pid", "port_file", "started_by": "cold"}: a cold replica forked from the runtime
+                  zygote (libraries imported, no parameters; started on first use), which reads its
+                  shard like any cold start
     POST /evict   {"model", "stages"}
     GET  /forks                        the replicas forked here that still run
     POST /stop    {"pid"}              drain and end one of them; 404 if it is not one
@@ -98,12 +102,16 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             return web.json_response({"error": str(exc)}, status=507)
         return web.json_response(z.describe())
 
-    async def fork(request: web.Request) -> web.Response:
-        body = await _json(request)
-        stage = _stage_range(body)
+    def _function(body: dict, stage: StageRef) -> str:
         function = body.get("function", f"{stage.model}-s{stage.stages}")
         if not isinstance(function, str) or not NAME_RE.fullmatch(function):
             raise Invalid("'function' must be a function name")
+        return function
+
+    async def fork(request: web.Request) -> web.Response:
+        body = await _json(request)
+        stage = _stage_range(body)
+        function = _function(body, stage)
         cow = body.get("cow", True)
         if not isinstance(cow, bool):
             raise Invalid("'cow' must be true or false")
@@ -113,6 +121,16 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             return web.json_response({"error": f"{stage.model} stages {stage.stages} are not cached here"}, status=404)
         except StaleShard as exc:
             return web.json_response({"error": str(exc)}, status=409)
+
+    async def start(request: web.Request) -> web.Response:
+        body = await _json(request)
+        stage = _stage_range(body)
+        function = _function(body, stage)
+        env = _env(body)
+        if not (manager.settings.model_dir(stage.model) / "manifest.json").exists() and not env.get("QUART_MODELS_URL") \
+                and not manager.settings.models_url:
+            raise FileNotFoundError(f"no partitioned model {stage.model!r} on this server and no store to fetch it from")
+        return web.json_response(await run(manager.start_cold, stage, function, env))
 
     async def evict(request: web.Request) -> web.Response:
         stage = _stage_range(await _json(request))
@@ -206,6 +224,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
     app.router.add_get("/stats", lambda _: web.json_response(manager.stats()))
     app.router.add_post("/cache", cache)
     app.router.add_post("/fork", fork)
+    app.router.add_post("/start", start)
     app.router.add_post("/evict", evict)
     app.router.add_put("/config", config)
     app.router.add_get("/forks", lambda _: web.json_response(manager.forks()))

@@ -42,6 +42,10 @@ class KeysClient(HttpClient):
         return self._call("POST", "/fork", {"model": stage.model, "stages": stage.stages, "function": function,
                                             "env": env or {}, "cow": cow})
 
+    def start_cold(self, stage: StageRef, function: str, env: dict[str, str] | None = None) -> dict:
+        return self._call("POST", "/start", {"model": stage.model, "stages": stage.stages, "function": function,
+                                             "env": env or {}})
+
     def evict(self, stage: StageRef) -> dict:
         return self._call("POST", "/evict", {"model": stage.model, "stages": stage.stages})
 

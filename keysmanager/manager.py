@@ -69,7 +69,7 @@ class Fork:
 
 @dataclass
 class Zygote:
-    stage: StageRef
+    stage: StageRef | None          # None: the runtime zygote, which holds only the libraries
     proc: subprocess.Popen
     socket: Path
     sha256: list[str]
@@ -117,6 +117,8 @@ class KeysManager:
         self.forked: dict[int, Fork] = {}
         self._lock = threading.RLock()
         self._starting: dict[StageRef, threading.Event] = {}
+        self._runtime: Zygote | None = None
+        self._runtime_lock = threading.Lock()
 
     # -- cache ---------------------------------------------------------------------------------
 
@@ -164,30 +166,30 @@ class KeysManager:
             with self._lock:
                 self._starting.pop(stage).set()
 
-    def _start(self, stage: StageRef, shas: list[str], size: int) -> Zygote:
-        model, stages = stage.model, stage.stages
-        path = self.run_dir / f"{model}.{stages}.{uuid.uuid4().hex[:8]}.sock"
-        with open(self.log_dir / f"zygote-{model}-{stages}.log", "ab") as out:
-            emulate = ["--emulate", model] if self.emulated(model) else []
-            proc = subprocess.Popen([sys.executable, "-m", "keysmanager.zygote", "--model", model,
-                                     "--stages", stages, "--socket", str(path), *emulate],
+    def _start(self, stage: StageRef | None, shas: list[str], size: int) -> Zygote:
+        """A zygote of `stage`, or the runtime zygote (None), once it answers."""
+        name = f"{stage.model}-{stage.stages}" if stage else "runtime"
+        path = self.run_dir / f"{name}.{uuid.uuid4().hex[:8]}.sock"
+        what = ["--runtime"] if stage is None else ["--model", stage.model, "--stages", stage.stages] + (
+            ["--emulate", stage.model] if self.emulated(stage.model) else [])
+        with open(self.log_dir / f"zygote-{name}.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "keysmanager.zygote", "--socket", str(path), *what],
                                     env=child_environment(self.settings), cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + ZYGOTE_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"zygote for {model} {stages} exited with {proc.returncode}; "
-                                   f"see zygote-{model}-{stages}.log")
+                raise RuntimeError(f"zygote {name} exited with {proc.returncode}; see zygote-{name}.log")
             if path.exists():
                 try:
                     zygote_call(path, {"op": "ping"}, timeout=5)
-                    log.info("cached %s stages %s in zygote pid %d", model, stages, proc.pid)
+                    log.info("zygote %s ready, pid %d", name, proc.pid)
                     return Zygote(stage, proc, path, shas, size)
                 except OSError:
                     pass
             time.sleep(0.05)
         proc.kill()
-        raise TimeoutError(f"zygote for {model} {stages} not ready in {ZYGOTE_START_TIMEOUT_S} s")
+        raise TimeoutError(f"zygote {name} not ready in {ZYGOTE_START_TIMEOUT_S} s")
 
     def _make_room_locked(self, size: int) -> None:
         """Within a byte budget, evicts what `cache_policy.evictions` picks (idle zygotes that are
@@ -213,6 +215,13 @@ class KeysManager:
                 self._evict_locked(z, "stale shard")
                 raise StaleShard(f"the shard of {stage} changed; its cache was dropped")
             z.forking += 1
+        out = self._fork_from(z, stage, function, env, cow, "fork-cow" if cow else "fork-copy")
+        self._publish(z)
+        self._event("fork", z, pid=out["pid"], cow=cow)
+        return out
+
+    def _fork_from(self, z: Zygote, stage: StageRef, function: str, env: dict[str, str], cow: bool,
+                   started_by: str) -> dict:
         port_file = self.run_dir / f"{function}.{uuid.uuid4().hex[:8]}.port"
         request = {"op": "fork", "cow": cow, "handler": str(STAGE_HANDLER), "port_file": str(port_file),
                    "log_file": str(self.log_dir / f"{function}.log"),
@@ -224,12 +233,24 @@ class KeysManager:
             with self._lock:
                 z.forking -= 1
         z.last_use, z.forks = time.time(), z.forks + 1
-        started_by = "fork-cow" if cow else "fork-copy"
         with self._lock:
             self.forked[pid] = Fork(pid, psutil.Process(pid).create_time(), function, stage, started_by, time.time())
-        self._publish(z)
-        self._event("fork", z, pid=pid, cow=cow)
         return {"pid": pid, "port_file": str(port_file), "started_by": started_by}
+
+    def runtime(self) -> Zygote:
+        """The runtime zygote, started if it is not running."""
+        with self._runtime_lock:
+            if self._runtime is None or not self._runtime.alive():
+                self._runtime = self._start(None, [], 0)
+            return self._runtime
+
+    def start_cold(self, stage: StageRef, function: str, env: dict[str, str]) -> dict:
+        """A cold replica of `stage` forked from the runtime zygote: it skips process creation and
+        imports, and reads its shard like any cold start."""
+        z = self.runtime()
+        with self._lock:
+            z.forking += 1
+        return self._fork_from(z, stage, function, env, True, "cold")
 
     def forks(self) -> list[dict]:
         """The replicas forked here that still run (on a cluster, the only way to count them)."""
@@ -279,8 +300,13 @@ class KeysManager:
         return key_stage_ranges(self.redis)
 
     def watch_once(self) -> None:
-        """Caches new key stages, re-caches crashed zygotes, and evicts least recently used ones
-        over the memory threshold."""
+        """Keeps the runtime zygote (QUART_WARM_RUNTIME), caches new key stages, re-caches crashed
+        zygotes, and evicts least recently used ones over the memory threshold."""
+        if self.settings.coldstart.warm_runtime:
+            try:
+                self.runtime()
+            except (RuntimeError, TimeoutError) as exc:
+                log.error("the runtime zygote did not start: %s", exc)
         with self._lock:
             held = set(self.zygotes) | set(self._starting)
         for stage in self.key_stages():
@@ -314,6 +340,10 @@ class KeysManager:
         with self._lock:
             for z in list(self.zygotes.values()):
                 self._evict_locked(z, "shutdown")
+        with self._runtime_lock:
+            if self._runtime is not None and self._runtime.alive():
+                self._runtime.proc.terminate()
+                self._runtime.proc.wait(timeout=10)
 
     def list(self) -> list[dict]:
         with self._lock:
@@ -324,7 +354,8 @@ class KeysManager:
         return {"server": self.server, "memory_used": round(self.memory_used(), 4),
                 "memory_threshold": self.threshold, "cache_budget_bytes": self.settings.servers.cache_bytes,
                 "zygotes": len(zs),
-                "cached_bytes": sum(z["bytes"] for z in zs), "forks": sum(z["forks"] for z in zs)}
+                "cached_bytes": sum(z["bytes"] for z in zs), "forks": sum(z["forks"] for z in zs),
+                "runtime_zygote": self._runtime.proc.pid if self._runtime is not None and self._runtime.alive() else None}
 
     # -- Redis ---------------------------------------------------------------------------------
 

@@ -75,8 +75,9 @@ class Prefetcher:
             error = target.with_name(target.name + ".error")
             error.unlink(missing_ok=True)
             try:
+                # `<shard>.part`, the name the replicas following it look for
                 download(shard_url(self.settings, job.stage.model, info.shard), token, target, info.sha256,
-                         job.cancelled.is_set)
+                         job.cancelled.is_set, target.with_name(target.name + ".part"))
             except (FetchError, OSError) as exc:
                 job.error = str(exc)
                 if not job.cancelled.is_set():

@@ -1,5 +1,7 @@
 """A zygote: one process that holds a stage range's parameters in host memory and forks stage
-replicas from them.
+replicas from them. A *runtime* zygote holds no parameters, only the imported libraries: a replica
+forked from it is a cold start without the process creation and imports (a pre-warmed runtime, as
+serverless platforms keep), which then streams its shard in like any cold replica.
 
 It only loads and holds tensors: it never computes and never initialises CUDA, because a process
 that has run multi-threaded torch kernels can hang its forked children (DESIGN.md §6). A child sets
@@ -47,7 +49,8 @@ def _reap(*_: object) -> None:
         pass
 
 
-def _become_replica(runner: StageRunner | EmulatedRunner, request: dict, server: socket.socket, conn: socket.socket) -> None:
+def _become_replica(runner: StageRunner | EmulatedRunner | None, request: dict, server: socket.socket,
+                    conn: socket.socket) -> None:
     """Runs in the child: turns the inherited parameters into a serving stage replica."""
     server.close()
     conn.close()
@@ -58,22 +61,26 @@ def _become_replica(runner: StageRunner | EmulatedRunner, request: dict, server:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(request.get("env") or {})
-    os.environ["QUART_STARTED_BY"] = "fork-cow" if request.get("cow", True) else "fork-copy"
     settings = load_settings()
-    t0 = time.perf_counter()
-    if isinstance(runner, StageRunner):
-        if not request.get("cow", True):
-            runner.clone_parameters()
-        runner.to(settings.compute.device, settings.compute.dtype)
+    if runner is None:
+        os.environ["QUART_STARTED_BY"] = "cold"  # it loads its parameters itself
+        print("forked from the runtime zygote: reading the shard", file=sys.stderr, flush=True)
     else:
-        runner.reseed()
-    print(f"forked: parameters ready in {(time.perf_counter() - t0) * 1000:.1f} ms "
-          f"({'shared' if request.get('cow', True) else 'cloned'})", file=sys.stderr, flush=True)
+        os.environ["QUART_STARTED_BY"] = "fork-cow" if request.get("cow", True) else "fork-copy"
+        t0 = time.perf_counter()
+        if isinstance(runner, StageRunner):
+            if not request.get("cow", True):
+                runner.clone_parameters()
+            runner.to(settings.compute.device, settings.compute.dtype)
+        else:
+            runner.reseed()
+        print(f"forked: parameters ready in {(time.perf_counter() - t0) * 1000:.1f} ms "
+              f"({'shared' if request.get('cow', True) else 'cloned'})", file=sys.stderr, flush=True)
     inherited.RUNNER = runner
     watchdog.main(["--handler", request["handler"], "--port-file", request["port_file"]])
 
 
-def _fork(runner: StageRunner, request: dict, server: socket.socket, conn: socket.socket) -> int:
+def _fork(runner: StageRunner | EmulatedRunner | None, request: dict, server: socket.socket, conn: socket.socket) -> int:
     pid = os.fork()
     if pid == 0:
         code = 0
@@ -99,7 +106,7 @@ def _exit_when_orphaned(period_s: float = 1.0) -> None:
     signal.setitimer(signal.ITIMER_REAL, period_s, period_s)
 
 
-def serve(runner: StageRunner, socket_path: Path) -> None:
+def serve(runner: StageRunner | EmulatedRunner | None, socket_path: Path) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     socket_path.unlink(missing_ok=True)
     server.bind(str(socket_path))
@@ -133,12 +140,18 @@ def serve(runner: StageRunner, socket_path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--stages", required=True, help='"a" or "a-b" (b exclusive)')
+    parser.add_argument("--model")
+    parser.add_argument("--stages", help='"a" or "a-b" (b exclusive)')
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--emulate", default="", help="an emulation profile: no shard to hold")
+    parser.add_argument("--runtime", action="store_true", help="hold no parameters, only the libraries")
     args = parser.parse_args(argv)
     settings = load_settings()
+    if args.runtime:
+        serve(None, args.socket)
+        return 0
+    if not (args.model and args.stages):
+        parser.error("--model and --stages, or --runtime")
     stage = StageRef.parse(args.model, args.stages)
     if args.emulate:
         runner = EmulatedRunner(emulation_profile(args.emulate), stage.model, stage.first, stage.last)

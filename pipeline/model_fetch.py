@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -90,12 +92,18 @@ def open_url(url: str, token: str):
         raise FetchError(f"fetching {url}: {exc}") from None
 
 
+def partial_path(target: Path) -> Path:
+    """Where a download to `target` is written until it is whole: a name of this process and
+    thread, so that replicas fetching the same file at once do not write into each other."""
+    return target.with_name(f"{target.name}.{os.getpid()}-{threading.get_ident()}.part")
+
+
 def download(url: str, token: str, target: Path, sha256: str | None = None,
-             cancelled: Callable[[], bool] = lambda: False) -> None:
-    """`url` to `target` (whole, or not at all: it is written as `<target>.part` until checked
-    against `sha256` when given); FetchError once `cancelled()` says so."""
+             cancelled: Callable[[], bool] = lambda: False, partial: Path | None = None) -> None:
+    """`url` to `target` (whole, or not at all: it is written to `partial` until checked against
+    `sha256` when given, then renamed); FetchError once `cancelled()` says so."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".part")
+    partial = partial or partial_path(target)
     digest = hashlib.sha256()
     try:
         with open_url(url, token) as reply, open(partial, "wb") as out:

@@ -18,7 +18,7 @@ from pathlib import Path
 from contracts.config import Settings
 from contracts.stage import StageRef
 from pipeline.manifest import Manifest, StageInfo
-from pipeline.model_fetch import FetchError, ensure_manifest, open_url, shard_url
+from pipeline.model_fetch import FetchError, ensure_manifest, open_url, partial_path, shard_url
 
 log = logging.getLogger("quart.shard_reader")
 CHUNK = 4 << 20
@@ -125,7 +125,7 @@ def _reader(settings: Settings, model: str, manifest: Manifest, info: StageInfo)
                            verify=False)
     if settings.models_url:
         url = shard_url(settings, model, info.shard)
-        partial = local.with_name(local.name + PART)
+        partial = partial_path(local)
         return ShardReader(info, url, lambda view: _download(url, settings.internal_api_token(), partial, view),
                            lambda ok: partial.rename(local) if ok else partial.unlink(missing_ok=True))
     raise FetchError(f"no shard {info.shard} of {model} in {manifest.directory}, none prefetched, "

@@ -160,6 +160,10 @@ class ProcessManager:
         port_file = self.run_dir / "replicas" / f"{fn.name}.{serial}.port"
         port_file.unlink(missing_ok=True)
         env = {**fn.deployment.get("envVars", {}), "QUART_SERVER": server}
+        self._prefetch(fn, server)
+        warm = self._from_runtime(fn, server, env)
+        if warm is not None:
+            return warm
         if self.settings.containers.run:
             with open(self.log_dir / f"{fn.name}.log", "ab") as out:
                 proc = in_containers.replica(self.settings, f"quart-{fn.name}-{serial.replace('.', '-')}",
@@ -167,6 +171,30 @@ class ProcessManager:
         else:
             proc = start_watchdog(self.settings, fn.handler, env, port_file, self.log_dir / f"{fn.name}.log")
         return ReplicaProcess(proc, port_file, server)
+
+    def _prefetch(self, fn: FunctionState, server: str) -> None:
+        """Where shards come from a model store (QUART_MODELS_URL), the server's prefetcher starts
+        pulling this replica's before its process exists (HydraServe §5.1)."""
+        keys = self.keys.get(server)
+        if not self.settings.models_url or keys is None or fn.stage is None:
+            return
+        try:
+            keys.prefetch(fn.stage)
+        except (KeysManagerError, OSError) as exc:
+            log.info("no prefetch of %s on %s: %s", fn.stage, server, exc)
+
+    def _from_runtime(self, fn: FunctionState, server: str, env: dict[str, str]) -> ReplicaProcess | None:
+        """A cold replica forked from the server's runtime zygote (QUART_WARM_RUNTIME), or None
+        where there is none (containers, no KeysManager, an entry function, a refusal)."""
+        keys = self.keys.get(server)
+        if not self.settings.coldstart.warm_runtime or self.settings.containers.run or keys is None or fn.stage is None:
+            return None
+        try:
+            answer = keys.start_cold(fn.stage, fn.name, {k: v for k, v in env.items() if k.startswith("QUART_")})
+        except (KeysManagerError, OSError) as exc:
+            log.info("no warm runtime for %s on %s (%s); a new process", fn.name, server, exc)
+            return None
+        return ReplicaProcess(WatchedProcess(answer["pid"]), Path(answer["port_file"]), server, "cold")
 
     def set_cpus(self, fn: FunctionState, cpus: float) -> None:
         """The CPU quota of the function's replicas in containers of their own, changed in place."""

@@ -60,15 +60,12 @@ def ttft_sequential(costs: ColdStartCosts, model_bytes: float, servers: list[Col
             + costs.hop_s * s)
 
 
-def ttft_overlapped(costs: ColdStartCosts, model_bytes: float, servers: list[ColdServer], full: int,
-                    cpu_share: float = 1.0) -> float:
+def ttft_overlapped(costs: ColdStartCosts, model_bytes: float, servers: list[ColdServer], full: int) -> float:
     """Eq. 5: the fetch runs from placement on (prefetch) while the process starts, and loading
-    overlaps the library imports. `cpu_share` >= 1 stretches the CPU-bound steps where the s
-    workers share fewer cores than they are (one small machine standing for s servers)."""
+    overlaps the library imports."""
     s, part = len(servers), model_bytes / len(servers)
-    start = (costs.create_s + costs.context_s) * cpu_share
-    ready = max(max(start + max(part / x.load_rate, costs.libraries_s * cpu_share), part / x.bandwidth)
-                for x in servers)
+    start = costs.create_s + costs.context_s
+    ready = max(max(start + max(part / x.load_rate, costs.libraries_s), part / x.bandwidth) for x in servers)
     return ready + costs.prefill_s * compute_factor(s, full) + costs.hop_s * s
 
 

@@ -93,6 +93,24 @@ def test_forked_replicas_compute_exactly_what_a_cold_one_does(km, partitioned):
     assert started == ["cold", "fork-copy", "fork-cow"]
 
 
+def test_a_cold_replica_forked_from_the_runtime_zygote_loads_its_own_shard(km, partitioned):
+    settings, client, r, children = km
+    manifest = partitioned("smollm2", 4)
+    hidden = StageRunner(manifest, 0, 2).run({"input_ids": torch.tensor([[504, 3575, 282, 4649, 314]])})
+    answer = client.start_cold(StageRef.parse("smollm2", "2"), "smollm2-s2")
+    children.append(answer["pid"])
+    assert answer["started_by"] == "cold"
+    wait_until(Path(answer["port_file"]).exists, 120, "the replica to listen")
+    got = invoke(client, int(Path(answer["port_file"]).read_text()), hidden)["hidden"]
+    # (this process sums with more threads than the replica's one: equal up to summation order)
+    torch.testing.assert_close(got, StageRunner(manifest, 2, 3).run(hidden)["hidden"], rtol=1e-4, atol=1e-3)
+    mine = [x for x in live_replicas(r, "smollm2", 2) if int(x["pid"]) == answer["pid"]]
+    assert [x["started_by"] for x in mine] == ["cold"]   # it read its shard itself: no zygote holds stage 2
+    assert "smollm2:2" not in {f"{z['model']}:{z['stages']}" for z in client.zygotes()}
+    assert any(f["pid"] == answer["pid"] for f in client.forks())  # drained and stopped like any fork
+    assert client.request("POST", "/start", {"model": "no-such-model", "stages": "0"}).status == 404
+
+
 def test_forks_are_listed_and_stopped_through_the_api(km):
     """On a cluster the autoscaler sees and ends forked replicas only through the KeysManager."""
     settings, client, r, children = km
