@@ -55,7 +55,7 @@ class Prefetcher:
             job = self._jobs.get(stage.key)
             if job is not None and not job.error:
                 return job.view()
-        manifest = ensure_manifest(self.settings, stage.model)  # raises FetchError for an unknown model
+        manifest = ensure_manifest(self.settings, stage.model, tokenizer=False)  # raises FetchError for an unknown model
         infos = [manifest.stages[i] for i in stage.indices() if i < manifest.num_stages]
         if len(infos) != stage.last - stage.first:
             raise ValueError(f"{stage.model} has {manifest.num_stages} stages; {stage.stages} is not among them")

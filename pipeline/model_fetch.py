@@ -52,19 +52,21 @@ def ensure_model(settings: Settings, model: str, stages: range = range(0)) -> Pa
     return directory
 
 
-def ensure_manifest(settings: Settings, model: str) -> Manifest:
-    """The model's manifest, with its tokenizer beside it: fetched from QUART_MODELS_URL when they
-    are not on disk (the shards are left to the caller)."""
+def ensure_manifest(settings: Settings, model: str, tokenizer: bool = True) -> Manifest:
+    """The model's manifest, with its tokenizer beside it (`tokenizer`: a stage replica needs
+    none): fetched from QUART_MODELS_URL when they are not on disk (the shards are left to the caller)."""
     directory = settings.model_dir(model)
     if not settings.models_url or ((directory / MANIFEST_NAME).is_file()
-                                   and Manifest.load(directory).tokenizer_path().is_dir()):
+                                   and (not tokenizer or Manifest.load(directory).tokenizer_path().is_dir())):
         return Manifest.load(directory)
     base = f"{settings.models_url.rstrip('/')}/models/{urllib.parse.quote(model)}"
     token = settings.internal_api_token()
-    with open_url(base, token) as reply:
-        listing = json.loads(reply.read())
     download(f"{base}/{MANIFEST_NAME}", token, directory / MANIFEST_NAME)
     manifest = Manifest.load(directory)
+    if not tokenizer:
+        return manifest
+    with open_url(base, token) as reply:
+        listing = json.loads(reply.read())
     for path in sorted(f["path"] for f in listing["files"] if f["path"].startswith(manifest.tokenizer + "/")):
         download(f"{base}/{urllib.parse.quote(path)}", token, directory / path)
     return manifest

@@ -113,7 +113,7 @@ class Replica:
         settings = self.settings
         imported = time.time()
         readers = readers or start_readers(settings, stage)
-        manifest = ensure_manifest(settings, stage.model)
+        manifest = ensure_manifest(settings, stage.model, tokenizer=False)
         whole = not settings.coldstart.stream
         runner = StageRunner(manifest, stage.first, stage.last, settings.compute.device, settings.compute.dtype,
                              tensors=lambda i: stream_tensors(readers[i], whole_first=whole))

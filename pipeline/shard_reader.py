@@ -110,7 +110,7 @@ def process_started_at(pid: int | str = "self") -> float:
 
 def start_readers(settings: Settings, stage: StageRef) -> dict[int, ShardReader]:
     """A started reader per stage of `stage`, each from the first place that holds its shard."""
-    manifest = ensure_manifest(settings, stage.model)
+    manifest = ensure_manifest(settings, stage.model, tokenizer=False)
     return {i: _reader(settings, stage.model, manifest, manifest.stages[i]).start() for i in stage.indices()}
 
 
