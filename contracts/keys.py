@@ -89,3 +89,9 @@ def waking(model: str) -> str:
     """Set (to the time, expiring) while a model's stages start from zero: its entry admits
     requests to queue behind the first instead of refusing them for the queue they find."""
     return f"{PREFIX}:waking:{model}"
+
+
+def start_failures(model: str) -> str:
+    """Why a model's stages could not start lately: a hash of stage (its first index) -> JSON
+    {"reason", "at"}, expiring; a request waiting on a stage with no replica gets 503 with it."""
+    return f"{PREFIX}:start-failures:{model}"

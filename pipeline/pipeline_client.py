@@ -10,6 +10,7 @@ the entry prefills again, with the prompt and the tokens it already has, on live
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -163,6 +164,8 @@ class PipelineClient:
                 except TimeoutError:
                     if route and not await self._while_redis_returns(lambda: self._all_alive(route), deadline):
                         return None
+                    if first_pass and (why := await self._while_redis_returns(self._unstartable, deadline)):
+                        raise StageFailed(503, why, retry_after=check_s) from None
                     continue
                 return None if reply[0].kind == "lost" else reply
         finally:
@@ -184,6 +187,16 @@ class PipelineClient:
                     raise StageFailed(503, f"the data plane's Redis is unreachable ({exc})", retry_after=1.0) from None
                 await asyncio.sleep(pause)
                 pause = min(1.0, pause * 2)
+
+    async def _unstartable(self) -> str | None:
+        """Why a stage of this model cannot serve: its latest replica failed to start (a shard
+        that failed its checksum) and none is live; None while every stage may yet answer."""
+        r = await self._connection()
+        for stage, raw in sorted((await r.hgetall(keys.start_failures(self.model))).items()):
+            members = await r.smembers(keys.stage_replicas(self.model, int(stage)))
+            if not members or not await r.exists(*[keys.replica(m.decode()) for m in members]):
+                return f"stage {int(stage)} of {self.model} cannot start: {json.loads(raw)['reason']}"
+        return None
 
     async def _all_alive(self, route: dict[str, str]) -> bool:
         r = await self._connection()

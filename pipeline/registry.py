@@ -1,6 +1,7 @@
 """Replica registration in Redis: a hash per replica that lives only while its heartbeat renews it."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 
@@ -107,3 +108,14 @@ def stream_backlog(r: redis.Redis, model: str, stage: int) -> tuple[int, int]:
     except redis.ResponseError:  # no group yet: nothing has been delivered
         in_flight = 0
     return max(0, r.xlen(stream) - in_flight), in_flight
+
+
+def record_start_failure(r: redis.Redis, stage: StageRef, reason: str, ttl_s: float) -> None:
+    """A replica of `stage` could not start (its shard failed its checksum, or is nowhere): the
+    reason, for the requests that wait on it (kept `ttl_s`)."""
+    key = keys.start_failures(stage.model)
+    pipe = r.pipeline()
+    pipe.hset(key, str(stage.first), json.dumps({"reason": reason, "at": time.time()}))
+    pipe.expire(key, max(1, int(ttl_s)))
+    pipe.execute()
+

@@ -13,12 +13,16 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import redis
 
 from contracts.config import Settings
 from contracts.stage import StageRef
 from pipeline.manifest import Manifest, StageInfo
 from pipeline.model_fetch import FetchError, ensure_manifest, open_url, partial_path, shard_url
+from pipeline.registry import record_start_failure
 
 log = logging.getLogger("quart.shard_reader")
 CHUNK = 4 << 20
@@ -97,6 +101,21 @@ class ShardReader:
             self._changed.wait_for(lambda: self.done)
         if self.error is not None:
             raise self.error
+
+
+@contextmanager
+def start_failures_recorded(settings: Settings, stage: StageRef) -> Iterator[None]:
+    """A cold start that fails for its shard (a checksum, a shard nowhere) leaves its reason in
+    Redis for the requests waiting on the stage (their entry answers 503 with it), then fails."""
+    try:
+        yield
+    except (FetchError, FileNotFoundError) as exc:
+        try:
+            record_start_failure(redis.Redis.from_url(settings.redis_url, socket_timeout=5), stage, str(exc),
+                                 settings.data.request_timeout_s)
+        except redis.RedisError as down:
+            log.warning("could not record why %s failed to start: %s", stage, down)
+        raise
 
 
 def process_started_at(pid: int | str = "self") -> float:

@@ -2,13 +2,16 @@
 QUART_STAGES of the model in QUART_MODEL: in the background it pulls work from the stage's
 Redis Stream; over HTTP it answers a direct single-stage invoke (safetensors in, safetensors out)
 from callers holding the runtime's internal token: users go through the model's entry, which bounds
-what they ask. A replica forked by a KeysManager zygote uses the parameters it inherited instead of loading them.
+what they ask. A replica forked by a KeysManager zygote uses the parameters it inherited instead of loading them;
+one forked from the runtime zygote, or started as a new process, reads its shards (and one that cannot
+leaves the reason in Redis for the requests waiting on it).
 """
 import sys
 
 from contracts.config import load_settings, replica_identity
 from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
+from pipeline.shard_reader import start_failures_recorded, start_readers
 
 IDENTITY = replica_identity()
 STAGE = StageRef.parse(IDENTITY.model, IDENTITY.stages)
@@ -17,17 +20,16 @@ TOKEN = SETTINGS.internal_api_token()
 # A cold process starts reading its shards now, so that they arrive while torch imports below
 # (HydraServe §5); a fork has torch and its parameters already.
 COLD = "pipeline.inherited" not in sys.modules and not SETTINGS.compute.emulate
-if COLD and SETTINGS.coldstart.overlap:
-    from pipeline.shard_reader import start_readers
-    READERS = start_readers(SETTINGS, STAGE)
-else:
-    READERS = None
 
-from contracts.wire import CONTENT_TYPE, BadRequest  # noqa: E402  (imports torch)
-from pipeline.inherited import inherited_runner  # noqa: E402
-from pipeline.replica import Replica  # noqa: E402
+with start_failures_recorded(SETTINGS, STAGE):
+    READERS = start_readers(SETTINGS, STAGE) if COLD and SETTINGS.coldstart.overlap else None
 
-REPLICA = Replica(SETTINGS, STAGE, IDENTITY.started_by, runner=inherited_runner(STAGE), readers=READERS)
+    # Imported only now (torch, transformers): the shards are on their way meanwhile.
+    from contracts.wire import CONTENT_TYPE, BadRequest
+    from pipeline.inherited import inherited_runner
+    from pipeline.replica import Replica
+
+    REPLICA = Replica(SETTINGS, STAGE, IDENTITY.started_by, runner=inherited_runner(STAGE), readers=READERS)
 REPLICA.start()
 
 

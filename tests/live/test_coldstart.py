@@ -23,7 +23,7 @@ from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 from pipeline.manifest import Manifest
 from pipeline.model_fetch import FetchError
-from pipeline.pipeline_client import PipelineClient, Progress
+from pipeline.pipeline_client import PipelineClient, Progress, StageFailed
 from pipeline.sampling import Sampling
 from pipeline.shard_reader import PART, ShardReader, _follow, start_readers
 from pipeline.shard_stream import stream_tensors
@@ -104,11 +104,17 @@ def test_a_shard_that_fails_its_checksum_mid_stream_aborts_the_cold_start(store,
         with pytest.raises(FetchError, match="sha256"):
             list(stream_tensors(reader))
         assert not list((tmp_path / "models").rglob("*.safetensors*"))  # neither the shard nor its .part
-        # A cold replica of it exits with that reason instead of serving.
+        # A cold replica of it exits with that reason instead of serving, and a request waiting on
+        # the stage is answered 503 with it (not left to time out).
         log = tmp_path / "replica.log"
         proc = start_watchdog(here, STAGE_HANDLER, {"QUART_MODEL": "smollm2-tampered", "QUART_STAGES": "0"}, None, log)
         assert proc.wait(timeout=180) != 0
         assert "sha256" in log.read_text()
+        client = PipelineClient(here.replace(reclaim_idle_ms=500), "smollm2-tampered", "tampered-test")
+        with pytest.raises(StageFailed) as failed:
+            asyncio.run(_collect(client.generate("t", [1, 2, 3], 2, Sampling(), time.time() + 60, Progress())))
+        assert failed.value.status == 503 and "stage 0 of smollm2-tampered cannot start" in str(failed.value)
+        assert "sha256" in str(failed.value)
     finally:
         shutil.rmtree(tampered)
 
@@ -197,6 +203,10 @@ def test_cold_pipelines_of_1_2_and_4_workers_answer_the_same_tokens(store, sourc
             p.kill()
             p.wait()
     assert tokens == reference_greedy(sources, prompt, 6)
+
+
+async def _collect(tokens) -> list[int]:
+    return [t async for t in tokens]
 
 
 async def _generate(settings, prompt: list[int], n: int) -> list[int]:
