@@ -16,6 +16,7 @@ from benchmarks import (
     pipeline_overhead,
     placement,
     policies_burst,
+    scale_to_zero,
     scaleup,
     simulator,
     simulator_generation,
@@ -29,7 +30,8 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "generation_llama1b": lambda: generation.main(["--model", "llama1b"]),
               "simulator_generation": simulator_generation.main, "faults": faults.main,
               "overload": overload.main, "soak": soak.main,
-              "containers": lambda: containers.main([]), "coldstart": lambda: coldstart.main([])}
+              "containers": lambda: containers.main([]), "coldstart": lambda: coldstart.main([]),
+              "scale_to_zero": lambda: scale_to_zero.main([])}
 
 
 def main(argv: list[str]) -> int:

@@ -121,3 +121,20 @@ def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
         out[model] = Pipeline(model, tuple(f.stage for f in fns), tuple(f.name for f in fns),
                               emulated=any(f.deployment["envVars"].get("QUART_EMULATE") for f in fns))
     return out
+
+
+def scale_to_zero_stack(source: Path, target: Path, model: str, idle: str) -> Path:
+    """A stack file of one model's functions from `source`, its stage functions labelled to scale
+    to zero after `idle` (a Go duration); handlers made absolute, so `target` may lie anywhere."""
+    stack = load_stack_file(source)
+    functions = {}
+    for name, spec in stack["functions"].items():
+        if spec.get("environment", {}).get("QUART_MODEL") != model:
+            continue
+        spec = {**spec, "handler": str((source.parent / spec["handler"]).resolve())}
+        if "QUART_STAGES" in spec.get("environment", {}):
+            spec["labels"] = {**spec.get("labels", {}), "com.openfaas.scale.zero": "true",
+                              "com.openfaas.scale.zero-duration": idle}
+        functions[name] = spec
+    target.write_text(yaml.safe_dump({**stack, "functions": functions}, sort_keys=False))
+    return target

@@ -51,7 +51,7 @@ class ModelActivity:
     last_request_at: float      # its latest invocation (or when it was deployed or woken)
     idle_s: float               # the shortest zero-duration among them
     replicas: int               # desired replicas over them
-    work: int                   # items waiting or in flight in their streams
+    work: int                   # requests in flight at the gateway, and items in their streams
 
 
 def decide(now: float, m: ModelActivity) -> str | None:

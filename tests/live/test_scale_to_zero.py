@@ -8,12 +8,11 @@ import asyncio
 import time
 
 import pytest
-import yaml
 
 from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
-from contracts.stack import load_stack_file
+from contracts.stack import scale_to_zero_stack
 from runtime import __main__ as control
 from runtime.ports import free_port
 from tests.live.runtime_helpers import reference_greedy, wait_until
@@ -25,15 +24,9 @@ IDLE = "4s"
 def sleepy(home_settings, partitioned, tmp_path_factory):
     partitioned("smollm2", 4)
     home = tmp_path_factory.mktemp("zero")
-    stack = load_stack_file(REPO_ROOT / "stack.yml")
-    functions = {name: spec for name, spec in stack["functions"].items() if name.startswith("smollm2")}
-    for name, spec in functions.items():
-        spec["handler"] = str(REPO_ROOT / spec["handler"])
-        if name != "smollm2":
-            spec["labels"].update({"com.openfaas.scale.zero": "true", "com.openfaas.scale.zero-duration": IDLE})
-    (home / "stack.yml").write_text(yaml.safe_dump({**stack, "functions": functions}, sort_keys=False))
+    stack = scale_to_zero_stack(REPO_ROOT / "stack.yml", home / "stack.yml", "smollm2", IDLE)
     settings = home_settings.replace(
-        home=str(home), models=str(home_settings.models_dir), stack_file=str(home / "stack.yml"),
+        home=str(home), models=str(home_settings.models_dir), stack_file=str(stack),
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(), cache_stages="none",
         request_timeout_s=120.0, admit_wait_s=1.0, r_min=1)
     try:
