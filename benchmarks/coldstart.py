@@ -47,11 +47,11 @@ from benchmarks.report import RESULTS, conditions, table, write
 from contracts import keys
 from contracts.config import Settings, child_environment, load_settings
 from contracts.paths import REPO_ROOT, STAGE_HANDLER
+from contracts.proc_stat import started_at
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, Header, pack, unpack
 from keysmanager.client import KeysClient
 from pipeline.sampling import Sampling
-from pipeline.shard_reader import process_started_at
 from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
@@ -173,7 +173,7 @@ class Bench:
         cpu = {"replicas": sum(cpu_s([psutil.Process(pid)]) for pid in workers),
                "stores": cpu_s(self.store_procs) - cpu0["stores"],
                "keysmanagers": cpu_s(self.km_procs) - cpu0["keysmanagers"]}
-        starts = [process_started_at(pid) for pid in workers]
+        starts = [started_at(pid) for pid in workers]
         steps = [self._steps(a, t0) for a, _ in ranges]
         for pid in workers:
             os.kill(pid, signal.SIGKILL)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pipeline.model_fetch import served_file, served_files
+
 CHUNK = 1 << 20
 
 
@@ -32,6 +34,7 @@ class Link:
 
 def build_app(models: Path, bandwidth: float) -> web.Application:
     link = Link(bandwidth)
+
     def model_dir(request: web.Request) -> Path:
         directory = (models / request.match_info["model"]).resolve()
         if directory.parent != models.resolve() or not directory.is_dir():
@@ -39,14 +42,11 @@ def build_app(models: Path, bandwidth: float) -> web.Application:
         return directory
 
     async def files(request: web.Request) -> web.Response:
-        directory = model_dir(request)
-        return web.json_response({"files": [{"path": str(f.relative_to(directory)), "bytes": f.stat().st_size}
-                                            for f in sorted(directory.rglob("*")) if f.is_file()]})
+        return web.json_response(served_files(model_dir(request)))
 
     async def file(request: web.Request) -> web.StreamResponse:
-        directory = model_dir(request)
-        path = (directory / request.match_info["path"]).resolve()
-        if directory not in path.parents or not path.is_file():
+        path = served_file(model_dir(request), request.match_info["path"])
+        if path is None:
             raise web.HTTPNotFound(text="no such file")
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         response.content_length = path.stat().st_size

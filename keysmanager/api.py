@@ -42,7 +42,7 @@ from contracts.stage import StageRef
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
 from keysmanager.prefetch import NoStore, Prefetcher
-from pipeline.model_fetch import FetchError
+from pipeline.model_fetch import FetchError, served_file, served_files
 
 log = logging.getLogger("quart.keysmanager")
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
@@ -160,14 +160,12 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
         return directory.resolve()
 
     async def model_files(request: web.Request) -> web.Response:
-        directory = model_dir(request)
-        return web.json_response({"files": [{"path": str(f.relative_to(directory)), "bytes": f.stat().st_size}
-                                            for f in sorted(directory.rglob("*")) if f.is_file()]})
+        return web.json_response(served_files(model_dir(request)))
 
     async def model_file(request: web.Request) -> web.StreamResponse:
         directory = model_dir(request)
-        path = (directory / request.match_info["path"]).resolve()
-        if directory not in path.parents or not path.is_file():
+        path = served_file(directory, request.match_info["path"])
+        if path is None:
             raise FileNotFoundError(f"no file {request.match_info['path']!r} in model {directory.name!r}")
         return web.FileResponse(path)
 

@@ -22,6 +22,7 @@ import redis
 from contracts import keys
 from contracts.config import Settings, child_environment, settings_environment
 from contracts.paths import REPO_ROOT, STAGE_HANDLER
+from contracts.proc_stat import start_time
 from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from pipeline.manifest import Manifest
@@ -49,18 +50,14 @@ class Fork:
     """A replica this KeysManager forked: where it can be reached from outside (pid and its start
     time, so a reused pid is not mistaken for it) and what it serves."""
     pid: int
-    created: float
+    start_ticks: int | None
     function: str
     stage: StageRef
     started_by: str
     since: float
 
     def alive(self) -> bool:
-        try:
-            p = psutil.Process(self.pid)
-            return p.create_time() == self.created and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return self.start_ticks is not None and start_time(self.pid) == self.start_ticks
 
     def describe(self) -> dict:
         return {"pid": self.pid, "function": self.function, "model": self.stage.model, "stages": self.stage.stages,
@@ -234,7 +231,7 @@ class KeysManager:
                 z.forking -= 1
         z.last_use, z.forks = time.time(), z.forks + 1
         with self._lock:
-            self.forked[pid] = Fork(pid, psutil.Process(pid).create_time(), function, stage, started_by, time.time())
+            self.forked[pid] = Fork(pid, start_time(pid), function, stage, started_by, time.time())
         return {"pid": pid, "port_file": str(port_file), "started_by": started_by}
 
     def runtime(self) -> Zygote:

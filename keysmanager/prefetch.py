@@ -16,6 +16,7 @@ from pathlib import Path
 from contracts.config import Settings
 from contracts.stage import StageRef
 from pipeline.model_fetch import FetchError, download, ensure_manifest, shard_url
+from pipeline.shard_reader import ERROR, PART
 
 log = logging.getLogger("quart.prefetch")
 
@@ -72,12 +73,12 @@ class Prefetcher:
             target = folder / info.shard
             if target.is_file():
                 continue
-            error = target.with_name(target.name + ".error")
+            error = target.with_name(target.name + ERROR)
             error.unlink(missing_ok=True)
             try:
                 # `<shard>.part`, the name the replicas following it look for
                 download(shard_url(self.settings, job.stage.model, info.shard), token, target, info.sha256,
-                         job.cancelled.is_set, target.with_name(target.name + ".part"))
+                         job.cancelled.is_set, target.with_name(target.name + PART))
             except (FetchError, OSError) as exc:
                 job.error = str(exc)
                 if not job.cancelled.is_set():
@@ -105,12 +106,11 @@ class Prefetcher:
         now = time.time() if now is None else now
         ttl = self.settings.coldstart.prefetch_ttl_s
         with self._lock:
-            old = [k for k, j in self._jobs.items() if (j.finished or (j.error and j.started)) and
-                   now - (j.finished or j.started) > ttl]
+            old = [k for k, j in self._jobs.items() if (j.finished or j.error) and now - (j.finished or j.started) > ttl]
             jobs = [self._jobs.pop(k) for k in old]
         for job in jobs:
             for shard in job.shards:
-                for suffix in ("", ".part", ".error"):
+                for suffix in ("", PART, ERROR):
                     Path(self.root / job.stage.model / (shard + suffix)).unlink(missing_ok=True)
 
     def shutdown(self) -> None:

@@ -72,6 +72,20 @@ def ensure_manifest(settings: Settings, model: str, tokenizer: bool = True) -> M
     return manifest
 
 
+def served_files(directory: Path) -> dict:
+    """What a server of models answers for GET /models/{model} (a KeysManager, a model store):
+    every file of the model's directory with its size, the listing `ensure_manifest` reads."""
+    return {"files": [{"path": str(f.relative_to(directory)), "bytes": f.stat().st_size}
+                      for f in sorted(directory.rglob("*")) if f.is_file()]}
+
+
+def served_file(directory: Path, relative: str) -> Path | None:
+    """The file GET /models/{model}/{relative} serves; None for one that is missing or lies
+    outside the model's directory (`..`, a link out)."""
+    path = (directory / relative).resolve()
+    return path if directory.resolve() in path.parents and path.is_file() else None
+
+
 def shard_url(settings: Settings, model: str, shard: str) -> str:
     return f"{settings.models_url.rstrip('/')}/models/{urllib.parse.quote(model)}/{urllib.parse.quote(shard)}"
 

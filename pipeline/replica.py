@@ -21,6 +21,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from contracts import keys
 from contracts.config import Settings
+from contracts.proc_stat import started_at
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
 from pipeline.batch_policy import migration_peer, new_item_slots
@@ -29,7 +30,7 @@ from pipeline.generation_step import HOLDER, NEXT, PEER, REPLY, GenerationStage,
 from pipeline.model_fetch import ensure_manifest
 from pipeline.profiles import profile as emulation_profile
 from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, register
-from pipeline.shard_reader import ShardReader, process_started_at, start_readers
+from pipeline.shard_reader import ShardReader, start_readers
 from pipeline.shard_stream import stream_tensors
 from pipeline.stage_runner import StageRunner
 
@@ -117,7 +118,7 @@ class Replica:
         whole = not settings.coldstart.stream
         runner = StageRunner(manifest, stage.first, stage.last, settings.compute.device, settings.compute.dtype,
                              tensors=lambda i: stream_tensors(readers[i], whole_first=whole))
-        self.coldstart = {"process_at": process_started_at(), "imported_at": imported, "loaded_at": time.time(),
+        self.coldstart = {"process_at": started_at(), "imported_at": imported, "loaded_at": time.time(),
                           "fetch_started_at": min(r.started for r in readers.values()),
                           "fetched_at": max(r.finished for r in readers.values()),
                           "bytes": sum(r.info.bytes for r in readers.values())}

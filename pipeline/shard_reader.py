@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -116,15 +115,6 @@ def start_failures_recorded(settings: Settings, stage: StageRef) -> Iterator[Non
         except redis.RedisError as down:
             log.warning("could not record why %s failed to start: %s", stage, down)
         raise
-
-
-def process_started_at(pid: int | str = "self") -> float:
-    """When a process started, as time.time() (from the kernel's start time in clock ticks since
-    boot): a cold start's steps are timed from there."""
-    with open(f"/proc/{pid}/stat") as f:
-        start_ticks = int(f.read().rpartition(")")[2].split()[19])
-    age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
-    return time.time() - age
 
 
 def start_readers(settings: Settings, stage: StageRef) -> dict[int, ShardReader]:

@@ -18,8 +18,8 @@ from pathlib import Path
 from contracts.config import Settings, add_arguments, child_environment, exit_on_config_error, settings_from_args
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
+from contracts.proc_stat import stat_fields
 from contracts.stack import pipelines, read_stack
-from runtime.watched_process import stat_fields
 
 PID_FILE = "runtime.pid"
 

@@ -42,14 +42,19 @@ class Idler:
         self.in_flight[model] -= 1
 
     @staticmethod
-    def sleepers(functions: list[FunctionState], model: str) -> list[FunctionState]:
-        return [fn for fn in functions if fn.stage is not None and fn.stage.model == model
-                and ZeroScaling.from_labels(fn.deployment.get("labels") or {}).enabled]
+    def sleepers(functions: list[FunctionState], model: str,
+                 at_zero: bool = False) -> list[tuple[FunctionState, ZeroScaling]]:
+        """`model`'s stage functions labelled to scale to zero (`at_zero`: only those at zero
+        now, asked on every request, so their labels are read only then), with their labels."""
+        mine = (fn for fn in functions if fn.stage is not None and fn.stage.model == model
+                and not (at_zero and fn.desired))
+        labelled = [(fn, ZeroScaling.from_labels(fn.deployment.get("labels") or {})) for fn in mine]
+        return [(fn, z) for fn, z in labelled if z.enabled]
 
     def wake(self, functions: list[FunctionState], model: str, now: float | None = None) -> bool:
         """Every sleeping stage function of `model` back to its minimum; True if any was asleep."""
         now = time.time() if now is None else now
-        asleep = [fn for fn in self.sleepers(functions, model) if fn.desired == 0]
+        asleep = [fn for fn, _ in self.sleepers(functions, model, at_zero=True)]
         if not asleep:
             return False
         for fn in asleep:
@@ -70,11 +75,11 @@ class Idler:
         self._checked = now
         changed = []
         for model in sorted({fn.stage.model for fn in functions if fn.stage is not None}):
-            fns = self.sleepers(functions, model)
-            if not fns:
+            labelled = self.sleepers(functions, model)
+            if not labelled:
                 continue
-            activity = ModelActivity(self.last_request.setdefault(model, now),
-                                     min(ZeroScaling.from_labels(fn.deployment["labels"]).idle_s for fn in fns),
+            fns = [fn for fn, _ in labelled]
+            activity = ModelActivity(self.last_request.setdefault(model, now), min(z.idle_s for _, z in labelled),
                                      sum(fn.desired for fn in fns), self.in_flight.get(model, 0) + self._work(fns))
             decision = decide(now, activity)
             if decision == "sleep":

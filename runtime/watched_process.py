@@ -9,22 +9,7 @@ import signal
 import subprocess
 import time
 
-
-def stat_fields(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...); None when
-    there is no such process. The name may hold spaces and parentheses: split after the last one."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-
-
-def start_time(pid: int) -> int | None:
-    """When the process started (clock ticks since boot, /proc/<pid>/stat field 22); None when
-    there is no such process or it has exited (a zombie only waits to be reaped)."""
-    fields = stat_fields(pid)
-    return None if fields is None or fields[0] == "Z" else int(fields[19])
+from contracts.proc_stat import start_time
 
 
 class WatchedProcess:
