@@ -37,8 +37,9 @@ class StageTiming:
 # replica that holds it (the route); "free" drops it; "adopt" is a decode step that carries the
 # sequence's cache to another replica of the stage (a draining replica migrates it). A stage
 # answers "lost" when the cache a step needs is gone (its replica died or expired it): the entry
-# then prefills again.
-KINDS = ("pass", "prefill", "decode", "free", "adopt", "lost")
+# then prefills again. "install" hands a replica of a wider stage range the cache that the
+# narrower holders gathered on a decode step's way through them (pipeline consolidation).
+KINDS = ("pass", "prefill", "decode", "free", "adopt", "install", "lost")
 
 
 @dataclass
@@ -61,6 +62,9 @@ class Header:
     route: dict[str, str] = field(default_factory=dict)
     sampling: dict = field(default_factory=dict)
     retry_after: float = 0.0      # with status 429: when room is likely
+    # The replica of a wider stage range that this decode step's holders hand their caches to
+    # (each runs the step, then sends its cache on with it): set by a draining holder.
+    gather: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

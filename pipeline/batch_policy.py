@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# How a draining replica hands over the sequences it holds: their caches go to the peer with the
+# next step (a peer of a narrower range keeps its layers and passes the rest on), or, to a peer of
+# a wider range, each holder runs the step and sends its cache on with it.
+MIGRATE, GATHER = "migrate", "gather"
+
 # With decode steps always waiting, a new request still enters a batch at least every this many steps.
 PREFILL_EVERY = 4
 
@@ -22,3 +27,17 @@ def migration_peer(sequences: Mapping[str, int]) -> str | None:
     """Of a draining replica's live, not draining peers (replica -> sequences it holds), the one
     holding the fewest takes its caches; None when it has no peer (it finishes them itself)."""
     return min(sequences, key=lambda r: (sequences[r], r)) if sequences else None
+
+
+def handover_peer(last: int, peers: Mapping[str, tuple[int, int]]) -> tuple[str, str] | None:
+    """Of a draining replica's live, not draining peers starting at its stage (replica ->
+    (end of its range, sequences it holds)): the one taking its sequences, and how. A wider peer
+    first (the pipeline is consolidating: the caches are gathered to it), then one of the same
+    range, then a narrower one (the model splits again: it keeps its layers, passes the rest on);
+    the fewest sequences among equals. None without a peer (the replica finishes them itself)."""
+    for fits, how in ((lambda end: end > last, GATHER), (lambda end: end == last, MIGRATE),
+                      (lambda end: end < last, MIGRATE)):
+        chosen = migration_peer({r: seqs for r, (end, seqs) in peers.items() if fits(end)})
+        if chosen is not None:
+            return chosen, how
+    return None

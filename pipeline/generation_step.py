@@ -10,8 +10,9 @@ import torch
 
 from contracts.config import Limits
 from contracts.wire import BadRequest, Header
+from pipeline.batch_policy import GATHER, MIGRATE
 from pipeline.batched_llama import BatchedLlama, Step
-from pipeline.kv_cache import KVStore, NoRoom
+from pipeline.kv_cache import KVStore, NoRoom, split_cache
 from pipeline.sampling import Sampling, next_token
 from pipeline.stage_runner import StageRunner
 
@@ -24,6 +25,8 @@ class Work:
     header: Header
     tensors: dict[str, torch.Tensor]
     received: float = field(default_factory=time.time)
+    # Cache tensors this step carries on to later stages (a gather on its way, a split's rest).
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def queued_s(self) -> float:
@@ -34,10 +37,12 @@ class Work:
         self._enqueued_at = self.header.enqueued_at if self.header is not None else self.received
 
 
-# Where an outcome goes: the next stage's shared stream (a prefill), the private stream of the
-# replica holding the sequence at the next stage (a decode), a peer of this stage taking the
-# sequence over (a migration), or the entry's reply list.
-NEXT, HOLDER, PEER, REPLY = "next", "holder", "peer", "reply"
+# Where an outcome goes: the next stage's shared stream (a prefill; the rest of a split cache),
+# the private stream of the replica holding the sequence at the next stage (a decode), a peer of
+# this stage taking the sequence over (a migration), the replica a gathered cache goes to, or
+# the entry's reply list.
+NEXT, HOLDER, PEER, INSTALL, REPLY = "next", "holder", "peer", "install", "reply"
+
 
 
 @dataclass
@@ -66,28 +71,37 @@ class GenerationStage:
         self.replica_id = replica_id
         self.kv_wait_s = kv_wait_s
         self.first, self.last, self.is_last = runner.first, runner.last, runner.is_last
+        self.first_layer = runner.manifest.stages[runner.first].layers[0]
+        self.end_layer = runner.manifest.stages[runner.last - 1].layers[1]
         self.max_positions = runner.modules[0].config.max_position_embeddings
         self.waiting: list[Work] = []  # prefills taken that wait for KV room, oldest first
 
-    def run(self, works: list[Work], migrate_to: str | None = None) -> BatchResult:
-        """One step over `works`. With `migrate_to` (this replica is draining), each decode step of a
-        sequence held here goes to that peer with the sequence's cache instead of running here."""
+    def run(self, works: list[Work], handover: tuple[str, str] | None = None) -> BatchResult:
+        """One step over `works`. With `handover` (this replica is draining: a peer and how), each
+        decode step of a sequence held here moves the sequence's cache to that peer: with the
+        step (MIGRATE), or after running it, through the later holders (GATHER)."""
         outcomes: list[Outcome] = []
         steps: list[tuple[Work, Step]] = []
         for w in works:
             kind = w.header.kind
+            held = w.header.seq in self.store.sequences
             if kind == "free":
                 self.store.free(w.header.seq)
-            elif kind == "decode" and migrate_to and w.header.seq in self.store.sequences:
-                outcomes.append(self._migrate(w, migrate_to))
+            elif kind == "decode" and handover and held and handover[1] == MIGRATE and not w.header.gather:
+                outcomes.append(self._migrate(w, handover[0]))
             elif kind == "decode":
+                if handover and held and handover[1] == GATHER and not w.header.gather:
+                    self._start_gather(w.header, handover[0])
                 self._decode(w, steps, outcomes)
             elif kind == "adopt":
                 self._adopt(w, steps, outcomes)
+            elif kind == "install":
+                self._install(w)
             elif kind == "prefill":
                 self._prefill(w, steps, outcomes)
             else:
-                outcomes.append(_error(w, BadRequest(f"a generative stage takes prefill, decode, adopt or free, not {kind!r}")))
+                outcomes.append(_error(w, BadRequest("a generative stage takes prefill, decode, adopt, install or "
+                                                     f"free, not {kind!r}")))
         done = [w for w in works if w not in self.waiting]
         if not steps:
             return BatchResult(outcomes, done)
@@ -101,10 +115,17 @@ class GenerationStage:
             return BatchResult(outcomes, done, len(steps), time.perf_counter() - started)
         service = time.perf_counter() - started
         for (w, s), out in zip(steps, outputs):
-            outcomes.append(self._hand_off(w, s, out))
+            outcomes += self._hand_off(w, s, out)
         return BatchResult(outcomes, done, len(steps), service)
 
+    def _start_gather(self, h: Header, peer: str) -> None:
+        """From this step on the sequence lives at `peer`: the reply's route names it here, and
+        the route's later holders, each handing its cache on, are dropped from it at the end."""
+        h.gather = peer
+        h.route[str(self.first)] = peer
+
     def _decode(self, w: Work, steps: list, outcomes: list) -> None:
+        w.carried, w.tensors = split_cache(w.tensors)
         seq = self.store.get(w.header.seq)
         if seq is None or seq.length != w.header.start:
             outcomes.append(_lost(w))
@@ -122,16 +143,17 @@ class GenerationStage:
         h = w.header
         seq = self.store.sequences[h.seq]
         h.kind, h.capacity = "adopt", seq.capacity
-        tensors = {**w.tensors, **self.store.export(h.seq)}
+        tensors = {**w.tensors, **self.store.export(h.seq, self.first_layer)}
         self.store.free(h.seq)
         return Outcome(w, PEER, h, tensors, peer)
 
     def _adopt(self, w: Work, steps: list, outcomes: list) -> None:
+        """A decode step that brings its sequence's cache: this replica keeps its own layers and
+        carries the later ones on (a wider replica's cache split over narrower ones)."""
         h = w.header
-        cache = {k: v for k, v in w.tensors.items() if k[0] in "kv" and k[1:].isdigit()}
-        inputs = {k: v for k, v in w.tensors.items() if k not in cache}
+        cache, inputs = split_cache(w.tensors)
         try:
-            seq = self.store.adopt(h.seq, h.capacity, cache)
+            seq = self.store.adopt(h.seq, h.capacity, cache, self.first_layer)
         except (NoRoom, ValueError, KeyError):  # nothing was admitted
             outcomes.append(_lost(w))  # the entry prefills again elsewhere
             return
@@ -140,12 +162,23 @@ class GenerationStage:
             outcomes.append(_lost(w))
             return
         h.kind, w.tensors = "decode", inputs
+        w.carried = {k: v for k, v in cache.items() if int(k[1:]) >= self.end_layer}
         h.route[str(self.first)] = self.replica_id
         step = self._inputs(w, outcomes)
         if step is None:
             self.store.free(h.seq)
             return
         steps.append((w, Step(seq, step, h.start)))
+
+    def _install(self, w: Work) -> None:
+        """Takes a gathered sequence's cache (every layer of this replica's range). One that does
+        not fit or is incomplete is dropped: the next step finds no cache and the entry prefills
+        again."""
+        h = w.header
+        try:
+            self.store.adopt(h.seq, h.capacity, w.tensors, self.first_layer)
+        except (NoRoom, ValueError, KeyError):
+            self.store.free(h.seq)
 
     def _prefill(self, w: Work, steps: list, outcomes: list) -> None:
         inputs = self._inputs(w, outcomes)
@@ -189,17 +222,31 @@ class GenerationStage:
         name = "input_ids" if "input_ids" in w.tensors and self.engine.embed is not None else "hidden"
         return w.tensors[name][0]
 
-    def _hand_off(self, w: Work, s: Step, out: torch.Tensor) -> Outcome:
+    def _hand_off(self, w: Work, s: Step, out: torch.Tensor) -> list[Outcome]:
         h = w.header
         if h.kind == "prefill":
             h.route[str(self.first)] = self.replica_id
         h.stage, h.enqueued_at = self.last, time.time()
+        if h.gather:  # this holder's cache leaves with the step
+            h.capacity = s.seq.capacity
+            w.carried.update(self.store.export(h.seq, self.first_layer))
+            self.store.free(h.seq)
         if not self.is_last:
-            return Outcome(w, NEXT if h.kind == "prefill" else HOLDER, h, {"hidden": out.unsqueeze(0)})
+            if w.carried and not h.gather:  # the rest of a split cache: the next stage adopts it
+                h.kind = "adopt"
+                return [Outcome(w, NEXT, h, {"hidden": out.unsqueeze(0), **w.carried})]
+            return [Outcome(w, NEXT if h.kind == "prefill" else HOLDER, h, {"hidden": out.unsqueeze(0), **w.carried})]
         if not bool(torch.isfinite(out).all()):
-            return _error(w, BadRequest("the stage produced NaN or infinity", status=422))
+            return [_error(w, BadRequest("the stage produced NaN or infinity", status=422))]
         token = next_token(out, Sampling.from_dict(h.sampling), s.start + s.tokens)
-        return Outcome(w, REPLY, h, {"token": torch.tensor([token])})
+        reply = Outcome(w, REPLY, h, {"token": torch.tensor([token])})
+        if not h.gather:
+            return [reply]
+        # The gathered cache first (one transaction, in order): the entry's next step finds it.
+        installed = Header(**{**vars(h), "kind": "install", "start": s.start + s.tokens, "timings": []})
+        at = min(int(k) for k, v in h.route.items() if v == h.gather)
+        h.route = {k: v for k, v in h.route.items() if int(k) <= at}
+        return [Outcome(w, INSTALL, installed, w.carried, h.gather), reply]
 
     def evict_idle(self, idle_s: float) -> list[str]:
         return self.store.expire(idle_s)

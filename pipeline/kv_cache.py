@@ -90,21 +90,25 @@ class KVStore:
         return gone
 
     # -- migration: a sequence as plain tensors and back --------------------------------------
+    # Cache tensors are named by the model's layer index ("k12", "v12"), not the replica's, so a
+    # message may carry the cache of several stages: a replica of a wider range gathers them
+    # (consolidation), one of a narrower range takes its own and hands the rest on (a split).
 
-    def export(self, seq_id: str) -> dict[str, torch.Tensor]:
+    def export(self, seq_id: str, first_layer: int = 0) -> dict[str, torch.Tensor]:
         """The filled part of a sequence's cache, layer by layer, to send to another replica."""
         seq = self.sequences[seq_id]
         out = {}
         for i, (k, v) in enumerate(zip(seq.keys, seq.values)):
-            out[f"k{i}"] = k[:, :, :seq.length]
-            out[f"v{i}"] = v[:, :, :seq.length]
+            out[f"k{first_layer + i}"] = k[:, :, :seq.length]
+            out[f"v{first_layer + i}"] = v[:, :, :seq.length]
         return out
 
-    def adopt(self, seq_id: str, capacity: int, tensors: dict[str, torch.Tensor]) -> Sequence:
-        """Installs a sequence exported by another replica of the same stage (NoRoom if it does not fit)."""
-        length = tensors["k0"].shape[2]
+    def adopt(self, seq_id: str, capacity: int, tensors: dict[str, torch.Tensor], first_layer: int = 0) -> Sequence:
+        """Installs this replica's layers of a sequence exported elsewhere (NoRoom if it does not
+        fit; ValueError if a layer is missing or misshapen)."""
+        length = tensors[f"k{first_layer}"].shape[2]
         want = (1, self.shape.kv_heads, length, self.shape.head_dim)
-        for i in range(self.shape.layers):
+        for i in range(first_layer, first_layer + self.shape.layers):
             for name in (f"k{i}", f"v{i}"):
                 t = tensors.get(name)
                 if t is None or tuple(t.shape) != want:
@@ -113,7 +117,13 @@ class KVStore:
             raise ValueError(f"migrated cache holds {length} positions, more than its capacity {capacity}")
         seq = self.admit(seq_id, capacity)
         for i in range(self.shape.layers):
-            seq.keys[i][:, :, :length] = tensors[f"k{i}"]
-            seq.values[i][:, :, :length] = tensors[f"v{i}"]
+            seq.keys[i][:, :, :length] = tensors[f"k{first_layer + i}"]
+            seq.values[i][:, :, :length] = tensors[f"v{first_layer + i}"]
         seq.length = length
         return seq
+
+
+def split_cache(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A message's tensors as (cache tensors, the step's own inputs)."""
+    cache = {k: v for k, v in tensors.items() if k[:1] in ("k", "v") and k[1:].isdigit()}
+    return cache, {k: v for k, v in tensors.items() if k not in cache}

@@ -24,9 +24,9 @@ from contracts.config import Settings
 from contracts.proc_stat import started_at
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
-from pipeline.batch_policy import migration_peer, new_item_slots
+from pipeline.batch_policy import handover_peer, new_item_slots
 from pipeline.emulated import EmulatedRunner
-from pipeline.generation_step import HOLDER, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
+from pipeline.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from pipeline.model_fetch import ensure_manifest
 from pipeline.profiles import profile as emulation_profile
 from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, register
@@ -96,7 +96,7 @@ class Replica:
         self._redeliver = False  # Redis went away mid-turn: take this replica's unacknowledged items again
         self._draining = False
         self._steps_without_new = 0
-        self._peer: str | None = None
+        self._peer: tuple[str, str] | None = None
         self._peer_checked = 0.0
         self.first_work_at: float | None = None
         self._allowed_cpus = sorted(os.sched_getaffinity(0))
@@ -324,8 +324,8 @@ class Replica:
         for _ in expired:
             REQUESTS.labels(**self._labels, outcome="expired").inc()
         INFLIGHT.labels(**self._labels).inc()
-        peer = self._migration_peer() if self._draining and self.settings.batching.drain == "migrate" else None
-        MIGRATIONS.labels(**self._labels, direction="in").inc(sum(w.header.kind == "adopt" for w in live))
+        peer = self._handover_peer() if self._draining and self.settings.batching.drain == "migrate" else None
+        MIGRATIONS.labels(**self._labels, direction="in").inc(sum(w.header.kind in ("adopt", "install") for w in live))
         try:
             with self._compute_lock:
                 result = self.generation.run(self.generation.waiting + [w for w in live if w not in self.generation.waiting],
@@ -340,12 +340,12 @@ class Replica:
         holders: list[tuple[int | None, Outcome]] = []
         per_item_ms = result.service_s * 1000.0 / max(1, result.batch)
         for o in result.outcomes:
-            if o.to == PEER:  # a migration: the step runs at the peer, which records it
+            if o.to in (PEER, INSTALL):  # a migration (the step runs at the peer, which records it), a gather
                 MIGRATIONS.labels(**self._labels, direction="out").inc()
             else:
                 REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
                 self._record(pipe, o.work, per_item_ms, result.batch)
-            replica = {PEER: o.peer, HOLDER: o.header.route.get(str(self.last))}.get(o.to)
+            replica = {PEER: o.peer, INSTALL: o.peer, HOLDER: o.header.route.get(str(self.last))}.get(o.to)
             if replica:
                 # Refused (None) if that replica's stream is gone: checked once the pipe has run.
                 holders.append((len(pipe.command_stack), o))
@@ -367,15 +367,17 @@ class Replica:
                 self._reply(pipe, o.header, {})
             pipe.execute()
 
-    def _migration_peer(self) -> str | None:
-        """The live, not draining replica of this stage range holding the fewest sequences."""
+    def _handover_peer(self) -> tuple[str, str] | None:
+        """Where this draining replica's sequences go, and how: a live, not draining replica
+        starting at this stage (batch_policy.handover_peer chooses)."""
         now = time.monotonic()
         if now - self._peer_checked > 1.0:
             self._peer_checked = now
-            self._peer = migration_peer({x["replica_id"]: int(x.get("sequences", "0"))
-                                         for x in live_replicas(self.redis, self.model, self.first)
-                                         if x["replica_id"] != self.replica_id and x.get("stage_end") == str(self.last)
-                                         and not x.get("draining")})
+            self._peer = handover_peer(self.last, {
+                x["replica_id"]: (int(x.get("stage_end", "0")), int(x.get("sequences", "0")))
+                for x in live_replicas(self.redis, self.model, self.first)
+                if x["replica_id"] != self.replica_id and x.get("stage_start") == str(self.first)
+                and not x.get("draining")})
         return self._peer
 
     def _record(self, pipe: redis.client.Pipeline, work: Work, service_ms: float, batch: int) -> None:

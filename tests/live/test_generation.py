@@ -23,6 +23,7 @@ from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
 from pipeline.registry import live_replicas
 from tests.live.runtime_helpers import available, reference_greedy, scale_and_wait, wait_until
+from tests.openapi_check import checked
 
 NEW_TOKENS = 64
 NEAR_TIE = 1e-4
@@ -148,6 +149,81 @@ def test_scale_down_migrates_the_caches_a_replica_holds(client, r, sources, toke
     adopted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                   if line.startswith("quart_stage_migrations_total") and 'direction="in"' in line)
     assert adopted >= 1, "the remaining replica adopted no cache"
+
+
+WHOLE = {"service": "smollm2-whole", "image": "quart/stage:0.1.0",
+         "envVars": {"QUART_MODEL": "smollm2", "QUART_STAGES": "0-4"}, "labels": {"com.quart.whole": "true"}}
+NARROW = [f"smollm2-s{i}" for i in range(4)]
+
+
+def _migrations_in(client: GatewayClient, function: str) -> float:
+    metrics = client.request("GET", f"/function/{function}/metrics", auth=False).body.decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("quart_stage_migrations_total") and 'direction="in"' in line)
+
+
+def _holding(r: redis.Redis, ends: str, count: int, since: float) -> bool:
+    """Whether replicas at stage 0 whose ranges end at `ends` hold `count` sequences (by counts
+    their heartbeats published after `since`)."""
+    found = [x for x in live_replicas(r, "smollm2", 0) if x.get("stage_end") == ends]
+    return bool(found) and all(float(x.get("last_seen", "0")) > since for x in found) and \
+        sum(int(x.get("sequences", "0")) for x in found) == count
+
+
+def test_consolidation_and_split_back_while_16_generate(client, r, sources, tokenizer, prompts, references):
+    """HydraServe §6 at stage level: 16 requests generating on the 4-stage pipeline; a replica of
+    the whole model starts, the narrow replicas are removed, and each request's cache is gathered
+    into it on its next step. Then 16 more on the whole replica, the stage functions come back and
+    the whole replica is removed: each cache is split over them. No request prefills again, and
+    every answer has the tokens the unsplit model gives."""
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts[:16]]
+    answers: dict[str, list] = {}
+
+    def send(phase: str) -> threading.Thread:
+        sender = threading.Thread(target=lambda: answers.setdefault(phase, run_concurrently(
+            lambda t: generate(client, t, ignore_eos=True), [(t,) for t in texts], 16)))
+        sender.start()
+        return sender
+
+    assert client.request("POST", "/system/functions", WHOLE).status == 202
+    try:
+        scale_and_wait(client, r, "smollm2-whole", 0, stage=None)
+        since = time.time()
+        sender = send("consolidated")
+        wait_until(lambda: _holding(r, "1", 16, since), 120, "16 requests generating on the pipeline")
+        scale_and_wait(client, r, "smollm2-whole", 1, stage=None)
+        wait_until(lambda: _holding(r, "4", 0, 0), 60, "the whole replica serving")
+        for name in NARROW:  # all at once, as the layout controller does
+            checked(client, "POST", f"/system/scale-function/{name}", "/system/scale-function/{functionName}",
+                    {"serviceName": name, "namespace": "openfaas-fn", "replicas": 0})
+        sender.join(timeout=300)
+        gathered = _migrations_in(client, "smollm2-whole")
+        wait_until(lambda: all(available(client, name) == 0 for name in NARROW), 60, "the narrow replicas gone")
+
+        since = time.time()
+        sender = send("split")
+        wait_until(lambda: _holding(r, "4", 16, since), 120, "16 requests generating on the whole replica")
+        for name in NARROW:
+            checked(client, "POST", f"/system/scale-function/{name}", "/system/scale-function/{functionName}",
+                    {"serviceName": name, "namespace": "openfaas-fn", "replicas": 1})
+        for stage, name in enumerate(NARROW):
+            scale_and_wait(client, r, name, 1, stage=None)
+            wait_until(lambda s=stage: any(x.get("stage_end") == str(s + 1) for x in live_replicas(r, "smollm2", s)),
+                       30, f"{name} serving")
+        scale_and_wait(client, r, "smollm2-whole", 0, stage=None)
+        sender.join(timeout=300)
+        split = _migrations_in(client, "smollm2-s0")
+    finally:
+        client.request("DELETE", "/system/functions", {"functionName": "smollm2-whole"})
+        for stage, name in enumerate(NARROW):
+            scale_and_wait(client, r, name, 1, stage=stage)
+    assert gathered >= 1 and split >= 1, (gathered, split)
+    for phase in ("consolidated", "split"):
+        assert [x.status for x in answers[phase]] == [200] * 16, [x.body[:200] for x in answers[phase]]
+        assert sum(x.json()["recomputes"] for x in answers[phase]) == 0, phase
+        for reply, ids, expected in zip(answers[phase], prompts, references):
+            same_or_near_tie(sources, ids, reply.json()["token_ids"][:len(expected)], expected)
+    print(f"caches gathered into the whole replica: {gathered:.0f}; split over the stages: {split:.0f}")
 
 
 # -- failures ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from contracts.config import load_settings
-from pipeline.batch_policy import PREFILL_EVERY, migration_peer, new_item_slots
+from pipeline.batch_policy import GATHER, MIGRATE, PREFILL_EVERY, handover_peer, migration_peer, new_item_slots
 from sim.config import SimConfig, embedded_runtime
 from sim.models import GenerativeModel, resolve
 from sim.run import report_run, unloaded_generation
@@ -150,6 +150,13 @@ def test_batch_policy_never_starves_prefills():
     assert new_item_slots(16, 16, PREFILL_EVERY) == 1
     assert migration_peer({"a": 3, "b": 1, "c": 1}) == "b"
     assert migration_peer({}) is None
+
+
+def test_a_draining_replica_hands_over_to_a_wider_peer_first_then_same_then_narrower():
+    assert handover_peer(1, {"same": (1, 0), "busy": (4, 9), "idle": (4, 2), "narrow": (0, 0)}) == ("idle", GATHER)
+    assert handover_peer(1, {"same": (1, 3), "other": (1, 2)}) == ("other", MIGRATE)
+    assert handover_peer(4, {"a": (1, 5), "b": (2, 1)}) == ("b", MIGRATE)
+    assert handover_peer(4, {}) is None
 
 
 def test_step_cost_fit_recovers_known_coefficients():
