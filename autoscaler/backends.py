@@ -25,9 +25,28 @@ class Backend(Protocol):
     def desired_replicas(self) -> dict[str, list[int]]: ...
     def set_replicas(self, stage: StageRef, replicas: int) -> None: ...
     def set_cpus(self, stage: StageRef, cpus: int) -> None: ...
+    # A function outside the pipelines (a model's whole-model function), by name.
+    def function_replicas(self, name: str) -> int: ...
+    def scale_function(self, name: str, replicas: int) -> None: ...
 
 
-class GatewayBackend:
+class GatewayFunctions:
+    """Replicas of any function by name, through the gateway's API."""
+    client: GatewayClient
+
+    def function_replicas(self, name: str) -> int:
+        reply = self.client.request("GET", f"/system/function/{name}")
+        if reply.status != 200:
+            raise RuntimeError(f"reading {name}: {reply.status} {reply.body[:200]!r}")
+        return int(reply.json()["replicas"])
+
+    def scale_function(self, name: str, replicas: int) -> None:
+        reply = self.client.scale(name, replicas)
+        if reply.status not in (200, 202):
+            raise RuntimeError(f"scaling {name} to {replicas}: {reply.status} {reply.body[:200]!r}")
+
+
+class GatewayBackend(GatewayFunctions):
     def __init__(self, client: GatewayClient, pipelines: dict[str, Pipeline]) -> None:
         self.client = client
         self.pipelines = pipelines
@@ -39,10 +58,7 @@ class GatewayBackend:
         return {m: [by_name.get(name, 0) for name in p.functions] for m, p in self.pipelines.items()}
 
     def set_replicas(self, stage: StageRef, replicas: int) -> None:
-        name = self.pipelines[stage.model].function(stage)
-        reply = self.client.scale(name, replicas)
-        if reply.status not in (200, 202):
-            raise RuntimeError(f"scaling {name} to {replicas}: {reply.status} {reply.body[:200]!r}")
+        self.scale_function(self.pipelines[stage.model].function(stage), replicas)
 
     def set_cpus(self, stage: StageRef, cpus: int) -> None:
         if not self._warned:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import redis
 
+from autoscaler.backends import GatewayFunctions
 from contracts import keys
 from contracts.config import REPLICAS_PER_CORE, Settings
 from contracts.http_client import GatewayClient
@@ -79,12 +80,14 @@ class View:
     gateway: dict[str, int]
 
 
-class KubernetesBackend:
+class KubernetesBackend(GatewayFunctions):
+    """A model's whole-model function (GatewayFunctions) is scaled through the gateway: its pods
+    are cold starts that kube-scheduler places."""
     def __init__(self, settings: Settings, gateway: GatewayClient, core, pipelines: dict[str, Pipeline],
                  r: redis.Redis, scheduler: Scheduler | None = None) -> None:
         """`core`: a kubernetes.client.CoreV1Api."""
         self.settings = settings
-        self.gateway = gateway
+        self.gateway = self.client = gateway
         self.core = core
         self.pipelines = pipelines
         self.redis = r

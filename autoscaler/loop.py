@@ -14,8 +14,10 @@ import redis
 
 from autoscaler.backends import Backend
 from autoscaler.host_cpu import HostCpu
+from autoscaler.layout import LayoutController
 from autoscaler.observe import Observer
 from autoscaler.policy.controller import Actions, Controller, enact
+from autoscaler.policy.layout import CONSOLIDATING, PIPELINED, LayoutRule
 from contracts import keys
 from contracts.config import Settings
 from contracts.loops import every_in_thread
@@ -33,12 +35,17 @@ class ControlLoop:
     pipelines: dict[str, Pipeline]
     controller: Controller = field(init=False)
     observer: Observer = field(init=False)
+    layouts: dict[str, LayoutController] = field(init=False)
     host_cpu: HostCpu = field(default_factory=HostCpu)
 
     def __post_init__(self) -> None:
         stages = {m: p.stages for m, p in self.pipelines.items()}
         self.controller = Controller.from_settings(self.settings, stages)
         self.observer = Observer(self.r, stages, self.settings.autoscaler.window_s)
+        a = self.settings.autoscaler
+        self.layouts = {m: LayoutController(self.r, self.backend, p, LayoutRule(
+            a.layout_windows, self.settings.batching.max_batch, p.whole_max), a.layout_window_s)
+            for m, p in self.pipelines.items() if p.whole}
         # What exists now (torch, the policies, the models) lives as long as the loop: keep it out
         # of the collector's full passes, which would otherwise stall ticks that allocate a lot.
         gc.collect()
@@ -52,7 +59,9 @@ class ControlLoop:
         for model in observations:
             pipe.exists(keys.asleep(model))
         asleep = {m for m, found in zip(list(observations), pipe.execute()) if found}
-        observations = {m: s for m, s in observations.items() if m not in asleep}
+        # A model served by whole-model replicas (or on its way to or from them) is the layout's.
+        whole = {m for m, layout in self.layouts.items() if self._layout_step(layout, now) not in (PIPELINED, CONSOLIDATING)}
+        observations = {m: s for m, s in observations.items() if m not in asleep | whole}
         # This host's idle cores say what a replica more would find only where replicas run here.
         if self.settings.autoscaler.backend == "local" and self.settings.compute.device == "cpu":
             free = self.host_cpu.idle_cores()
@@ -63,6 +72,16 @@ class ControlLoop:
             enact(self, actions, log)
             self._record(actions)
         return steps
+
+    def _layout_step(self, layout: LayoutController, now: float) -> str:
+        """The model's layout after this tick's step (a change recorded with its reason)."""
+        decision = layout.step(now)
+        if decision is None:
+            return layout.layout()
+        self.r.xadd(keys.layout_decisions(layout.pipeline.model),
+                    {"t": f"{now:.3f}", "layout": decision.layout, "reason": decision.reason},
+                    maxlen=self.settings.data.records_maxlen, approximate=True)
+        return decision.layout
 
     # -- the Mechanism the controller's actions go through ---------------------------------------
 

@@ -118,6 +118,8 @@ class AutoscalerConfig:
     slo_s: float = 2.0
     window_s: float = 10.0
     cpu_max: int = 2
+    layout_window_s: float = 30.0
+    layout_windows: int = 4
     policy_params: dict = field(default_factory=dict)
     bounds: Bounds = field(default_factory=Bounds)
 
@@ -398,6 +400,11 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_TICK_S", "autoscaler.tick_s", "the control loop's period", _positive),
     Var("QUART_SLO_S", "autoscaler.slo_s", "end-to-end latency objective of one pipeline pass", _positive),
     Var("QUART_WINDOW_S", "autoscaler.window_s", "observation window of rates, CVs and service times", _positive),
+    Var("QUART_LAYOUT_WINDOW_S", "autoscaler.layout_window_s",
+        "window over which a model with a whole-model function counts its requests to decide whether to "
+        "consolidate or split (HydraServe's sliding window)", _positive),
+    Var("QUART_LAYOUT_WINDOWS", "autoscaler.layout_windows",
+        "windows the request peak is taken over; a model must be this many windows warm to consolidate", _positive),
     Var("QUART_CPU_MAX", "autoscaler.cpu_max", "most CPUs the compensator gives one replica", _positive),
     Var("QUART_POLICY_PARAMS", "autoscaler.policy_params",
         "the policy's own parameters as JSON, e.g. `{\"kp\": 0.5}` (QUART's PID) or `{\"target_concurrency\": 2}` (KPA)",

@@ -95,3 +95,14 @@ def start_failures(model: str) -> str:
     """Why a model's stages could not start lately: a hash of stage (its first index) -> JSON
     {"reason", "at"}, expiring; a request waiting on a stage with no replica gets 503 with it."""
     return f"{PREFIX}:start-failures:{model}"
+
+
+def layout(model: str) -> str:
+    """String: how a model with a whole-model function is laid out now (pipelined, consolidating,
+    whole, splitting: autoscaler/policy/layout.py); absent means pipelined."""
+    return f"{PREFIX}:layout:{model}"
+
+
+def layout_decisions(model: str) -> str:
+    """Stream: each change of a model's layout, with its reason."""
+    return f"{PREFIX}:layout-decisions:{model}"

@@ -15,6 +15,10 @@ import yaml
 from contracts.stage import StageRef
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# A stage function labelled so serves the whole model: the form a pipelined model consolidates
+# into (autoscaler/policy/layout.py); it overlaps the stage functions and stays out of the pipeline.
+WHOLE_LABEL = "com.quart.whole"
+SCALE_MAX_LABEL = "com.openfaas.scale.max"
 VARIABLE_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -94,20 +98,36 @@ class Pipeline:
     stages: tuple[StageRef, ...]
     functions: tuple[str, ...]        # the stage function serving each range
     emulated: bool = False            # its stages draw compute times (QUART_EMULATE) instead of computing
+    whole: str | None = None          # the function serving [0, num_stages) that it may consolidate into
+    whole_max: int = 1                # replicas that function may have (its com.openfaas.scale.max)
 
     @property
     def num_stages(self) -> int:
         return self.stages[-1].last
 
+    @property
+    def whole_stage(self) -> StageRef:
+        return StageRef(self.model, 0, self.num_stages)
+
     def function(self, stage: StageRef) -> str:
         return self.functions[self.stages.index(stage)]
 
 
+def is_whole(f: StackFunction) -> bool:
+    return f.stage is not None and f.deployment["labels"].get(WHOLE_LABEL) == "true"
+
+
 def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
-    """Each model's pipeline of stage functions; ValueError where ranges overlap or leave a gap."""
+    """Each model's pipeline of stage functions; ValueError where ranges overlap or leave a gap,
+    or a function labelled com.quart.whole does not serve the whole model."""
     by_model: dict[str, list[StackFunction]] = {}
+    wholes: dict[str, StackFunction] = {}
     for f in functions:
-        if f.stage is not None:
+        if is_whole(f):
+            if f.model in wholes:
+                raise ValueError(f"{f.model}: functions {wholes[f.model].name} and {f.name} are both labelled {WHOLE_LABEL}")
+            wholes[f.model] = f
+        elif f.stage is not None:
             by_model.setdefault(f.model, []).append(f)
     out = {}
     for model, fns in by_model.items():
@@ -119,8 +139,38 @@ def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
                                  f"it end at {end} (ranges must cover 0.. without gaps or overlaps)")
             end = f.stage.last
         out[model] = Pipeline(model, tuple(f.stage for f in fns), tuple(f.name for f in fns),
-                              emulated=any(f.deployment["envVars"].get("QUART_EMULATE") for f in fns))
+                              emulated=any(f.deployment["envVars"].get("QUART_EMULATE") for f in fns),
+                              **_whole(wholes.pop(model, None), end))
+    if wholes:
+        raise ValueError(f"{sorted(wholes)}: a function labelled {WHOLE_LABEL} but no stage functions")
     return out
+
+
+def _whole(f: StackFunction | None, end: int) -> dict:
+    if f is None:
+        return {}
+    if (f.stage.first, f.stage.last) != (0, end):
+        raise ValueError(f"{f.model}: {f.name} is labelled {WHOLE_LABEL} but serves {f.stage.stages}, not 0-{end}")
+    raw = f.deployment["labels"].get(SCALE_MAX_LABEL, "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{f.name}: label {SCALE_MAX_LABEL}={raw!r} is not a positive integer")
+    return {"whole": f.name, "whole_max": int(raw)}
+
+
+def consolidating_stack(source: Path, target: Path, model: str, labels: Mapping[str, str] | None = None) -> Path:
+    """A stack file of one model's functions from `source` plus `<model>-whole`, the function
+    serving the whole model that its pipeline may consolidate into (extra `labels` on it);
+    handlers made absolute, so `target` may lie anywhere."""
+    stack = load_stack_file(source)
+    functions = {name: {**spec, "handler": str((source.parent / spec["handler"]).resolve())}
+                 for name, spec in stack["functions"].items() if spec.get("environment", {}).get("QUART_MODEL") == model}
+    stages = [spec for spec in functions.values() if "QUART_STAGES" in spec.get("environment", {})]
+    end = max(StageRef.parse(model, spec["environment"]["QUART_STAGES"]).last for spec in stages)
+    functions[f"{model}-whole"] = {**stages[0], "skip_build": True,
+                                   "environment": {**stages[0]["environment"], "QUART_STAGES": f"0-{end}"},
+                                   "labels": {WHOLE_LABEL: "true", **(labels or {})}}
+    target.write_text(yaml.safe_dump({**stack, "functions": functions}, sort_keys=False))
+    return target
 
 
 def scale_to_zero_stack(source: Path, target: Path, model: str, idle: str) -> Path:

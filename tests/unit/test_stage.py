@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from contracts.paths import REPO_ROOT
-from contracts.stack import pipelines, read_stack
+from contracts.stack import consolidating_stack, pipelines, read_stack
 from contracts.stage import StageRef
 
 
@@ -49,3 +49,16 @@ def test_range_functions_make_a_pipeline(tmp_path):
 def test_gaps_and_overlaps_are_refused(tmp_path, ranges):
     with pytest.raises(ValueError, match="gaps or overlaps"):
         read_stack(_stack(tmp_path, ranges))
+
+
+def test_a_whole_model_function_stays_out_of_the_pipeline(tmp_path):
+    consolidating = consolidating_stack(REPO_ROOT / "stack.yml", tmp_path / "whole.yml", "smollm2",
+                                        {"com.openfaas.scale.max": "2"})
+    p = pipelines(read_stack(consolidating))["smollm2"]
+    assert (p.whole, p.whole_max, p.num_stages) == ("smollm2-whole", 2, 4)
+    assert p.functions == ("smollm2-s0", "smollm2-s1", "smollm2-s2", "smollm2-s3")
+    assert pipelines(read_stack(REPO_ROOT / "stack.yml"))["smollm2"].whole is None
+    path = _stack(tmp_path, ["0", "1-3", "3", "1-4"])
+    path.write_text(path.read_text() + "    labels:\n      com.quart.whole: \"true\"\n")
+    with pytest.raises(ValueError, match="serves 1-4, not 0-4"):
+        read_stack(path)
