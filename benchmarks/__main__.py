@@ -6,6 +6,7 @@ import sys
 from benchmarks import (
     autoscaler_tick,
     coldstart,
+    consolidation,
     containers,
     faults,
     generation,
@@ -31,7 +32,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "simulator_generation": simulator_generation.main, "faults": faults.main,
               "overload": overload.main, "soak": soak.main,
               "containers": lambda: containers.main([]), "coldstart": lambda: coldstart.main([]),
-              "scale_to_zero": lambda: scale_to_zero.main([])}
+              "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([])}
 
 
 def main(argv: list[str]) -> int:

@@ -157,17 +157,19 @@ def _whole(f: StackFunction | None, end: int) -> dict:
     return {"whole": f.name, "whole_max": int(raw)}
 
 
-def consolidating_stack(source: Path, target: Path, model: str, labels: Mapping[str, str] | None = None) -> Path:
+def consolidating_stack(source: Path, target: Path, model: str, labels: Mapping[str, str] | None = None,
+                        environment: Mapping[str, str] | None = None) -> Path:
     """A stack file of one model's functions from `source` plus `<model>-whole`, the function
-    serving the whole model that its pipeline may consolidate into (extra `labels` on it);
-    handlers made absolute, so `target` may lie anywhere."""
+    serving the whole model that its pipeline may consolidate into (extra `labels` and
+    `environment` on it); handlers made absolute, so `target` may lie anywhere."""
     stack = load_stack_file(source)
     functions = {name: {**spec, "handler": str((source.parent / spec["handler"]).resolve())}
                  for name, spec in stack["functions"].items() if spec.get("environment", {}).get("QUART_MODEL") == model}
     stages = [spec for spec in functions.values() if "QUART_STAGES" in spec.get("environment", {})]
     end = max(StageRef.parse(model, spec["environment"]["QUART_STAGES"]).last for spec in stages)
     functions[f"{model}-whole"] = {**stages[0], "skip_build": True,
-                                   "environment": {**stages[0]["environment"], "QUART_STAGES": f"0-{end}"},
+                                   "environment": {**stages[0]["environment"], "QUART_STAGES": f"0-{end}",
+                                                   **(environment or {})},
                                    "labels": {WHOLE_LABEL: "true", **(labels or {})}}
     target.write_text(yaml.safe_dump({**stack, "functions": functions}, sort_keys=False))
     return target
