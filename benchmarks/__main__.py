@@ -20,6 +20,7 @@ from benchmarks import (
     scale_to_zero,
     scaleup,
     simulator,
+    simulator_coldstart,
     simulator_generation,
     soak,
 )
@@ -32,7 +33,8 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "simulator_generation": simulator_generation.main, "faults": faults.main,
               "overload": overload.main, "soak": soak.main,
               "containers": lambda: containers.main([]), "coldstart": lambda: coldstart.main([]),
-              "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([])}
+              "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([]),
+              "simulator_coldstart": lambda: simulator_coldstart.main([])}
 
 
 def main(argv: list[str]) -> int:
