@@ -106,3 +106,9 @@ def layout(model: str) -> str:
 def layout_decisions(model: str) -> str:
     """Stream: each change of a model's layout, with its reason."""
     return f"{PREFIX}:layout-decisions:{model}"
+
+
+def coldstarts(model: str) -> str:
+    """Hash: stage (its first index) -> JSON of the latest cold start of a replica of that stage
+    (process_at, imported_at, fetch_started_at, fetched_at, loaded_at, bytes: time.time() values)."""
+    return f"{PREFIX}:coldstarts:{model}"

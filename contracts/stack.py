@@ -15,11 +15,41 @@ import yaml
 from contracts.stage import StageRef
 
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s)")
+_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 # A stage function labelled so serves the whole model: the form a pipelined model consolidates
 # into (autoscaler/policy/layout.py); it overlaps the stage functions and stays out of the pipeline.
 WHOLE_LABEL = "com.quart.whole"
+# A stage function's time-to-first-token objective from zero (a Go duration): its cold starts'
+# fetches must end in time for it (scheduler/coldstart.fetch_deadline_s).
+TTFT_SLO_LABEL = "com.quart.ttft-slo"
 SCALE_MAX_LABEL = "com.openfaas.scale.max"
 VARIABLE_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a Go duration ("15m", "1h30m", "90s", "500ms"), as OpenFaaS's labels write them;
+    ValueError for anything else."""
+    text = text.strip()
+    parts = _DURATION.findall(text)
+    if not text or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"{text!r} is not a duration like 30s, 15m or 1h30m")
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+def ttft_slo_s(labels: Mapping[str, str]) -> float | None:
+    """A stage function's TTFT objective (label com.quart.ttft-slo), None without one;
+    ValueError naming the label when it is not a positive duration."""
+    raw = labels.get(TTFT_SLO_LABEL)
+    if raw is None:
+        return None
+    try:
+        seconds = parse_duration(raw)
+    except ValueError as exc:
+        raise ValueError(f"label {TTFT_SLO_LABEL}: {exc}") from None
+    if seconds <= 0:
+        raise ValueError(f"label {TTFT_SLO_LABEL}={raw!r} must be a positive duration")
+    return seconds
 
 
 def substitute(text: str, environ: Mapping[str, str] | None = None) -> str:
@@ -84,6 +114,7 @@ def read_stack(path: Path) -> list[StackFunction]:
                 deployment[kind] = _strings(spec[kind], f"{name}.{kind}")
         try:
             model, stage = identity(deployment)
+            ttft_slo_s(deployment["labels"])
         except ValueError as exc:
             raise ValueError(f"{path}: function {name}: {exc}") from None
         functions.append(StackFunction(name, (path.parent / spec["handler"]).resolve(), deployment, model, stage))

@@ -119,3 +119,28 @@ def record_start_failure(r: redis.Redis, stage: StageRef, reason: str, ttl_s: fl
     pipe.expire(key, max(1, int(ttl_s)))
     pipe.execute()
 
+
+
+def record_cold_start(r: redis.Redis, stage: StageRef, record: dict[str, float]) -> None:
+    """A replica of `stage` loaded its shards itself: when each step of its start ended."""
+    r.hset(keys.coldstarts(stage.model), str(stage.first), json.dumps(record))
+
+
+def after_fetch_s(r: redis.Redis, stage: StageRef, stages: list[StageRef], samples: int = 50) -> float:
+    """What follows a cold start's fetch before the first token, as measured: this stage's
+    latest load after its bytes were in, plus the model's prefill pass (each stage's median
+    prefill service time over its latest records); 0 for what was never measured."""
+    pipe = r.pipeline(transaction=False)
+    pipe.hget(keys.coldstarts(stage.model), str(stage.first))
+    for s in stages:
+        pipe.xrevrange(keys.records_stream(s.model, s.first), count=samples)
+    raw, *records = pipe.execute()
+    load = 0.0
+    if raw:
+        cold = json.loads(raw)
+        load = max(0.0, cold.get("loaded_at", 0.0) - cold.get("fetched_at", 0.0))
+    prefill = 0.0
+    for entries in records:
+        times = sorted(float(f[b"s"]) for _, f in entries if f.get(b"k") == b"prefill")
+        prefill += times[len(times) // 2] / 1000.0 if times else 0.0
+    return load + prefill

@@ -29,7 +29,7 @@ from pipeline.emulated import EmulatedRunner
 from pipeline.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from pipeline.model_fetch import ensure_manifest
 from pipeline.profiles import profile as emulation_profile
-from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, register
+from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, record_cold_start, register
 from pipeline.shard_reader import ShardReader, start_readers
 from pipeline.shard_stream import stream_tensors
 from pipeline.stage_runner import StageRunner
@@ -293,6 +293,8 @@ class Replica:
             self.redis.hset(keys.replica(self.replica_id), mapping={
                 "first_work_at": f"{self.first_work_at:.6f}",
                 **({"coldstart": json.dumps(self.coldstart)} if self.coldstart else {})})
+            if self.coldstart:
+                record_cold_start(self.redis, self.stage, self.coldstart)
         try:
             header, tensors = unpack(fields[MESSAGE_FIELD])
         except (BadRequest, KeyError, TypeError) as exc:

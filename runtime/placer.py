@@ -12,9 +12,11 @@ import redis
 
 from contracts import keys
 from contracts.config import Settings
-from pipeline.registry import cached_stages, key_stage_ranges
+from contracts.stack import ttft_slo_s
+from pipeline.registry import after_fetch_s, cached_stages, key_stage_ranges
 from pipeline.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager, ReplicaProcess
+from scheduler.coldstart import fetch_deadline_s
 from scheduler.placement import Scheduler, SchedulerParams
 from scheduler.state import Change, ClusterState, Fetch, Replica, Schedule, Server, fetches_under_way
 
@@ -39,7 +41,7 @@ class Placer:
             delta = fn.desired - len(fn.serving())
             by_stage[fn.stage_key] = fn
             if delta:
-                changes.append(Change(fn.stage_key, delta, self.shard_bytes(fn), self.settings.servers.cold_deadline_s))
+                changes.append(Change(fn.stage_key, delta, self.shard_bytes(fn), self.deadline_s(fn, functions)))
         if not changes:
             return None
         schedule = self.scheduler.schedule(self.state(functions, draining), changes)
@@ -53,6 +55,17 @@ class Placer:
                 stage_bytes(self.settings.models_dir, stage.model, stage.first, stage.last)
         return self._bytes[fn.stage_key]
 
+    def deadline_s(self, fn: FunctionState, functions: list[FunctionState]) -> float:
+        """How long a cold start of `fn` may take to fetch its shards: its model's TTFT objective
+        (label com.quart.ttft-slo) less what follows the fetch, as measured; QUART_COLD_DEADLINE_S
+        for a function without one."""
+        fallback = self.settings.servers.cold_deadline_s
+        slo = ttft_slo_s(fn.deployment.get("labels") or {}) if fn.stage is not None else None
+        if slo is None:
+            return fallback
+        stages = [f.stage for f in functions if f.stage is not None and f.stage.model == fn.stage.model]
+        return fetch_deadline_s(slo, after_fetch_s(self.redis, fn.stage, stages), fallback)
+
     def state(self, functions: list[FunctionState], draining: list[FunctionState]) -> ClusterState:
         now = time.time()
         replicas = [(fn, r) for fn in functions for r in fn.serving()]
@@ -64,15 +77,17 @@ class Placer:
             cold = [(fn, r) for fn, r in replicas if r.server == name and r.started_by == "cold" and not r.ready]
             servers.append(Server(name, max(0, self.settings.server_slots() - leaving[name]),
                                   self.settings.servers.bandwidth, cached, budget > 0 and held >= budget,
-                                  self._fetches(cold, now)))
+                                  self._fetches(cold, functions, now)))
         return ClusterState(
             tuple(servers),
             tuple(Replica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started) for fn, r in replicas),
             frozenset(s.key for s in key_stage_ranges(self.redis)), now)
 
-    def _fetches(self, cold: list[tuple[FunctionState, ReplicaProcess]], now: float) -> tuple[Fetch, ...]:
+    def _fetches(self, cold: list[tuple[FunctionState, ReplicaProcess]], functions: list[FunctionState],
+                 now: float) -> tuple[Fetch, ...]:
+        deadlines = {fn.name: self.deadline_s(fn, functions) for fn, _ in cold}
         return fetches_under_way([(self.shard_bytes(fn), r.started) for fn, r in cold], self.settings.servers.bandwidth,
-                                 self.settings.servers.cold_deadline_s, now)
+                                 self.settings.servers.cold_deadline_s, now, [deadlines[fn.name] for fn, _ in cold])
 
     def _apply(self, schedule: Schedule, by_stage: dict[str, FunctionState]) -> None:
         records = []

@@ -24,7 +24,7 @@ from contracts.config import Settings
 from contracts.http_errors import json_errors
 from contracts.loops import every
 from contracts.requests import BadRequest, load_json
-from contracts.stack import NAME_RE, StackFunction, identity
+from contracts.stack import NAME_RE, StackFunction, identity, ttft_slo_s
 from keysmanager.client import KeysClient
 from runtime.functions import FunctionState, ProcessManager
 from runtime.idler import Idler
@@ -156,6 +156,7 @@ class LocalProvider:
             raise BadDeployment(f"envVars: {exc}") from None
         try:
             ZeroScaling.from_labels(d["labels"])
+            ttft_slo_s(d["labels"])
         except ValueError as exc:
             raise BadDeployment(str(exc)) from None
         if not model:

@@ -105,6 +105,17 @@ def allocate(costs: ColdStartCosts, model_bytes: float, servers: list[ColdServer
     return single[0] if single else min(plans, key=lambda p: p.ttft_s)
 
 
+def fetch_deadline_s(slo_ttft_s: float | None, after_fetch_s: float, fallback_s: float, floor_s: float = 1.0) -> float:
+    """How long a cold start's fetch may take, the deadline of the network-contention rule (Eq. 3):
+    the model's TTFT SLO less what follows the fetch in Eq. 1 (loading, the prefill pass), as
+    measured, never under `floor_s`; `fallback_s` for a model without a TTFT SLO. (Not the
+    predicted TTFT itself: that assumes the whole link, so a deadline equal to it would refuse
+    every second fetch on a server, and serialize a pipeline's cold start.)"""
+    if slo_ttft_s is None:
+        return fallback_s
+    return max(floor_s, slo_ttft_s - after_fetch_s)
+
+
 def stage_ranges(num_stages: int, size: int) -> list[tuple[int, int]]:
     """The model's stages split into `size` contiguous ranges, as even as they divide."""
     if not 1 <= size <= num_stages:

@@ -13,11 +13,14 @@ class Fetch:
 
 
 def fetches_under_way(starts: list[tuple[float, float]], bandwidth: float, deadline_s: float,
-                      now: float) -> tuple[Fetch, ...]:
+                      now: float, deadlines: list[float] | None = None) -> tuple[Fetch, ...]:
     """The cold starts under way on one server, from each one's (shard bytes, start time): each
-    assumed to have read its equal share of the server's bandwidth since it started."""
+    assumed to have read its equal share of the server's bandwidth since it started. Each has
+    `deadline_s` from its start to finish, or its own in `deadlines`."""
     share = bandwidth / max(1, len(starts))
-    return tuple(Fetch(max(0.0, size - share * (now - started)), started + deadline_s) for size, started in starts)
+    deadlines = deadlines or [deadline_s] * len(starts)
+    return tuple(Fetch(max(0.0, size - share * (now - started)), started + d)
+                 for (size, started), d in zip(starts, deadlines))
 
 
 @dataclass(frozen=True, slots=True)

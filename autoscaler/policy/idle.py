@@ -6,23 +6,13 @@ starts all its stages in parallel instead of one after another. The entry stays 
 activator that holds the requests while the stages start. Pure: state in, decision out."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from contracts.stack import parse_duration
 
 ZERO_LABEL = "com.openfaas.scale.zero"
 ZERO_DURATION_LABEL = "com.openfaas.scale.zero-duration"
 DEFAULT_ZERO_DURATION_S = 15 * 60.0
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s)")
-_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds of a Go duration ("15m", "1h30m", "90s", "500ms"); ValueError for anything else."""
-    text = text.strip()
-    parts = _DURATION.findall(text)
-    if not text or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"{text!r} is not a duration like 30s, 15m or 1h30m")
-    return sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
 @dataclass(frozen=True)

@@ -369,8 +369,10 @@ def test_kill_9_of_a_forked_replica_holding_work_loses_nothing(client, r, source
     {"envVars": {"BAD NAME": "1"}},
     {"envVars": {"QUART_MODEL": "minilm", "QUART_STAGES": "2", "X": "a\u0000b"}},
     {"envVars": ["QUART_MODEL"]},
+    {"labels": {"com.quart.ttft-slo": "soon"}},
+    {"labels": {"com.quart.ttft-slo": "0s"}},
 ])
-def test_deployments_that_could_harm_the_host_are_refused(client, change):
+def test_deployments_that_could_harm_the_host_or_are_malformed_are_refused(client, change):
     deployment = {"service": "minilm-bad", "image": "quart/stage:0.1.0",
                   "envVars": {"QUART_MODEL": "minilm", "QUART_STAGES": "2"}, **change}
     reply = client.request("POST", "/system/functions", json.dumps(deployment).encode())

@@ -75,3 +75,37 @@ def test_a_burst_forks_the_key_stage_on_servers_that_cache_it_and_spreads_it(thr
     # The key stage's replicas (its first one on vs-0 included) sit on more than one server.
     servers = {p["server"] for p in grown} | {"vs-0"}
     assert len(servers) >= 2, grown
+
+
+def test_a_ttft_objective_sets_the_cold_start_fetch_deadline_from_what_was_measured(r, runtime):
+    """The placer's deadline for a cold start of a stage labelled com.quart.ttft-slo: the objective
+    less the stage's measured load after its fetch and the model's median prefill pass, read from
+    a real Redis; a stage without the label keeps QUART_COLD_DEADLINE_S."""
+    from pathlib import Path
+
+    from pipeline.registry import record_cold_start
+    from runtime.functions import FunctionState
+    from runtime.placer import Placer
+
+    model = "deadline-test"
+    stages = [StageRef(model, 0, 1), StageRef(model, 1, 2)]
+    r.delete(keys.coldstarts(model), *[keys.records_stream(model, s.first) for s in stages])
+    record_cold_start(r, stages[1], {"fetched_at": 100.0, "loaded_at": 101.5})
+    for stage, service_ms in ((0, (200, 300, 400)), (1, (100, 700, 900))):
+        for ms in service_ms:
+            r.xadd(keys.records_stream(model, stage), {"id": "x.0.0", "k": "prefill", "s": str(ms), "q": "0", "t": "0"})
+        r.xadd(keys.records_stream(model, stage), {"id": "x.0.1", "k": "decode", "s": "9000", "q": "0", "t": "0"})
+
+    def function(stage: StageRef, labels: dict) -> FunctionState:
+        return FunctionState({"service": f"{model}-s{stage.first}", "image": "quart/stage:0.1.0", "labels": labels,
+                              "envVars": {"QUART_MODEL": model, "QUART_STAGES": stage.stages}}, Path("."), 1)
+
+    labelled = [function(s, {"com.quart.ttft-slo": "10s"}) for s in stages]
+    placer = Placer(runtime, None, r)
+    assert placer.deadline_s(labelled[1], labelled) == pytest.approx(10 - 1.5 - 0.3 - 0.7)
+    assert placer.deadline_s(labelled[0], labelled) == pytest.approx(10 - 0.3 - 0.7)  # no cold start recorded
+    plain = function(stages[0], {})
+    assert placer.deadline_s(plain, [plain]) == runtime.servers.cold_deadline_s
+    tight = [function(s, {"com.quart.ttft-slo": "500ms"}) for s in stages]
+    assert placer.deadline_s(tight[1], tight) == 1.0  # never under the floor
+    r.delete(keys.coldstarts(model), *[keys.records_stream(model, s.first) for s in stages])

@@ -84,3 +84,19 @@ def test_stage_ranges_split_evenly():
     assert stage_ranges(8, 3) == [(0, 3), (3, 5), (5, 8)]
     with pytest.raises(ValueError):
         stage_ranges(2, 3)
+
+
+def test_the_fetch_deadline_is_the_ttft_objective_less_what_follows_the_fetch():
+    from contracts.stack import ttft_slo_s
+    from scheduler.coldstart import fetch_deadline_s
+    from scheduler.state import fetches_under_way
+
+    assert fetch_deadline_s(None, 3.0, 60.0) == 60.0
+    assert fetch_deadline_s(10.0, 3.0, 60.0) == 7.0
+    assert fetch_deadline_s(2.0, 3.0, 60.0) == 1.0
+    assert ttft_slo_s({"com.quart.ttft-slo": "1m30s"}) == 90.0 and ttft_slo_s({}) is None
+    for bad in ("soon", "0s", ""):
+        with pytest.raises(ValueError, match="com.quart.ttft-slo"):
+            ttft_slo_s({"com.quart.ttft-slo": bad})
+    a, b = fetches_under_way([(100.0, 0.0), (100.0, 1.0)], 10.0, 60.0, 2.0, [5.0, 20.0])
+    assert (a.deadline, b.deadline) == (5.0, 21.0) and a.pending_bytes == 90.0
