@@ -60,7 +60,8 @@ class ControlLoop:
             pipe.exists(keys.asleep(model))
         asleep = {m for m, found in zip(list(observations), pipe.execute()) if found}
         # A model served by whole-model replicas (or on its way to or from them) is the layout's.
-        whole = {m for m, layout in self.layouts.items() if self._layout_step(layout, now) not in (PIPELINED, CONSOLIDATING)}
+        whole = {m for m, layout in self.layouts.items()
+                 if m not in asleep and self._layout_step(layout, now) not in (PIPELINED, CONSOLIDATING)}
         observations = {m: s for m, s in observations.items() if m not in asleep | whole}
         # This host's idle cores say what a replica more would find only where replicas run here.
         if self.settings.autoscaler.backend == "local" and self.settings.compute.device == "cpu":

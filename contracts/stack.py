@@ -145,7 +145,9 @@ class Pipeline:
 
 
 def is_whole(f: StackFunction) -> bool:
-    return f.stage is not None and f.deployment["labels"].get(WHOLE_LABEL) == "true"
+    """Whether a function (a StackFunction, or anything with its `stage` and `deployment`) serves
+    a model whole, for its pipeline to consolidate into."""
+    return f.stage is not None and (f.deployment.get("labels") or {}).get(WHOLE_LABEL) == "true"
 
 
 def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:

@@ -12,6 +12,7 @@ import redis
 
 from autoscaler.policy.idle import ModelActivity, ZeroScaling, decide
 from contracts import keys
+from contracts.stack import is_whole
 from pipeline.registry import stream_backlog
 from runtime.functions import FunctionState
 
@@ -47,7 +48,7 @@ class Idler:
         """`model`'s stage functions labelled to scale to zero (`at_zero`: only those at zero
         now, asked on every request, so their labels are read only then), with their labels."""
         mine = (fn for fn in functions if fn.stage is not None and fn.stage.model == model
-                and not (at_zero and fn.desired))
+                and not (at_zero and fn.desired) and not is_whole(fn))  # the layout controller's
         labelled = [(fn, ZeroScaling.from_labels(fn.deployment.get("labels") or {})) for fn in mine]
         return [(fn, z) for fn, z in labelled if z.enabled]
 
@@ -55,7 +56,7 @@ class Idler:
         """Every sleeping stage function of `model` back to its minimum; True if any was asleep."""
         now = time.time() if now is None else now
         asleep = [fn for fn, _ in self.sleepers(functions, model, at_zero=True)]
-        if not asleep:
+        if not asleep or self.consolidated(model):
             return False
         for fn in asleep:
             fn.desired = self.initial(fn)
@@ -76,7 +77,7 @@ class Idler:
         changed = []
         for model in sorted({fn.stage.model for fn in functions if fn.stage is not None}):
             labelled = self.sleepers(functions, model)
-            if not labelled:
+            if not labelled or self.consolidated(model):
                 continue
             fns = [fn for fn, _ in labelled]
             activity = ModelActivity(self.last_request.setdefault(model, now), min(z.idle_s for _, z in labelled),
@@ -93,6 +94,12 @@ class Idler:
             elif decision is None and activity.replicas > 0:
                 self.redis.delete(keys.asleep(model))  # scaled up by hand: the autoscaler's again
         return changed
+
+    def consolidated(self, model: str) -> bool:
+        """Whether the model is served by its whole-model function (or on its way to or from it):
+        its stage functions are at zero for the layout controller, not for idleness."""
+        layout = self.redis.get(keys.layout(model))
+        return layout is not None and layout != b"pipelined"
 
     def _work(self, fns: list[FunctionState]) -> int:
         return sum(sum(stream_backlog(self.redis, fn.stage.model, fn.stage.first)) for fn in fns)
