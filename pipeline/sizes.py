@@ -9,9 +9,17 @@ from pipeline.profiles import PROFILES
 
 
 def stage_bytes(models_dir: Path, model: str, first: int, last: int) -> int:
+    """FileNotFoundError for a model that is nowhere; ValueError for a range it does not have."""
     manifest_dir = models_dir / model
     if (manifest_dir / "manifest.json").exists():
-        return sum(s.bytes for s in Manifest.load(manifest_dir).stages[first:last])
-    if model in PROFILES:
+        stages = Manifest.load(manifest_dir).stages
+    elif model in PROFILES:
+        stages = range(PROFILES[model].num_stages)
+    else:
+        raise FileNotFoundError(f"{model} is neither partitioned in {models_dir} nor an emulation profile "
+                                f"(python -m pipeline.partition --model {model} --stages S)")
+    if last > len(stages):
+        raise ValueError(f"{model} has {len(stages)} stages; stages [{first}, {last}) are not all among them")
+    if isinstance(stages, range):
         return PROFILES[model].stage_bytes(first, last)
-    raise FileNotFoundError(f"{model} is neither partitioned in {models_dir} nor an emulation profile")
+    return sum(s.bytes for s in stages[first:last])

@@ -25,6 +25,9 @@ from keysmanager.client import KeysClient, KeysManagerError
 from runtime.watched_process import WatchedProcess, start_time
 
 log = logging.getLogger("quart.functions")
+# The wait before replacing a replica that exited before it was ready doubles from BACKOFF_S with
+# each such exit in a row, up to BACKOFF_MAX_S.
+BACKOFF_S, BACKOFF_MAX_S = 1.0, 60.0
 _serial = count()
 
 
@@ -85,6 +88,10 @@ class FunctionState:
     replicas: list[ReplicaProcess] = field(default_factory=list)
     invocations: int = 0
     _next: int = 0
+    # Replicas in a row that exited before they were ever ready (a shard that fails its checksum,
+    # a broken deployment), and when the next may start: Kubernetes' CrashLoopBackOff, shorter.
+    failed_starts: int = 0
+    retry_at: float = 0.0
 
     @property
     def name(self) -> str:
@@ -219,13 +226,21 @@ class ProcessManager:
             if code is not None:
                 fn.replicas.remove(replica)
                 replica.port_file.unlink(missing_ok=True)
-                if replica.draining_since is None:
+                if replica.draining_since is None and not replica.ready:
+                    fn.failed_starts += 1
+                    wait = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (fn.failed_starts - 1))
+                    fn.retry_at = time.time() + wait
+                    log.warning("%s replica pid %d exited with code %s before it was ready (%d in a row); "
+                                "the next starts in %.0f s", fn.name, replica.pid, code, fn.failed_starts, wait)
+                elif replica.draining_since is None:
                     log.warning("%s replica pid %d exited with code %s; replacing it", fn.name, replica.pid, code)
             elif replica.draining_since is not None:
                 if time.time() - replica.draining_since > self.settings.data.drain_timeout_s:
                     _signal(replica, signal.SIGKILL)
             elif replica.port is None and replica.port_file.exists():
                 replica.port = int(replica.port_file.read_text())
+            elif replica.ready:
+                fn.failed_starts = 0
 
     def stop_all(self, functions: list[FunctionState], timeout: float) -> None:
         for fn in functions:

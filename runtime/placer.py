@@ -37,9 +37,12 @@ class Placer:
     def converge(self, functions: list[FunctionState], draining: list[FunctionState]) -> Schedule | None:
         """One round: each function towards its desired replica count."""
         changes, by_stage = [], {}
+        now = time.time()
         for fn in functions:
             delta = fn.desired - len(fn.serving())
             by_stage[fn.stage_key] = fn
+            if delta > 0 and fn.retry_at > now:
+                continue  # its last replicas exited before they were ready: it waits its back-off
             if delta:
                 changes.append(Change(fn.stage_key, delta, self.shard_bytes(fn), self.deadline_s(fn, functions)))
         if not changes:
@@ -49,10 +52,16 @@ class Placer:
         return schedule
 
     def shard_bytes(self, fn: FunctionState) -> int:
+        """What a cold start of `fn` reads; 0 (and not remembered) for a model gone from disk,
+        whose replicas will say so as they fail to start: one function must not stop placement."""
         if fn.stage_key not in self._bytes:
             stage = fn.stage
-            self._bytes[fn.stage_key] = 0 if stage is None else \
-                stage_bytes(self.settings.models_dir, stage.model, stage.first, stage.last)
+            try:
+                self._bytes[fn.stage_key] = 0 if stage is None else \
+                    stage_bytes(self.settings.models_dir, stage.model, stage.first, stage.last)
+            except (FileNotFoundError, ValueError) as exc:
+                log.warning("%s: %s", fn.name, exc)
+                return 0
         return self._bytes[fn.stage_key]
 
     def deadline_s(self, fn: FunctionState, functions: list[FunctionState]) -> float:

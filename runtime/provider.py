@@ -26,6 +26,7 @@ from contracts.loops import every
 from contracts.requests import BadRequest, load_json
 from contracts.stack import NAME_RE, StackFunction, identity, ttft_slo_s
 from keysmanager.client import KeysClient
+from pipeline.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager
 from runtime.idler import Idler
 from runtime.placer import Placer
@@ -163,6 +164,11 @@ class LocalProvider:
             raise BadDeployment("envVars must name the function's model (QUART_MODEL)")
         if stage is None and Path(self.handlers[d["image"]]).name == "stage":
             raise BadDeployment(f"image {d['image']!r} is a stage: envVars must name its stages (QUART_STAGES)")
+        if stage is not None:
+            try:  # a stage of a model this runtime cannot serve would only fail to start, again and again
+                stage_bytes(self.settings.models_dir, model, stage.first, stage.last)
+            except (FileNotFoundError, ValueError) as exc:
+                raise BadDeployment(f"envVars: {exc}") from None
         return d
 
     def _initial_replicas(self, d: dict) -> int:

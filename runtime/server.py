@@ -25,7 +25,7 @@ from contracts.config import Settings, child_environment, exit_on_config_error, 
 from contracts.loops import start_thread
 from contracts.paths import REPO_ROOT
 from contracts.secrets import read_or_create_secret
-from contracts.stack import StackFunction, read_stack
+from contracts.stack import StackFunction, is_whole, read_stack
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 from runtime.log_rotation import rotate
@@ -90,7 +90,7 @@ def start_redis_supervised(settings: Settings, supervisor: Supervisor, adopting:
 
 def stages_to_cache(settings: Settings, stack: list[StackFunction]) -> list[StageRef]:
     """The stage ranges named by QUART_CACHE_STAGES: "all", "none", or "model:stages,..."."""
-    stage_fns = [f.stage for f in stack if f.stage is not None]
+    stage_fns = [f.stage for f in stack if f.stage is not None and not is_whole(f)]  # not a second copy of them
     choice = settings.cache.stages.strip()
     if choice == "all":
         return stage_fns

@@ -152,7 +152,8 @@ def test_scale_down_migrates_the_caches_a_replica_holds(client, r, sources, toke
 
 
 WHOLE = {"service": "smollm2-whole", "image": "quart/stage:0.1.0",
-         "envVars": {"QUART_MODEL": "smollm2", "QUART_STAGES": "0-4"}, "labels": {"com.quart.whole": "true"}}
+         "envVars": {"QUART_MODEL": "smollm2", "QUART_STAGES": "0-4", "QUART_THREADS": "2"},
+         "labels": {"com.quart.whole": "true"}}
 NARROW = [f"smollm2-s{i}" for i in range(4)]
 
 
@@ -181,7 +182,7 @@ def test_consolidation_and_split_back_while_16_generate(client, r, sources, toke
 
     def send(phase: str) -> threading.Thread:
         sender = threading.Thread(target=lambda: answers.setdefault(phase, run_concurrently(
-            lambda t: generate(client, t, ignore_eos=True), [(t,) for t in texts], 16)))
+            lambda t: generate(client, t, 48, ignore_eos=True), [(t,) for t in texts], 16)))
         sender.start()
         return sender
 
@@ -222,7 +223,7 @@ def test_consolidation_and_split_back_while_16_generate(client, r, sources, toke
         assert [x.status for x in answers[phase]] == [200] * 16, [x.body[:200] for x in answers[phase]]
         assert sum(x.json()["recomputes"] for x in answers[phase]) == 0, phase
         for reply, ids, expected in zip(answers[phase], prompts, references):
-            same_or_near_tie(sources, ids, reply.json()["token_ids"][:len(expected)], expected)
+            same_or_near_tie(sources, ids, reply.json()["token_ids"][:len(expected[:48])], expected[:48])
     print(f"caches gathered into the whole replica: {gathered:.0f}; split over the stages: {split:.0f}")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import threading
 import time
@@ -19,6 +21,7 @@ from contracts.http_client import GatewayClient
 from contracts.secrets import bearer
 from contracts.wire import MESSAGE_FIELD, decode_tensors, encode_tensors, unpack
 from pipeline.architectures import mean_pool_normalize
+from pipeline.manifest import Manifest
 from pipeline.registry import live_replicas
 from tests.live.runtime_helpers import available, reference_greedy, scale_and_wait, wait_until
 from tests.openapi_check import checked
@@ -226,6 +229,35 @@ def test_deploy_and_delete_a_function(client, r, runtime):
         assert f.read().count("started minilm-extra replica") == 1
 
 
+def test_replicas_that_exit_before_they_are_ready_are_replaced_after_a_growing_wait(client, runtime):
+    """A stage function whose shard fails its checksum: each replica exits before it is ready, and
+    the next waits 1, 2, 4 ... s (CrashLoopBackOff's rule) instead of starting at once, again and again."""
+    log_path = Path(runtime.home) / "logs" / "runtime.log"
+    log_start = log_path.stat().st_size
+    broken = runtime.model_dir("minilm-broken")
+    shutil.rmtree(broken, ignore_errors=True)
+    shutil.copytree(runtime.model_dir("minilm"), broken)
+    with open(broken / Manifest.load(broken).stages[0].shard, "r+b") as f:
+        f.seek(-4, 2)
+        f.write(b"\0\0\0\1")
+    deployment = {"service": "minilm-broken-s0", "image": "quart/stage:0.1.0",
+                  "envVars": {"QUART_MODEL": "minilm-broken", "QUART_STAGES": "0"}}
+
+    def waits() -> list[tuple[str, str]]:
+        with open(log_path) as f:
+            f.seek(log_start)
+            return re.findall(r"minilm-broken-s0 replica pid \d+ exited with code \S+ before it was ready "
+                              r"\((\d+) in a row\); the next starts in (\d+) s", f.read())
+    try:
+        assert checked(client, "POST", "/system/functions", "/system/functions", deployment).status == 202
+        wait_until(lambda: len(waits()) >= 3, 120, "three failed starts")
+    finally:
+        client.request("DELETE", "/system/functions", {"functionName": "minilm-broken-s0"})
+        shutil.rmtree(broken, ignore_errors=True)
+    assert waits()[:3] == [("1", "1"), ("2", "2"), ("3", "4")]
+    assert client.invoke("minilm", {"inputs": ["still answers"]}).status == 200  # nothing else held up
+
+
 # -- scaling and failures ----------------------------------------------------------------------
 
 def _send_many(client: GatewayClient, count: int, results: list, gap: float) -> None:
@@ -371,6 +403,8 @@ def test_kill_9_of_a_forked_replica_holding_work_loses_nothing(client, r, source
     {"envVars": ["QUART_MODEL"]},
     {"labels": {"com.quart.ttft-slo": "soon"}},
     {"labels": {"com.quart.ttft-slo": "0s"}},
+    {"envVars": {"QUART_MODEL": "nowhere", "QUART_STAGES": "0"}},
+    {"envVars": {"QUART_MODEL": "minilm", "QUART_STAGES": "2-9"}},
 ])
 def test_deployments_that_could_harm_the_host_or_are_malformed_are_refused(client, change):
     deployment = {"service": "minilm-bad", "image": "quart/stage:0.1.0",

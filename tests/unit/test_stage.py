@@ -58,6 +58,10 @@ def test_a_whole_model_function_stays_out_of_the_pipeline(tmp_path):
     assert (p.whole, p.whole_max, p.num_stages) == ("smollm2-whole", 2, 4)
     assert p.functions == ("smollm2-s0", "smollm2-s1", "smollm2-s2", "smollm2-s3")
     assert pipelines(read_stack(REPO_ROOT / "stack.yml"))["smollm2"].whole is None
+    from contracts.config import load_settings
+    from runtime.server import stages_to_cache
+    cached = stages_to_cache(load_settings(environ={"QUART_CACHE_STAGES": "all"}), read_stack(consolidating))
+    assert StageRef("smollm2", 0, 4) not in cached and len(cached) == 4  # no second copy of the model
     path = _stack(tmp_path, ["0", "1-3", "3", "1-4"])
     path.write_text(path.read_text() + "    labels:\n      com.quart.whole: \"true\"\n")
     with pytest.raises(ValueError, match="serves 1-4, not 0-4"):
