@@ -63,15 +63,15 @@ class LayoutController:
 
     def observe(self) -> LayoutState:
         p = self.pipeline
-        at_zero = live_replicas(self.r, p.model, 0)
+        at_first = live_replicas(self.r, p.model, 0)
         waiting, _ = stream_backlog(self.r, p.model, 0)
         serving = [[x for x in live_replicas(self.r, p.model, s.first) if not x.get("draining")
                     and (x.get("stage_start"), x.get("stage_end")) == (str(s.first), str(s.last))]
                    for s in p.stages]
-        whole = [x for x in at_zero if x.get("stage_end") == str(p.num_stages) and not x.get("draining")]
+        whole = [x for x in at_first if x.get("stage_end") == str(p.num_stages) and not x.get("draining")]
         desired = self.backend.function_replicas(p.whole)
         return LayoutState(self.layout(), tuple(self.counts), self.current,
-                           waiting + sum(int(x.get("sequences", "0")) for x in at_zero),
+                           waiting + sum(int(x.get("sequences", "0")) for x in at_first),
                            desired, len(whole), tuple(len(s) for s in serving))
 
     def apply(self, decision: LayoutDecision) -> None:

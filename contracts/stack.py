@@ -136,10 +136,6 @@ class Pipeline:
     def num_stages(self) -> int:
         return self.stages[-1].last
 
-    @property
-    def whole_stage(self) -> StageRef:
-        return StageRef(self.model, 0, self.num_stages)
-
     def function(self, stage: StageRef) -> str:
         return self.functions[self.stages.index(stage)]
 

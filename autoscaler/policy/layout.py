@@ -5,8 +5,8 @@ HydraServe's sliding window: the requests that arrived in each recent window pre
 that may arrive in the next; with the requests already in the model, that says how many
 whole-model replicas it needs (each serves `per_replica` at once, its batch). While that many
 fit under the whole function's maximum, one whole replica per needed worker serves the model
-faster than the pipeline (no hop between stages, one batch instead of S) and the stage replicas
-are removed: their caches are gathered into it. When a burst needs more, the stage functions
+with fewer replicas than the pipeline (and, on GPUs, faster: no hop between stages, one batch
+instead of S) and the stage replicas are removed: their caches are gathered into it. When a burst needs more, the stage functions
 come back, so that QUART scales the stage that limits the model on its own, and the whole
 replicas are removed: their caches are split over the stages."""
 from __future__ import annotations
