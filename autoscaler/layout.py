@@ -63,9 +63,10 @@ class LayoutController:
 
     def observe(self) -> LayoutState:
         p = self.pipeline
-        at_first = live_replicas(self.r, p.model, 0)
+        live = {s.first: live_replicas(self.r, p.model, s.first) for s in p.stages}
+        at_first = live[0]
         waiting, _ = stream_backlog(self.r, p.model, 0)
-        serving = [[x for x in live_replicas(self.r, p.model, s.first) if not x.get("draining")
+        serving = [[x for x in live[s.first] if not x.get("draining")
                     and (x.get("stage_start"), x.get("stage_end")) == (str(s.first), str(s.last))]
                    for s in p.stages]
         whole = [x for x in at_first if x.get("stage_end") == str(p.num_stages) and not x.get("draining")]

@@ -89,20 +89,30 @@ class Bench:
         return bool(found) and all(float(x.get("last_seen", 0)) > since for x in found) and \
             sum(int(x.get("sequences", "0")) for x in found) >= count
 
-    def layout(self, whole: bool) -> None:
-        """Only the whole replica, or only the stage replicas, serving."""
+    def change(self, whole: bool, events: dict[str, float]) -> None:
+        """To the whole replica (or back to the stage replicas): the new side started and serving,
+        then the old side told to go; `events` gets when each began."""
+        events["load"] = time.time()
         if whole:
             self.scale(WHOLE, 1)
-            self.wait("whole", lambda: self.serving(0, STAGES) == 1)
-            for name in NARROW:
-                self.scale(name, 0)
-            self.wait("stages gone", lambda: all(self.gone(n) for n in NARROW))
+            events["live"] = self.wait("whole", lambda: self.serving(0, STAGES) == 1)
         else:
             for name in NARROW:
                 self.scale(name, 1)
-            self.wait("stages", lambda: all(self.serving(i, i + 1) == 1 for i in range(STAGES)))
-            self.scale(WHOLE, 0)
-            self.wait("whole gone", lambda: self.gone(WHOLE))
+            events["live"] = self.wait("stages", lambda: all(self.serving(i, i + 1) == 1 for i in range(STAGES)))
+        for name in NARROW if whole else [WHOLE]:
+            self.scale(name, 0)
+        events["handover"] = time.time()
+
+    def gone_all(self, whole: bool) -> None:
+        """The side `change` told to go has no replica left."""
+        old = NARROW if whole else [WHOLE]
+        self.wait("the old replicas gone", lambda: all(self.gone(n) for n in old))
+
+    def layout(self, whole: bool) -> None:
+        """Only the whole replica, or only the stage replicas, serving."""
+        self.change(whole, {})
+        self.gone_all(whole)
 
     # -- one phase ---------------------------------------------------------------------------
 
@@ -113,29 +123,14 @@ class Bench:
         since = time.time()
         sender = threading.Thread(target=lambda: done.extend(self.send(batch)))
         sender.start()
-        if name == "consolidation":
-            self.wait("requests on the stages", lambda: self.holding(1, batch, since))
-            time.sleep(BEFORE_S)  # some tokens on the stages alone
-            events["load"] = time.time()
-            self.scale(WHOLE, 1)
-            events["live"] = self.wait("whole", lambda: self.serving(0, STAGES) == 1)
-            for n in NARROW:
-                self.scale(n, 0)
-            events["handover"] = time.time()
-        elif name == "split":
-            self.wait("requests on the whole replica", lambda: self.holding(STAGES, batch, since))
-            time.sleep(BEFORE_S)
-            events["load"] = time.time()
-            for n in NARROW:
-                self.scale(n, 1)
-            events["live"] = self.wait("stages", lambda: all(self.serving(i, i + 1) == 1 for i in range(STAGES)))
-            self.scale(WHOLE, 0)
-            events["handover"] = time.time()
+        if name in ("consolidation", "split"):
+            whole = name == "consolidation"  # starting on the stages, or on the whole replica
+            self.wait("requests generating", lambda: self.holding(1 if whole else STAGES, batch, since))
+            time.sleep(BEFORE_S)  # some tokens before the change
+            self.change(whole, events)
         sender.join()
-        if name == "consolidation":
-            self.wait("stages gone", lambda: all(self.gone(n) for n in NARROW))
-        elif name == "split":
-            self.wait("whole gone", lambda: self.gone(WHOLE))
+        if events:
+            self.gone_all(whole)
         return {"requests": done, "events": events}
 
     def send(self, batch: int) -> list[dict]:

@@ -186,36 +186,40 @@ def _whole(f: StackFunction | None, end: int) -> dict:
     return {"whole": f.name, "whole_max": int(raw)}
 
 
+def _model_stack(source: Path, model: str) -> tuple[dict, dict[str, dict]]:
+    """A stack file and one model's function specs from it, handlers made absolute (so the stack
+    written from them may lie anywhere)."""
+    stack = load_stack_file(source)
+    return stack, {name: {**spec, "handler": str((source.parent / spec["handler"]).resolve())}
+                   for name, spec in stack["functions"].items() if spec.get("environment", {}).get("QUART_MODEL") == model}
+
+
+def _write_stack(stack: dict, functions: dict[str, dict], target: Path) -> Path:
+    target.write_text(yaml.safe_dump({**stack, "functions": functions}, sort_keys=False))
+    return target
+
+
 def consolidating_stack(source: Path, target: Path, model: str, labels: Mapping[str, str] | None = None,
                         environment: Mapping[str, str] | None = None) -> Path:
     """A stack file of one model's functions from `source` plus `<model>-whole`, the function
     serving the whole model that its pipeline may consolidate into (extra `labels` and
-    `environment` on it); handlers made absolute, so `target` may lie anywhere."""
-    stack = load_stack_file(source)
-    functions = {name: {**spec, "handler": str((source.parent / spec["handler"]).resolve())}
-                 for name, spec in stack["functions"].items() if spec.get("environment", {}).get("QUART_MODEL") == model}
+    `environment` on it)."""
+    stack, functions = _model_stack(source, model)
     stages = [spec for spec in functions.values() if "QUART_STAGES" in spec.get("environment", {})]
     end = max(StageRef.parse(model, spec["environment"]["QUART_STAGES"]).last for spec in stages)
     functions[f"{model}-whole"] = {**stages[0], "skip_build": True,
                                    "environment": {**stages[0]["environment"], "QUART_STAGES": f"0-{end}",
                                                    **(environment or {})},
                                    "labels": {WHOLE_LABEL: "true", **(labels or {})}}
-    target.write_text(yaml.safe_dump({**stack, "functions": functions}, sort_keys=False))
-    return target
+    return _write_stack(stack, functions, target)
 
 
 def scale_to_zero_stack(source: Path, target: Path, model: str, idle: str) -> Path:
     """A stack file of one model's functions from `source`, its stage functions labelled to scale
-    to zero after `idle` (a Go duration); handlers made absolute, so `target` may lie anywhere."""
-    stack = load_stack_file(source)
-    functions = {}
-    for name, spec in stack["functions"].items():
-        if spec.get("environment", {}).get("QUART_MODEL") != model:
-            continue
-        spec = {**spec, "handler": str((source.parent / spec["handler"]).resolve())}
+    to zero after `idle` (a Go duration)."""
+    stack, functions = _model_stack(source, model)
+    for spec in functions.values():
         if "QUART_STAGES" in spec.get("environment", {}):
             spec["labels"] = {**spec.get("labels", {}), "com.openfaas.scale.zero": "true",
                               "com.openfaas.scale.zero-duration": idle}
-        functions[name] = spec
-    target.write_text(yaml.safe_dump({**stack, "functions": functions}, sort_keys=False))
-    return target
+    return _write_stack(stack, functions, target)

@@ -10,7 +10,7 @@ import torch
 
 from contracts.config import Limits
 from contracts.wire import BadRequest, Header
-from pipeline.batch_policy import GATHER, MIGRATE
+from pipeline.batch_policy import MIGRATE
 from pipeline.batched_llama import BatchedLlama, Step
 from pipeline.kv_cache import KVStore, NoRoom, split_cache
 from pipeline.sampling import Sampling, next_token
@@ -42,7 +42,6 @@ class Work:
 # this stage taking the sequence over (a migration), the replica a gathered cache goes to, or
 # the entry's reply list.
 NEXT, HOLDER, PEER, INSTALL, REPLY = "next", "holder", "peer", "install", "reply"
-
 
 
 @dataclass
@@ -84,14 +83,15 @@ class GenerationStage:
         steps: list[tuple[Work, Step]] = []
         for w in works:
             kind = w.header.kind
-            held = w.header.seq in self.store.sequences
             if kind == "free":
                 self.store.free(w.header.seq)
-            elif kind == "decode" and handover and held and handover[1] == MIGRATE and not w.header.gather:
-                outcomes.append(self._migrate(w, handover[0]))
             elif kind == "decode":
-                if handover and held and handover[1] == GATHER and not w.header.gather:
-                    self._start_gather(w.header, handover[0])
+                if handover and w.header.seq in self.store.sequences and not w.header.gather:
+                    peer, how = handover
+                    if how == MIGRATE:
+                        outcomes.append(self._migrate(w, peer))
+                        continue
+                    self._start_gather(w.header, peer)
                 self._decode(w, steps, outcomes)
             elif kind == "adopt":
                 self._adopt(w, steps, outcomes)
@@ -234,8 +234,8 @@ class GenerationStage:
         if not self.is_last:
             if w.carried and not h.gather:  # the rest of a split cache: the next stage adopts it
                 h.kind = "adopt"
-                return [Outcome(w, NEXT, h, {"hidden": out.unsqueeze(0), **w.carried})]
-            return [Outcome(w, NEXT if h.kind == "prefill" else HOLDER, h, {"hidden": out.unsqueeze(0), **w.carried})]
+            to = NEXT if h.kind in ("prefill", "adopt") else HOLDER
+            return [Outcome(w, to, h, {"hidden": out.unsqueeze(0), **w.carried})]
         if not bool(torch.isfinite(out).all()):
             return [_error(w, BadRequest("the stage produced NaN or infinity", status=422))]
         token = next_token(out, Sampling.from_dict(h.sampling), s.start + s.tokens)

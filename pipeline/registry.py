@@ -121,8 +121,9 @@ def record_start_failure(r: redis.Redis, stage: StageRef, reason: str, ttl_s: fl
 
 
 
-def record_cold_start(r: redis.Redis, stage: StageRef, record: dict[str, float]) -> None:
-    """A replica of `stage` loaded its shards itself: when each step of its start ended."""
+def record_cold_start(r: redis.Redis | redis.client.Pipeline, stage: StageRef, record: dict[str, float]) -> None:
+    """A replica of `stage` loaded its shards itself: when each step of its start ended (`r` may
+    be a pipeline the caller runs)."""
     r.hset(keys.coldstarts(stage.model), str(stage.first), json.dumps(record))
 
 

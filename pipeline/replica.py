@@ -290,11 +290,13 @@ class Replica:
         if self.first_work_at is None:
             # When a new replica took its first work: what scale-up latency is measured to.
             self.first_work_at = time.time()
-            self.redis.hset(keys.replica(self.replica_id), mapping={
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hset(keys.replica(self.replica_id), mapping={
                 "first_work_at": f"{self.first_work_at:.6f}",
                 **({"coldstart": json.dumps(self.coldstart)} if self.coldstart else {})})
             if self.coldstart:
-                record_cold_start(self.redis, self.stage, self.coldstart)
+                record_cold_start(pipe, self.stage, self.coldstart)
+            pipe.execute()
         try:
             header, tensors = unpack(fields[MESSAGE_FIELD])
         except (BadRequest, KeyError, TypeError) as exc:

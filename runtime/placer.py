@@ -36,18 +36,16 @@ class Placer:
 
     def converge(self, functions: list[FunctionState], draining: list[FunctionState]) -> Schedule | None:
         """One round: each function towards its desired replica count."""
-        changes, by_stage = [], {}
         now = time.time()
-        for fn in functions:
-            delta = fn.desired - len(fn.serving())
-            by_stage[fn.stage_key] = fn
-            if delta > 0 and fn.retry_at > now:
-                continue  # its last replicas exited before they were ready: it waits its back-off
-            if delta:
-                changes.append(Change(fn.stage_key, delta, self.shard_bytes(fn), self.deadline_s(fn, functions)))
-        if not changes:
+        by_stage = {fn.stage_key: fn for fn in functions}
+        deltas = {fn.name: fn.desired - len(fn.serving()) for fn in functions}
+        # A function whose last replicas exited before they were ready waits its back-off.
+        moving = [fn for fn in functions if deltas[fn.name] and not (deltas[fn.name] > 0 and fn.retry_at > now)]
+        if not moving:
             return None
-        schedule = self.scheduler.schedule(self.state(functions, draining), changes)
+        deadlines = {fn.name: self.deadline_s(fn, functions) for fn in functions}  # once a round: they read Redis
+        changes = [Change(fn.stage_key, deltas[fn.name], self.shard_bytes(fn), deadlines[fn.name]) for fn in moving]
+        schedule = self.scheduler.schedule(self.state(functions, draining, deadlines), changes)
         self._apply(schedule, by_stage)
         return schedule
 
@@ -75,7 +73,9 @@ class Placer:
         stages = [f.stage for f in functions if f.stage is not None and f.stage.model == fn.stage.model]
         return fetch_deadline_s(slo, after_fetch_s(self.redis, fn.stage, stages), fallback)
 
-    def state(self, functions: list[FunctionState], draining: list[FunctionState]) -> ClusterState:
+    def state(self, functions: list[FunctionState], draining: list[FunctionState],
+              deadlines: dict[str, float]) -> ClusterState:
+        """What every server holds; `deadlines`: each function's fetch deadline (deadline_s)."""
         now = time.time()
         replicas = [(fn, r) for fn in functions for r in fn.serving()]
         leaving = Counter(r.server for fn in functions + draining for r in fn.replicas if r.draining_since)
@@ -86,15 +86,14 @@ class Placer:
             cold = [(fn, r) for fn, r in replicas if r.server == name and r.started_by == "cold" and not r.ready]
             servers.append(Server(name, max(0, self.settings.server_slots() - leaving[name]),
                                   self.settings.servers.bandwidth, cached, budget > 0 and held >= budget,
-                                  self._fetches(cold, functions, now)))
+                                  self._fetches(cold, deadlines, now)))
         return ClusterState(
             tuple(servers),
             tuple(Replica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started) for fn, r in replicas),
             frozenset(s.key for s in key_stage_ranges(self.redis)), now)
 
-    def _fetches(self, cold: list[tuple[FunctionState, ReplicaProcess]], functions: list[FunctionState],
+    def _fetches(self, cold: list[tuple[FunctionState, ReplicaProcess]], deadlines: dict[str, float],
                  now: float) -> tuple[Fetch, ...]:
-        deadlines = {fn.name: self.deadline_s(fn, functions) for fn, _ in cold}
         return fetches_under_way([(self.shard_bytes(fn), r.started) for fn, r in cold], self.settings.servers.bandwidth,
                                  self.settings.servers.cold_deadline_s, now, [deadlines[fn.name] for fn, _ in cold])
 

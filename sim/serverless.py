@@ -276,7 +276,7 @@ class Cluster:
         whole = [s for s in range(len(self.servers)) if self.servers[s].gpu_bytes >= model.bytes * 1.1]
         cold = [ColdServer(str(s), self._share(s, now), self.servers[s].load_rate,
                            s in whole and self._gpu(s, QUARTERS) is not None,
-                           self._gpu(s, self._quarters(model, max(size, 1) if size else MAX_PIPELINE, False, s)) is not None)
+                           self._gpu(s, self._quarters(model, size or MAX_PIPELINE, False, s)) is not None)
                 for s in range(len(self.servers))]
         if size == 0:
             try:
