@@ -227,9 +227,11 @@ def plot(runs: dict, batch: int, path: Path) -> None:
         per_step = [statistics.mean(s[i] - s[i - 1] for s in series if len(s) > i) * 1000
                     for i in range(1, max(len(s) for s in series))]
         ax.plot(range(1, len(per_step) + 1), per_step, label=name, color=colour)
-        if "handover" in run["events"]:
-            at = statistics.median(next(i for i, t in enumerate(s) if t >= run["events"]["handover"]) for s in series)
-            ax.axvline(at, color=colour, linestyle=":", linewidth=1)
+        after = [next((i for i, t in enumerate(s) if t >= run["events"]["handover"]), None)
+                 for s in series] if "handover" in run["events"] else []
+        after = [i for i in after if i is not None]  # none: the requests ended before the change
+        if after:
+            ax.axvline(statistics.median(after), color=colour, linestyle=":", linewidth=1)
     typical = statistics.median(y for line in ax.get_lines() if len(line.get_ydata()) > 2 for y in line.get_ydata())
     ax.set_ylim(0, 4 * typical)
     ax.set_xlabel("output token")
