@@ -77,8 +77,10 @@ def test_a_cpu_decision_changes_the_running_replicas_quota_and_service_time(runt
     started = podman(settings, "inspect", "--format", "{{.Id}} {{.State.StartedAt}}", name)
     prompt = " ".join(first_prompts(8, 3))[:600]  # about 150 tokens
     before = statistics.median(stage_service_ms(client, prompt) for _ in range(3))
-    r.set(keys.stage_cpus(STAGE), "0.25")  # what the autoscaler's LocalBackend writes for the compensator
+    # Read before the change: the provider applies a new quota within a second, which can fall
+    # between setting the key and reading the quota.
     assert cpu_quota(settings, name) == 1.0  # QUART_THREADS, until the compensator says otherwise
+    r.set(keys.stage_cpus(STAGE), "0.25")  # what the autoscaler's LocalBackend writes for the compensator
     wait_until(lambda: cpu_quota(settings, name) == 0.25, 30, "the quota to change")
     after = statistics.median(stage_service_ms(client, prompt) for _ in range(3))
     assert after > 1.5 * before, (before, after)
