@@ -1,6 +1,6 @@
 """The stage-level autoscaler.
 
-    python -m autoscaler run [--policy quart|static|uniform-qps|openfaas-pro-rps|knative-kpa|ray-serve]
+    python -m autoscaler run [--policy quart|quart-flow|static|infless|cocktail|inferline|openfaas-pro-rps|knative-kpa|ray-serve]
     python -m autoscaler status      a live table per stage, from the latest decisions
 
 `make up` starts `run` with the QUART policy (QUART_POLICY, or `up --policy`, picks another;

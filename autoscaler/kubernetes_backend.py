@@ -92,7 +92,7 @@ class KubernetesBackend(GatewayFunctions):
         self.pipelines = pipelines
         self.redis = r
         self.namespace = settings.gateway.namespace
-        self.scheduler = scheduler or Scheduler(SchedulerParams.of(settings.servers.scheduler_params))
+        self.scheduler = scheduler or Scheduler(SchedulerParams.from_settings(settings))
         self.stage_of = {fn: stage for p in pipelines.values() for stage, fn in zip(p.stages, p.functions)}
         self._bytes: dict[str, float] = {}
 

@@ -122,6 +122,10 @@ class AutoscalerConfig:
     layout_windows: int = 4
     policy_params: dict = field(default_factory=dict)
     bounds: Bounds = field(default_factory=Bounds)
+    ablate: str = ""                 # QUART's mechanisms switched off, comma-separated (MECHANISMS)
+
+    def ablated(self, mechanism: str) -> bool:
+        return mechanism in {m.strip() for m in self.ablate.split(",")}
 
 
 @dataclass(frozen=True)
@@ -318,6 +322,17 @@ def _device(v: object) -> str | None:
     return None if ok else "must be cpu, cuda or cuda:N"
 
 
+# QUART's mechanisms that QUART_ABLATE switches off one by one (the ablation study): the CV
+# attention model, the CPU compensator, the KeysManagers' fork cache of key stages, and the
+# scheduler's dispersion of key-stage replicas.
+MECHANISMS = ("attention", "compensator", "fork-cache", "dispersion")
+
+
+def _mechanisms(v: object) -> str | None:
+    unknown = sorted({m.strip() for m in v.split(",") if m.strip()} - set(MECHANISMS))
+    return f"unknown mechanism(s) {unknown}; known: {', '.join(MECHANISMS)}" if unknown else None
+
+
 def _no_bounds(v: object) -> str | None:
     clash = sorted({"r_min", "r_max"} & set(v))
     return f"{clash} are set by QUART_R_MIN and QUART_R_MAX, for every policy" if clash else None
@@ -409,6 +424,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_POLICY_PARAMS", "autoscaler.policy_params",
         "the policy's own parameters as JSON, e.g. `{\"kp\": 0.5}` (QUART's PID) or `{\"target_concurrency\": 2}` (KPA)",
         _no_bounds),
+    Var("QUART_ABLATE", "autoscaler.ablate",
+        "QUART's mechanisms to switch off, comma-separated, for an ablation: `attention` (smooth on observed CVs), "
+        "`compensator` (no CPU changes), `fork-cache` (key stages not cached: scale-ups cold-start), "
+        "`dispersion` (key-stage replicas packed like the rest)", _mechanisms),
     Var("QUART_R_MIN", "autoscaler.bounds.r_min", "fewest replicas of a stage function the autoscaler keeps", _not_negative),
     Var("QUART_R_MAX", "autoscaler.bounds.r_max",
         "most replicas of a stage function (the autoscaler's bound and the embedded gateway's cap)", _positive),

@@ -306,7 +306,9 @@ class KeysManager:
                 log.error("the runtime zygote did not start: %s", exc)
         with self._lock:
             held = set(self.zygotes) | set(self._starting)
-        for stage in self.key_stages():
+        # QUART_ABLATE=fork-cache: key stages are not cached, so their scale-ups start cold.
+        key_stages = [] if self.settings.autoscaler.ablated("fork-cache") else self.key_stages()
+        for stage in key_stages:
             if not (self.settings.model_dir(stage.model) / "manifest.json").exists() and not self.emulated(stage.model):
                 continue  # not partitioned here
             if stage not in held and self.memory_used() < self.threshold:

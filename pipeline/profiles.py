@@ -1,8 +1,11 @@
 """Emulated models' profiles: QUART's Table 1 (standalone GPU execution time and parameter size of
-the whole model) split over 8 stages with uneven weights, so that one stage is heavier than the
-others; and the stack file of one of them. Data only (no torch): the provider reads it too."""
+the whole model) split evenly over 8 stages, as DeepSpeed's balanced partitioning splits a stack of
+identical layers, so that key stages arise from the workload, not from the split; each also as a
+named variant `<name>-uneven` whose stage 3 weighs 1.6 (a heavy stage by construction); and the
+stack file of one of them. Data only (no torch): the provider reads it too."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +13,8 @@ import yaml
 
 from contracts.paths import REPO_ROOT
 
-WEIGHTS_8 = (0.8, 1.0, 1.0, 1.6, 1.0, 0.9, 0.9, 0.8)
+EVEN_8 = (1.0,) * 8
+UNEVEN_8 = (0.8, 1.0, 1.0, 1.6, 1.0, 0.9, 0.9, 0.8)
 WIDTH = 64
 
 
@@ -20,7 +24,7 @@ class Profile:
     total_ms: float
     cv: float = 0.3
     parallel_fraction: float = 0.8
-    weights: tuple[float, ...] = WEIGHTS_8
+    weights: tuple[float, ...] = EVEN_8
     # Parameter size of the whole model (QUART Table 1), for cache budgets and cold-start
     # reads; an emulated zygote holds none of it.
     size_gb: float = 0.0
@@ -37,9 +41,12 @@ class Profile:
 
 
 # QUART Table 1, "Exec. (ms)" and "Size (GB)".
-PROFILES = {p.name: p for p in (Profile("whisper-9b", 74, size_gb=2.9), Profile("bert-21b", 137, size_gb=43),
-                                Profile("llama-7b", 243, size_gb=14), Profile("opt-66b", 278, size_gb=132),
-                                Profile("wideresnet", 646, size_gb=16))}
+TABLE1 = (Profile("whisper-9b", 74, size_gb=2.9), Profile("bert-21b", 137, size_gb=43),
+          Profile("llama-7b", 243, size_gb=14), Profile("opt-66b", 278, size_gb=132),
+          Profile("wideresnet", 646, size_gb=16))
+UNEVEN = "-uneven"
+PROFILES = {p.name: p for p in TABLE1} | {
+    p.name + UNEVEN: dataclasses.replace(p, name=p.name + UNEVEN, weights=UNEVEN_8) for p in TABLE1}
 
 
 def profile(name: str) -> Profile:

@@ -29,7 +29,7 @@ class Placer:
         self.settings = settings
         self.processes = processes
         self.redis = r
-        self.scheduler = scheduler or Scheduler(SchedulerParams.of(settings.servers.scheduler_params))
+        self.scheduler = scheduler or Scheduler(SchedulerParams.from_settings(settings))
         self.servers = settings.virtual_server_names()
         self._bytes: dict[str, int] = {}
         self._unplaced: set[tuple[str, str]] = set()

@@ -15,12 +15,13 @@ values and returns a `Schedule`.
   crowded, cold replicas before forked ones on servers under memory pressure, newest first."""
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from contracts.config import from_params
+from contracts.config import Settings, from_params
 from scheduler.fetch import admits
 from scheduler.kl import descend, round_counts
 from scheduler.state import Change, ClusterState, Fetch, Placement, Removal, Replica, Schedule
@@ -33,11 +34,18 @@ class SchedulerParams:
     kl_rate: float = 0.5
     kl_threshold: float = 0.02    # mean divergence per instance at which descent stops
     kl_max_iters: int = 40
+    disperse: bool = True         # false: key stages' replicas are packed like the rest (ablation)
 
     @classmethod
     def of(cls, params: dict) -> SchedulerParams:
         """From QUART_SCHEDULER_PARAMS; ConfigError naming a wrong field."""
         return from_params(cls, params, "QUART_SCHEDULER_PARAMS")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SchedulerParams:
+        """QUART_SCHEDULER_PARAMS, with dispersion off where QUART_ABLATE says so."""
+        off = {"disperse": False} if settings.autoscaler.ablated("dispersion") else {}
+        return cls.of({**settings.servers.scheduler_params, **off})
 
 
 @dataclass
@@ -118,6 +126,8 @@ class Scheduler:
         self.params = params or SchedulerParams()
 
     def schedule(self, state: ClusterState, changes: list[Change]) -> Schedule:
+        if not self.params.disperse:
+            state = dataclasses.replace(state, key_stages=frozenset())
         cluster = _Cluster.of(state)
         adds = [c for c in changes if c.count > 0]
         wanted = sum(c.count for c in adds)

@@ -55,7 +55,8 @@ class SimCluster:
 
     def __init__(self, cfg: SimConfig, chains: dict[str, list[Stage]], scheduler: Scheduler,
                  schedule_event: Callable, start_serving: Callable[[Replica, float], None],
-                 drain_generative: Callable[[Replica, float], None] | None = None) -> None:
+                 drain_generative: Callable[[Replica, float], None] | None = None,
+                 cache_key_stages: bool = True) -> None:
         self.cfg, self.by_model, self.scheduler = cfg, chains, scheduler
         self.stages = {s.key: s for chain in chains.values() for s in chain}
         self.servers = [Server(f"server-{i}", cfg.slots, cfg.cache_budget, reads=Fluid(cfg.bandwidth),
@@ -66,6 +67,7 @@ class SimCluster:
         self.key_stages: dict[str, tuple[StageRef, ...]] = {}
         self._event, self._start_serving = schedule_event, start_serving
         self._drain_generative = drain_generative     # a generative stage's replica leaves through its data plane
+        self.cache_key_stages = cache_key_stages
         self._ids = 0
         self.placements: list[dict] = []
         self.starts = {"fork": 0, "cold": 0}
@@ -243,7 +245,10 @@ class SimCluster:
             self.cache(sv, st, now)
 
     def watch(self, now: float) -> None:
-        """Every KeysManager caches the key stages it does not hold (keysmanager watch_once)."""
+        """Every KeysManager caches the key stages it does not hold (keysmanager watch_once),
+        unless the fork cache is ablated."""
+        if not self.cache_key_stages:
+            return
         for key in sorted(self.key_stage_keys()):
             for sv in self.servers:
                 self.cache(sv, self.stages[key], now)

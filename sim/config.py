@@ -46,6 +46,9 @@ class SimConfig:
     tick_s: float = 1.0
     window_s: float = 10.0
     slo_s: float = 2.0
+    # > 0: each model's latency objective is this multiple of its unloaded latency (QUART's
+    # "SLO ... a multiple of each model inference time") instead of slo_s for all.
+    slo_x: float = 0.0
     request_timeout_s: float = 120.0
     initial_replicas: int = 1
     sample_s: float = 0.5

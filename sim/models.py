@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.profiles import PROFILES, Profile
+from pipeline.profiles import PROFILES, TABLE1, UNEVEN, Profile
 from sim.step_cost import Calibration, calibrated
 
 
@@ -49,11 +49,16 @@ ACTIVATION_BYTES = {"whisper-9b": 1500 * 1280 * 2, "bert-21b": 128 * 6144 * 2, "
 
 
 def table1(names: list[str] | None = None) -> list[SimModel]:
-    names = names or list(PROFILES)
+    """Table 1's models by name (None: the five, evenly split); `<name>-uneven` the named variant."""
+    names = names or [p.name for p in TABLE1]
     unknown = [n for n in names if n not in PROFILES]
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; known: {sorted(PROFILES)}")
-    return [SimModel(n, PROFILES[n], ACTIVATION_BYTES[n]) for n in names]
+    return [_sim_model(n) for n in names]
+
+
+def _sim_model(name: str) -> SimModel:
+    return SimModel(name, PROFILES[name], ACTIVATION_BYTES[name.removesuffix(UNEVEN)])
 
 
 def resolve(names: list[str] | None, new_tokens: int = 64) -> list[SimModel | GenerativeModel]:
@@ -66,4 +71,4 @@ def resolve(names: list[str] | None, new_tokens: int = 64) -> list[SimModel | Ge
     if not names:
         return table1()
     return [GenerativeModel(n, Calibration.load(generative[n]), new_tokens) if n in generative
-            else SimModel(n, PROFILES[n], ACTIVATION_BYTES[n]) for n in names]
+            else _sim_model(n) for n in names]

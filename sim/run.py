@@ -8,9 +8,9 @@ from contracts.config import Settings
 from loadgen.metrics import summarize
 from loadgen.timeline import Sampler, timeline
 from sim.config import SimConfig
-from sim.generation import hop_s
 from sim.models import GenerativeModel, SimModel
 from sim.simulation import Simulation, Trace
+from sim.unloaded import unloaded_generation, unloaded_latency
 
 AnyModel = SimModel | GenerativeModel
 
@@ -18,27 +18,6 @@ AnyModel = SimModel | GenerativeModel
 def simulate(cfg: SimConfig, models: list[AnyModel], arrivals: dict[str, np.ndarray], policy: str,
              settings: Settings | None = None, record_arrivals: bool = True) -> Trace:
     return Simulation(cfg, models, arrivals, policy, settings, record_arrivals=record_arrivals).run()
-
-
-def unloaded_generation(cfg: SimConfig, model: GenerativeModel) -> tuple[float, float]:
-    """(TTFT, TPOT) of a request alone, its prompt the calibration's median: the entry, every
-    stage's step and every hop; the entry again per token."""
-    cal = model.calibration
-    prompt = int(np.median(cal.prompt_tokens))
-    ttft = cfg.entry_s + sum(c.batch_s([(prompt, 0)]) + hop_s(cfg, cal, prompt) for c in cal.stages)
-    context = prompt + model.new_tokens // 2
-    tpot = cfg.entry_s / 2 + sum(c.batch_s([(1, context)]) for c in cal.stages) + (len(cal.stages) + 1) * hop_s(cfg, cal, 1)
-    return ttft, tpot
-
-
-def unloaded_latency(cfg: SimConfig, model: AnyModel) -> float:
-    """A request alone in the pipeline: the entry, every stage's mean service and every hop."""
-    if isinstance(model, GenerativeModel):
-        ttft, tpot = unloaded_generation(cfg, model)
-        return ttft + (model.new_tokens - 1) * tpot
-    p = model.profile
-    hop = cfg.hop(model.activation_bytes)
-    return cfg.entry_s + sum(p.stage_ms(i) / 1000.0 + cfg.service_overhead_s + hop for i in range(model.num_stages))
 
 
 def replica_seconds(trace: Trace, period_s: float) -> float:

@@ -24,6 +24,7 @@ from sim.config import SimConfig
 from sim.generation import EVENTS, GenerationPlane, Outcome
 from sim.models import GenerativeModel, SimModel
 from sim.stage import Replica, Stage
+from sim.unloaded import unloaded_latency
 
 TIMEOUT_STATUS = 504
 _ERRORS = {504: "timed out in the simulated pipeline", 429: "no KV room in time (429)",
@@ -120,8 +121,10 @@ class Simulation:
             if any(isinstance(m, GenerativeModel) for m in models) else None
         self.prompts = {name: list(np.asarray(p, dtype=int)) for name, p in (prompts or {}).items()}
         self.cluster = SimCluster(cfg, self.chains,
-                                  scheduler or Scheduler(SchedulerParams.of(self.settings.servers.scheduler_params)),
-                                  self.schedule, self._serve_next, self.generation.drain if self.generation else None)
+                                  scheduler or Scheduler(SchedulerParams.from_settings(self.settings)),
+                                  self.schedule, self._serve_next, self.generation.drain if self.generation else None,
+                                  cache_key_stages=not self.settings.autoscaler.ablated("fork-cache"))
+        self.slo = {m.name: cfg.slo_x * unloaded_latency(cfg, m) if cfg.slo_x > 0 else cfg.slo_s for m in models}
         self.controller = Controller.from_settings(
             self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models})
 
@@ -300,7 +303,7 @@ class Simulation:
         cpu_free = self._idle_cores(now)
         for m in self.models:
             states = tuple(st.observe(now, self.cfg.window_s) for st in self.chains[m.name])
-            observations[m.name] = PipelineState(m.name, states, slo_s=self.cfg.slo_s,
+            observations[m.name] = PipelineState(m.name, states, slo_s=self.slo[m.name],
                                                  entry_rate=states[0].arrival_rate, now=now,
                                                  cpu_free=None if isinstance(m, SimModel) else cpu_free)
         for actions in self.controller.step(now, observations):

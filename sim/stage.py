@@ -8,7 +8,7 @@ from collections import deque
 import numpy as np
 
 from autoscaler.policy.state import StageState
-from autoscaler.policy.window import Window, stage_state
+from autoscaler.policy.window import Window, peak_count, stage_state
 from sim.step_cost import StepCost
 
 DRAWS = 4096
@@ -111,7 +111,7 @@ class Stage:
             cv = math.sqrt(max(0.0, self.gaps[1] / (n - 1) - mean * mean)) / mean
         s_mean = self.sums[0] / k if k else 0.0
         s_cv = math.sqrt(max(0.0, self.sums[1] / k - s_mean * s_mean)) / s_mean if k > 1 and s_mean > 0 else 1.0
-        return Window(n, cv, k, s_mean, s_cv, self.sums[2] / k if k else 0.0)
+        return Window(n, cv, k, s_mean, s_cv, self.sums[2] / k if k else 0.0, peak_count(arrivals))
 
     def observe(self, now: float, window_s: float) -> StageState:
         w = self.window(now, window_s)

@@ -1,17 +1,15 @@
 """Baseline scaling policies behind the same interface as QUART's: `decide(state, memory)`
-returns `(Decision, memory)`, pure. Each follows the published rule of the system it stands for.
+returns `(Decision, memory)`, pure. Each follows the published rule of the system it stands for:
+the serverless platforms' autoscalers here, the systems QUART's paper compares against in
+autoscaler/policy/paper_baselines.py; BASELINES names them all.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
-
-
-def _decision(state: PipelineState, name: str, replicas: list[int], reasons: list[dict]) -> Decision:
-    return Decision(state.model, name, tuple(
-        StageDecision(s.stage, r, s.cpus, False, why) for s, r, why in zip(state.stages, replicas, reasons)))
+from autoscaler.policy.paper_baselines import Cocktail, InferLine, INFless
+from autoscaler.policy.state import Decision, PipelineState, StageState
 
 
 def _clamp(value: int, low: int, high: int) -> int:
@@ -26,22 +24,7 @@ class Static:
 
     def decide(self, state: PipelineState, memory: object = None) -> tuple[Decision, object]:
         n = len(state.stages)
-        return _decision(state, self.name, [self.replicas] * n, [{"static": self.replicas}] * n), memory
-
-
-@dataclass(frozen=True)
-class UniformQPS:
-    """Whole-pipeline scaling on QPS, as INFless and Cocktail scale a model: every stage gets the
-    same count, enough for the slowest stage to run at the target utilisation."""
-    target_utilization: float = 0.8
-    name: str = "uniform-qps"
-
-    def decide(self, state: PipelineState, memory: object = None) -> tuple[Decision, object]:
-        bottleneck = max(s.service_time_s for s in state.stages)
-        wanted = math.ceil(state.entry_rate * bottleneck / self.target_utilization)
-        r = state.bounds.clamp(wanted)
-        why = {"qps": round(state.entry_rate, 4), "bottleneck_service_s": bottleneck}
-        return _decision(state, self.name, [r] * len(state.stages), [why] * len(state.stages)), memory
+        return Decision.of(state, self.name, [self.replicas] * n, [{"static": self.replicas}] * n), memory
 
 
 @dataclass(frozen=True)
@@ -57,7 +40,7 @@ class OpenFaaSPro:
         replicas = [state.bounds.clamp(math.ceil(s.arrival_rate / (self.target_rps * self.target_proportion)))
                     for s in state.stages]
         reasons = [{"rps": round(s.arrival_rate, 4), "target_rps": self.target_rps} for s in state.stages]
-        return _decision(state, self.name, replicas, reasons), memory
+        return Decision.of(state, self.name, replicas, reasons), memory
 
 
 @dataclass(frozen=True)
@@ -97,7 +80,7 @@ class KnativeKPA:
             peaks.append(peak)
             replicas.append(r)
             reasons.append(why)
-        return _decision(state, self.name, replicas, reasons), KPAMemory(tuple(samples), tuple(panic_since), tuple(peaks))
+        return Decision.of(state, self.name, replicas, reasons), KPAMemory(tuple(samples), tuple(panic_since), tuple(peaks))
 
     @property
     def target(self) -> float:
@@ -156,7 +139,7 @@ class RayServe:
                 counters[i] = 0
             replicas.append(new)
             reasons.append({"ongoing": s.concurrency, "want": want, "counter": counters[i]})
-        return _decision(state, self.name, replicas, reasons), tuple(counters)
+        return Decision.of(state, self.name, replicas, reasons), tuple(counters)
 
 
 # Each system's rule at its documented defaults, and tuned for stage replicas that take one work
@@ -164,7 +147,7 @@ class RayServe:
 # replica, Knative at one item in flight per replica (its single-concurrency containers), Ray
 # Serve reacting within seconds instead of its 30 s / 600 s delays.
 BASELINES = {p.name: p for p in (
-    Static(), UniformQPS(),
+    Static(), INFless(), Cocktail(), InferLine(),
     OpenFaaSPro(), OpenFaaSPro(target_rps=5.0, name="openfaas-pro-rps-tuned"),
     KnativeKPA(), KnativeKPA(target_concurrency=1.0, target_utilization=1.0, name="knative-kpa-tuned"),
     RayServe(), RayServe(upscale_delay_s=3.0, downscale_delay_s=30.0, name="ray-serve-tuned"))}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
+from autoscaler.policy.backlog_flow import BacklogFlow
 from autoscaler.policy.baselines import BASELINES
 from autoscaler.policy.compensator import Compensator, load_fits
 from autoscaler.policy.corrector import Corrector, PIDConfig
@@ -30,7 +31,8 @@ CPU_FITS_FILE = "cpu_fits.json"
 
 
 # Every policy a user can name, QUART first: each baseline at its documented defaults and tuned.
-POLICIES = ("quart", *BASELINES)
+VARIANTS = ("quart", "quart-flow")
+POLICIES = (*VARIANTS, *BASELINES)
 
 
 def load_cv_model(settings: Settings) -> CVAttention | None:
@@ -46,13 +48,15 @@ def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = N
     cfg = settings.autoscaler
     if cfg.policy in BASELINES:
         return from_params(BASELINES[cfg.policy], cfg.policy_params, "QUART_POLICY_PARAMS")
-    if cfg.policy != "quart":
-        raise ConfigError(f"QUART_POLICY={cfg.policy!r}: choose quart, none or one of {sorted(BASELINES)}")
-    cv_model = cv_model or load_cv_model(settings)
+    if cfg.policy not in VARIANTS:
+        raise ConfigError(f"QUART_POLICY={cfg.policy!r}: choose none or one of {list(POLICIES)}")
+    cv_model = None if cfg.ablated("attention") else cv_model or load_cv_model(settings)
     fits_path = Path(settings.home) / f"{model}.{CPU_FITS_FILE}"
-    compensator = Compensator(load_fits(fits_path), cpu_max=cfg.cpu_max) if fits_path.exists() else None
+    compensator = Compensator(load_fits(fits_path), cpu_max=cfg.cpu_max) \
+        if fits_path.exists() and not cfg.ablated("compensator") else None
     pid = from_params(PIDConfig, {"period_s": cfg.tick_s, **cfg.policy_params}, "QUART_POLICY_PARAMS")
-    return Quart(Corrector(pid), Smoother(cv_model), compensator)
+    flow = BacklogFlow() if cfg.policy == "quart-flow" else None
+    return Quart(Corrector(pid), Smoother(cv_model), compensator, flow, name=cfg.policy)
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class Controller:
     @classmethod
     def from_settings(cls, settings: Settings, pipelines: dict[str, tuple[StageRef, ...]]) -> Controller:
         # One CV model for every model's policy, so that their predictions batch together.
-        cv_model = load_cv_model(settings) if settings.autoscaler.policy == "quart" else None
+        cfg = settings.autoscaler
+        cv_model = load_cv_model(settings) if cfg.policy in VARIANTS and not cfg.ablated("attention") else None
         return cls(pipelines, {m: make_policy(settings, m, cv_model) for m in pipelines},
                    settings.autoscaler.bounds)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autoscaler.policy.backlog_flow import BacklogFlow, FlowMemory
 from autoscaler.policy.compensator import Compensator
 from autoscaler.policy.corrector import Corrector, CorrectorMemory
 from autoscaler.policy.smoother import Smoother, predict_cvs
@@ -11,27 +12,38 @@ from autoscaler.policy.state import Decision, PipelineState
 
 
 @dataclass(frozen=True)
+class QuartMemory:
+    corrector: CorrectorMemory | None = None
+    flow: FlowMemory = ()
+
+
+@dataclass(frozen=True)
 class Quart:
     corrector: Corrector = field(default_factory=Corrector)
     smoother: Smoother = field(default_factory=Smoother)
     compensator: Compensator | None = None
+    flow: BacklogFlow | None = None     # the quart-flow variant's burst sizing; None: the paper's
     name: str = "quart"
 
-    def decide(self, state: PipelineState, memory: CorrectorMemory | None = None) -> tuple[Decision, CorrectorMemory]:
+    def decide(self, state: PipelineState, memory: QuartMemory | None = None) -> tuple[Decision, QuartMemory]:
         return self.decide_many([state], [memory])[0]
 
-    def decide_many(self, states: list[PipelineState], memories: list[CorrectorMemory | None]
-                    ) -> list[tuple[Decision, CorrectorMemory]]:
+    def decide_many(self, states: list[PipelineState], memories: list[QuartMemory | None]
+                    ) -> list[tuple[Decision, QuartMemory]]:
         """One tick for many pipelines: the same as `decide` on each, with the CV prediction batched."""
         all_cvs = predict_cvs(self.smoother.model, states)
         return [self.decide_with_cvs(s, m, cvs) for s, m, cvs in zip(states, memories, all_cvs)]
 
-    def decide_with_cvs(self, state: PipelineState, memory: CorrectorMemory | None,
-                        cvs: list[float]) -> tuple[Decision, CorrectorMemory]:
+    def decide_with_cvs(self, state: PipelineState, memory: QuartMemory | None,
+                        cvs: list[float]) -> tuple[Decision, QuartMemory]:
         """`decide` with the stages' predicted CVs computed by the caller (batched)."""
-        decision, memory = self.corrector.decide(state, memory)
-        settled = [m.below_ticks >= self.corrector.config.down_ticks for m in memory.stages]
+        memory = memory or QuartMemory()
+        decision, corrector = self.corrector.decide(state, memory.corrector)
+        settled = [m.below_ticks >= self.corrector.config.down_ticks for m in corrector.stages]
         decision = self.smoother.smooth(state, decision, cvs, settled)
+        flow = memory.flow
+        if self.flow is not None:
+            decision, flow = self.flow.apply(state, decision, flow)
         if self.compensator is not None:
             decision = self.compensator.allocate(state, decision)
-        return Decision(decision.model, self.name, decision.stages), memory
+        return Decision(decision.model, self.name, decision.stages), QuartMemory(corrector, flow)

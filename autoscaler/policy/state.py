@@ -24,6 +24,9 @@ class StageState:
     latency_s: float = 0.0       # measured mean sojourn (wait + service)
     payload: float = 0.0         # mean payload per item (tokens), for the CPU compensator
     ready_replicas: int | None = None  # registered and serving; None: all of `replicas`
+    # The highest arrival rate over any PEAK_S seconds of the window (the traffic envelope's
+    # finest time scale, autoscaler.policy.window); 0 where not observed.
+    peak_rate: float = 0.0
 
     @property
     def scaling_up(self) -> bool:
@@ -77,6 +80,12 @@ class Decision:
     model: str
     policy: str
     stages: tuple[StageDecision, ...]
+
+    @classmethod
+    def of(cls, state: PipelineState, policy: str, replicas: list[int], reasons: list[dict]) -> Decision:
+        """A decision of replica counts only: CPUs as they are, no key stages."""
+        return cls(state.model, policy, tuple(StageDecision(s.stage, r, s.cpus, False, why)
+                                              for s, r, why in zip(state.stages, replicas, reasons)))
 
     @property
     def key_stages(self) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """The autoscaler in a closed loop on the embedded runtime, with emulated stages (QUART Table 1's
-LLaMA-7B profile over 8 stages, stage 3 the heaviest): a burst makes stage 3 the key stage, it is
+LLaMA-7B profile over 8 stages in its named uneven variant, stage 3 the heaviest, so that the key
+stage is known beforehand): a burst makes stage 3 the key stage, it is
 scaled up within a few ticks, its queue drains, the surplus goes after the burst, and no request
 is lost while replicas come and go. CPU changes take effect in running replicas."""
 from __future__ import annotations
@@ -16,20 +17,20 @@ import redis
 
 from contracts import keys
 from contracts.config import Settings
-from contracts.paths import REPO_ROOT as REPO
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient
+from pipeline.profiles import write_stack
 from pipeline.registry import live_replicas
 from runtime.ports import free_port
 
-MODEL = "llama-7b"
+MODEL = "llama-7b-uneven"
 
 
 def emulated_settings(home_settings: Settings, home: Path, **changes: object) -> Settings:
     """The emulated 8-stage stack under QUART on free ports, in its own home. Its bursts are meant
     to be scaled for, every request answered: no admission control (test_overload has that)."""
     return home_settings.replace(
-        home=str(home), models=str(home_settings.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
+        home=str(home), models=str(home_settings.models_dir), stack_file=str(write_stack(MODEL, home / "stack.yml")),
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
         policy="quart", slo_s=1.0, window_s=5.0, tick_s=1.0, admit_wait_s=0.0, **changes)
 
@@ -108,7 +109,7 @@ def test_a_burst_scales_the_key_stage_and_the_surplus_goes_after(emulated):
     assert r.xlen(keys.stage_stream(MODEL, 3)) == 0, "stage 3's queue did not drain"
     assert [len(live_replicas(r, MODEL, i)) for i in range(8)] == [1] * 8, "surplus replicas were not reclaimed"
     forked = r.xrange(keys.cache_events(settings.server))
-    assert any(f[b"event"] == b"fork" and f[b"zygote"] == b"llama-7b:3" for _, f in forked)
+    assert any(f[b"event"] == b"fork" and f[b"zygote"] == f"{MODEL}:3".encode() for _, f in forked)
 
 
 def _allowed_cpus(pid: int) -> set[int]:

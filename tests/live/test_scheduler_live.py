@@ -1,5 +1,5 @@
 """The scheduler on the embedded runtime with three virtual servers, each with its own slots,
-cache budget and KeysManager, and the emulated 8-stage LLaMA-7B pipeline: a burst makes stage 3
+cache budget and KeysManager, and the emulated 8-stage LLaMA-7B pipeline (its uneven variant): a burst makes stage 3
 the key stage; its new replicas fork on servers that cache it and spread over servers."""
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import redis
 from contracts import keys
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
-from tests.live.test_autoscaler_live import burst, emulated_settings
+from tests.live.test_autoscaler_live import MODEL, burst, emulated_settings
 
-MODEL = "llama-7b"
 STAGE3 = f"{MODEL}:3"
 
 

@@ -1,7 +1,10 @@
 """Each baseline against hand-worked cases."""
 from __future__ import annotations
 
-from autoscaler.policy.baselines import BASELINES, KnativeKPA, OpenFaaSPro, RayServe, Static, UniformQPS
+import math
+
+from autoscaler.policy.baselines import BASELINES, KnativeKPA, OpenFaaSPro, RayServe, Static
+from autoscaler.policy.paper_baselines import Cocktail, InferLine, INFless
 from autoscaler.policy.state import PipelineState, StageState
 
 
@@ -9,8 +12,9 @@ def pipeline(*stages: StageState, rate: float = 10.0, now: float = 0.0) -> Pipel
     return PipelineState("m", stages, slo_s=2.0, entry_rate=rate, now=now)
 
 
-def st(i=0, lam=10.0, s=0.1, r=1, q=0, inflight=0) -> StageState:
-    return StageState(stage=i, arrival_rate=lam, service_time_s=s, replicas=r, queue_length=q, in_flight=inflight)
+def st(i=0, lam=10.0, s=0.1, r=1, q=0, inflight=0, peak=0.0) -> StageState:
+    return StageState(stage=i, arrival_rate=lam, service_time_s=s, replicas=r, queue_length=q, in_flight=inflight,
+                      peak_rate=peak)
 
 
 def test_static_ignores_load():
@@ -18,10 +22,47 @@ def test_static_ignores_load():
     assert d.replicas() == [3, 3]
 
 
-def test_uniform_qps_sizes_every_stage_for_the_bottleneck():
-    # 10 rps, slowest stage 0.4 s, 80 % utilisation: ceil(10 * 0.4 / 0.8) = 5 everywhere.
-    d, _ = UniformQPS().decide(pipeline(st(0, s=0.1), st(1, s=0.4), st(2, s=0.2)))
-    assert d.replicas() == [5, 5, 5]
+def test_infless_sizes_each_stage_by_an_instances_max_rps_within_its_slo_share():
+    # Two equal stages share a 2 s SLO: 1 s each. At 10 items/s an instance keeps its M/M/1
+    # sojourn within 1 s up to 10 - 1 = 9 rps: 20 rps -> 3 instances, 5 rps -> 1.
+    d, memory = INFless(keep_alive_s=60).decide(pipeline(st(0, lam=20), st(1, lam=5)))
+    assert d.replicas() == [3, 1] and d.stages[0].reason["r_max"] == 9.0
+    # Fewer are wanted: the surplus stays warm for the keep-alive, then goes.
+    seen = []
+    for t in (1, 30, 61):
+        d, memory = INFless(keep_alive_s=60).decide(pipeline(st(0, lam=5, r=3), st(1, lam=5), now=t), memory)
+        seen.append(d.replicas()[0])
+    assert seen == [3, 3, 1]
+
+
+def test_cocktail_provisions_ahead_of_a_rising_rate_and_never_below_the_current_one():
+    policy, memory = Cocktail(horizon_s=5, target_utilization=1.0), None
+    wants = []
+    for t, rate in enumerate((10.0, 20.0, 30.0, 40.0)):
+        d, memory = policy.decide(pipeline(st(lam=rate, r=1), now=t), memory)
+        wants.append(d.replicas()[0])
+    # Reactive alone would give ceil(rate * 0.1) = 1, 2, 3, 4; the forecast runs ahead of it.
+    assert wants[0] == 1 and all(w > math.ceil(r * 0.1) for w, r in zip(wants[1:], (20, 30, 40)))
+    assert memory[0].trend > 0
+    # A falling forecast never takes a stage below what the load now needs.
+    for t, rate in enumerate((40.0, 10.0, 10.0), start=4):
+        d, memory = policy.decide(pipeline(st(lam=rate, r=1), now=t), memory)
+    assert d.replicas()[0] >= 1
+
+
+def test_inferline_plans_for_its_sample_and_tunes_to_the_traffic_envelope():
+    policy = InferLine(plan_rps=10.0, plan_cv=1.0, downscale_delay_s=30)
+    # The plan: 10 rps at 0.1 s with 1 s per stage needs 2 replicas (one would be at 100 %).
+    d, memory = policy.decide(pipeline(st(0, lam=10), st(1, lam=10)))
+    assert d.replicas() == [2, 2]
+    # A burst of 50 in one second on a 10 rps window: sized for the envelope at once.
+    d, memory = policy.decide(pipeline(st(0, lam=10, peak=50), st(1, lam=10), now=1), memory)
+    assert d.replicas() == [5, 2] and d.stages[0].reason["envelope_rps"] == 50
+    # Back to the plan only after the downscale delay.
+    d, memory = policy.decide(pipeline(st(0, lam=10, r=5), st(1, lam=10, r=2), now=2), memory)
+    assert d.replicas() == [5, 2]
+    d, memory = policy.decide(pipeline(st(0, lam=10, r=5), st(1, lam=10, r=2), now=33), memory)
+    assert d.replicas() == [2, 2]
 
 
 def test_openfaas_pro_rps_formula_per_stage():

@@ -117,6 +117,16 @@ def test_key_stage_replicas_spread_over_servers_that_cache_it():
     assert sorted(p.server for p in placed) == ["s0", "s1", "s2"] and {p.path for p in placed} == {"fork"}
 
 
+def test_without_dispersion_key_stage_replicas_are_packed_like_the_rest():
+    """QUART_ABLATE=dispersion: the same request as above lands best-fit, on one server."""
+    state = ClusterState(servers(4, slots=8, cached={0: {KEY}, 1: {KEY}, 2: {KEY}}), key_stages=frozenset({KEY}))
+    placed = Scheduler(SchedulerParams(disperse=False)).schedule(state, [Change(KEY, 3)]).placements
+    assert len({p.server for p in placed}) == 1 and {p.reason for p in placed} == {"packed: best fit away from key stages"}
+    heavy = generate.cluster(20, slots=4, occupancy=0.5, seed=1)
+    schedule = Scheduler(SchedulerParams(disperse=False)).schedule(heavy, [Change("model0:3", 30)])
+    assert schedule.kl_trace == () and len(schedule.placements) == 30
+
+
 def test_other_stages_are_packed_away_from_key_stages():
     state = ClusterState(servers(3, slots=4), (Replica("k", KEY, "s0"), Replica("a", "m:1", "s1")),
                          frozenset({KEY}))

@@ -109,6 +109,29 @@ def test_a_burst_makes_a_key_stage_that_is_forked_up_on_the_testbed(tmp_path):
     assert int((trace.status == 200).sum()) == len(arrivals["llama-7b"])
 
 
+def test_without_the_fork_cache_every_scale_up_starts_cold(tmp_path):
+    """QUART_ABLATE=fork-cache: the same burst as above, but no KeysManager caches the key stage."""
+    arrivals = {"llama-7b": gamma_arrivals(12.0, 4.0, 120.0, seed=2)}
+    settings = load_settings(environ={"QUART_ABLATE": "fork-cache"}, home=str(tmp_path))
+    sim = Simulation(quart_testbed(tail_s=5.0), table1(["llama-7b"]), arrivals, "quart", settings)
+    trace = sim.run()
+    assert trace.starts["fork"] == 0 and trace.starts["cold"] > 0
+    assert not any(sv.zygotes for sv in sim.cluster.servers)
+
+
+def test_the_flow_variant_sizes_the_stages_behind_a_burst_before_it_reaches_them(tmp_path):
+    """quart-flow against the paper's QUART on the same bursty trace: the stages after the
+    first carry more replicas sooner, so the burst waits less there."""
+    arrivals = {"llama-7b": gamma_arrivals(10.0, 8.0, 120.0, seed=3)}
+    waits = {}
+    for policy in ("quart", "quart-flow"):
+        trace = simulate(quart_testbed(tail_s=5.0, slo_x=2.0), table1(["llama-7b"]), arrivals, policy,
+                         load_settings(environ={}, home=str(tmp_path)), record_arrivals=False)
+        assert int((trace.status == 200).sum()) == len(arrivals["llama-7b"])
+        waits[policy] = float(np.nansum(np.nanmean(trace.wait[:, 1:], axis=0)))
+    assert waits["quart-flow"] < waits["quart"], waits
+
+
 def test_cold_starts_share_a_servers_bandwidth(tmp_path):
     cfg = BARE.replace(servers=1, bandwidth=1e9, init_s=1.0)
     model = SimModel("q", Profile("q", 100, weights=(1.0,), size_gb=2.0), 0)
@@ -134,8 +157,9 @@ def test_initialisations_share_the_hosts_cores(tmp_path):
 
 
 def test_stage_cvs_fall_behind_a_busy_stage(tmp_path):
-    """QUART Fig. 2a's effect: a busy stage smooths a bursty stream for the stages after it."""
-    arrivals = {"llama-7b": gamma_arrivals(18.0, 4.0, 200.0, seed=5)}
+    """QUART Fig. 2a's effect: a busy stage smooths a bursty stream for the stages after it (the
+    even split at 85 % utilisation: the first stage does most of it)."""
+    arrivals = {"llama-7b": gamma_arrivals(28.0, 4.0, 200.0, seed=5)}
     trace = simulate(embedded_runtime(), table1(["llama-7b"]), arrivals, "static", load_settings(environ={}, home=str(tmp_path)))
     cvs = stage_timeline(trace, embedded_runtime(), table1(["llama-7b"])[0])["cv"]
     assert cvs[0] > 3.0 and cvs[-1] < 0.5 * cvs[0]

@@ -1,0 +1,46 @@
+"""The quart-flow variant's burst sizing, and the traffic envelope it and InferLine read."""
+from __future__ import annotations
+
+import numpy as np
+
+from autoscaler.policy.backlog_flow import BacklogFlow
+from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
+from autoscaler.policy.window import Window, peak_count, stage_state
+
+
+def pipeline(queues: list[int], now: float = 0.0) -> PipelineState:
+    stages = tuple(StageState(stage=i, arrival_rate=2.0, service_time_s=0.1, replicas=1, queue_length=q)
+                   for i, q in enumerate(queues))
+    return PipelineState("m", stages, slo_s=2.0, entry_rate=2.0, now=now)
+
+
+def one_each(state: PipelineState) -> Decision:
+    return Decision("m", "quart", tuple(StageDecision(s.stage, 1, 1.0) for s in state.stages))
+
+
+def test_a_backlog_sizes_its_stage_and_every_stage_after_it():
+    # 27 queued at stage 1, drained within 1 s at 90 %: ceil(27 * 0.1 / 0.9) = 3 from stage 1 on.
+    state = pipeline([0, 27, 0, 0])
+    d, _ = BacklogFlow(horizon_s=1.0, target_utilization=0.9).apply(state, one_each(state))
+    assert d.replicas() == [1, 3, 3, 3]
+    assert [s.key for s in d.stages] == [False, True, True, True]
+    assert d.stages[3].reason["backlog_upstream"] == 27
+
+
+def test_a_bursts_size_is_held_then_let_go():
+    flow = BacklogFlow(horizon_s=1.0, target_utilization=0.9, hold_s=30.0)
+    burst = pipeline([27, 0], now=0.0)
+    _, memory = flow.apply(burst, one_each(burst))
+    calm = pipeline([0, 0], now=20.0)
+    d, memory = flow.apply(calm, one_each(calm), memory)
+    assert d.replicas() == [3, 3]
+    later = pipeline([0, 0], now=31.0)
+    d, _ = flow.apply(later, one_each(later), memory)
+    assert d.replicas() == [1, 1]
+
+
+def test_the_envelope_is_the_busiest_second_of_the_window():
+    times = [0.0, 5.0, 5.2, 5.4, 5.9, 9.0]
+    assert peak_count(times) == 4 and peak_count([]) == 0
+    s = stage_state(0, 10.0, Window.of(np.array(times), np.array([]), np.array([])), 0.1, 1, [1.0], 0, 0)
+    assert s.peak_rate == 4.0 and s.arrival_rate == 0.6
