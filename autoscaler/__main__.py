@@ -71,12 +71,12 @@ def status(settings: Settings, watch: bool) -> int:
             fields = last[0][1]
             lines.append(f"{model} ({fields[b'policy'].decode()}, {time.time() - float(fields[b't']):.1f} s ago)")
             lines.append(f"  {'stage':>5} {'λ/s':>7} {'μ/s':>7} {'queue':>6} {'repl':>5} {'→':>3} {'cpus':>5} "
-                         f"{'delay s':>8} {'target s':>8} {'cv':>5} key")
+                         f"{'delay s':>8} {'target s':>8} {'cv':>5} {'busy':>5} key")
             for s in json.loads(fields[b"stages"]):
                 lines.append(f"  {s['stage']:>5} {s.get('lambda', 0):>7.2f} {s.get('mu', 0):>7.2f} {s['queue']:>6} "
                              f"{s.get('observed_replicas', ''):>5} {s['replicas']:>3} {s['cpus']:>5.1f} "
                              f"{str(s.get('predicted_delay_s', '')):>8.8} {s.get('target_s', 0):>8.3f} "
-                             f"{_cv(s):>5} {'*' if s['key'] else ''}")
+                             f"{_cv(s):>5} {s.get('busy', 0):>5.0%} {'*' if s['key'] else ''}")
         print("\n".join(lines), flush=True)
         if not watch:
             return 0

@@ -12,6 +12,7 @@ from benchmarks import (
     generation,
     hop,
     kv_migration,
+    live_policies,
     loadgen,
     overload,
     pipeline_overhead,
@@ -22,6 +23,7 @@ from benchmarks import (
     simulator,
     simulator_coldstart,
     simulator_generation,
+    simulator_policies,
     soak,
 )
 
@@ -34,7 +36,9 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "overload": overload.main, "soak": soak.main,
               "containers": lambda: containers.main([]), "coldstart": lambda: coldstart.main([]),
               "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([]),
-              "simulator_coldstart": lambda: simulator_coldstart.main([])}
+              "simulator_coldstart": lambda: simulator_coldstart.main([]),
+              "simulator_policies": lambda: simulator_policies.main([]),
+              "live_policies": lambda: live_policies.main([])}
 
 
 def main(argv: list[str]) -> int:

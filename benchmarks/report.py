@@ -18,6 +18,19 @@ def percentiles(samples_ms: list[float]) -> dict[str, float]:
             "mean": round(float(a.mean()), 3), "n": int(a.size)}
 
 
+# Student's t at 97.5 % for 1-10 degrees of freedom (a 95 % interval of a mean of a few runs).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95 % interval (Student's t; 0 for one value)."""
+    a = np.asarray(values, dtype=float)
+    if len(a) < 2:
+        return float(a.mean()), 0.0
+    t = _T975[len(a) - 2] if len(a) - 1 <= len(_T975) else 1.96
+    return float(a.mean()), float(t * a.std(ddof=1) / np.sqrt(len(a)))
+
+
 def conditions(**extra: object) -> dict:
     return {"machine": platform.node(), "cpu": platform.processor() or platform.machine(),
             "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,

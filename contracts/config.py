@@ -108,6 +108,7 @@ class CacheConfig:
     stages: str = "all"
     memory_threshold: float = 0.85
     fork_cow: bool = True
+    min_residency_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class AutoscalerConfig:
     slo_s: float = 2.0
     window_s: float = 10.0
     cpu_max: int = 2
+    cpu_total: int = 0               # R_total: CPUs all replicas together get (0: no bound)
     layout_window_s: float = 30.0
     layout_windows: int = 4
     policy_params: dict = field(default_factory=dict)
@@ -407,6 +409,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_CACHE_MEMORY_THRESHOLD", "cache.memory_threshold", "host memory use above which zygotes are evicted (LRU)",
         _fraction),
     Var("QUART_FORK_COW", "cache.fork_cow", "forked replicas share the zygote's pages copy-on-write; false clones them"),
+    Var("QUART_CACHE_MIN_RESIDENCY_S", "cache.min_residency_s",
+        "a zygote cached less than this long ago is not evicted to make room for another key stage (no churn "
+        "while key stages flip)", _not_negative),
     Var("QUART_POLICY", "autoscaler.policy", "`quart`, a baseline's name, or `none` (no autoscaler)"),
     Var("QUART_BACKEND", "autoscaler.backend",
         "how the autoscaler's decisions take effect: `local` (the embedded runtime: replicas and live CPU changes), "
@@ -421,6 +426,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_LAYOUT_WINDOWS", "autoscaler.layout_windows",
         "windows the request peak is taken over; a model must be this many windows warm to consolidate", _positive),
     Var("QUART_CPU_MAX", "autoscaler.cpu_max", "most CPUs the compensator gives one replica", _positive),
+    Var("QUART_CPU_TOTAL", "autoscaler.cpu_total",
+        "R_total of QUART's Algorithm 1: the CPUs all stage replicas of every model hold together (replicas × "
+        "CPUs each); the compensator's raises are taken back, largest first, where they would pass it; 0: no bound",
+        _not_negative),
     Var("QUART_POLICY_PARAMS", "autoscaler.policy_params",
         "the policy's own parameters as JSON, e.g. `{\"kp\": 0.5}` (QUART's PID) or `{\"target_concurrency\": 2}` (KPA)",
         _no_bounds),

@@ -69,6 +69,12 @@ def stage_cpus(stage: StageRef) -> str:
     return f"{PREFIX}:cpus:{stage.key}"
 
 
+def cpu_sets(server: str) -> str:
+    """Hash: the cores each pinned replica on a server holds (replica id -> "0,1"), so that the
+    next one is pinned to others where enough are free (QUART Algorithm 1's CPU allocation)."""
+    return f"{PREFIX}:cpusets:{server}"
+
+
 def decisions(model: str) -> str:
     """The autoscaler's decisions for a model, each with its reason, capped in length."""
     return f"{PREFIX}:decisions:{model}"

@@ -16,20 +16,26 @@ class Held:
     bytes: int
     last_use: float
     forking: bool = False
+    cached_at: float = float("-inf")
 
 
-def evictions(held: list[Held], key_stages: set[str], budget: int, size: int) -> list[str]:
+def evictions(held: list[Held], key_stages: set[str], budget: int, size: int, now: float = 0.0,
+              min_residency_s: float = 0.0) -> list[str]:
     """Keys to evict, least recently used first, so that `size` more bytes fit in `budget`.
-    Key stages and zygotes being forked from stay; when even evicting every other one would
-    not make room, refuses before anything is evicted for nothing. A budget <= 0 is unlimited."""
+    Key stages, zygotes being forked from, and zygotes cached less than `min_residency_s` ago
+    stay (the last: a stage that is key one tick and not the next does not evict what was just
+    cached for it, churning the cache so forks fall back to cold starts); when even evicting
+    every other one would not make room, refuses before anything is evicted for nothing. A
+    budget <= 0 is unlimited."""
     if budget <= 0:
         return []
-    idle = sorted((h for h in held if not h.forking and h.key not in key_stages), key=lambda h: h.last_use)
+    idle = sorted((h for h in held if not h.forking and h.key not in key_stages
+                   and now - h.cached_at >= min_residency_s), key=lambda h: h.last_use)
     total = sum(h.bytes for h in held)
     kept = total - sum(h.bytes for h in idle)
     if kept + size > budget:
-        raise OverBudget(f"{size} B do not fit: {kept} of {budget} B are held by key stages "
-                         "or zygotes being forked from")
+        raise OverBudget(f"{size} B do not fit: {kept} of {budget} B are held by key stages, "
+                         "zygotes being forked from, or ones cached too recently to evict")
     out = []
     for h in idle:
         if total + size <= budget:

@@ -192,8 +192,9 @@ class KeysManager:
         """Within a byte budget, evicts what `cache_policy.evictions` picks (idle zygotes that are
         not key stages, least recently used first); OverBudget when nothing can make room."""
         key_stages = {s.key for s in self.key_stages()} if self.settings.servers.cache_bytes > 0 else set()
-        held = [Held(z.key, z.bytes, z.last_use, z.forking > 0) for z in self.zygotes.values()]
-        for key in evictions(held, key_stages, self.settings.servers.cache_bytes, size):
+        held = [Held(z.key, z.bytes, z.last_use, z.forking > 0, z.started_at) for z in self.zygotes.values()]
+        for key in evictions(held, key_stages, self.settings.servers.cache_bytes, size, time.time(),
+                             self.settings.cache.min_residency_s):
             self._evict_locked(self.zygotes[StageRef.from_key(key)], f"making room within the {self.settings.servers.cache_bytes} B budget")
 
     def cached_bytes(self) -> int:
@@ -275,6 +276,9 @@ class KeysManager:
 
     def _evict_locked(self, z: Zygote, reason: str) -> None:
         self.zygotes.pop(z.stage, None)
+        # Out of what the scheduler reads first, so that no new fork is sent to it while it ends.
+        self.redis.srem(keys.zygotes(self.server), z.key)
+        self.redis.delete(keys.zygote(self.server, z.stage))
         if z.alive():
             z.proc.terminate()
             try:
@@ -283,8 +287,6 @@ class KeysManager:
                 z.proc.kill()
                 z.proc.wait()
         z.socket.unlink(missing_ok=True)
-        self.redis.delete(keys.zygote(self.server, z.stage))
-        self.redis.srem(keys.zygotes(self.server), z.key)
         self._event("evict", z, reason=reason)
         log.info("evicted %s (%s)", z.key, reason)
 

@@ -14,6 +14,7 @@ lengths come from the trace). Reports go to --out (default <home>/reports/<time>
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -44,6 +45,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add_arrival_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=1, help="answer length where no trace gives one")
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--params", action="append", default=[], metavar="POLICY=JSON",
+                   help='compare: one policy\'s QUART_POLICY_PARAMS, e.g. inferline=\'{"plan_rps": 20, "plan_cv": 4}\'')
     p.add_argument("--tail", type=float, default=10.0, help="seconds sampled after the last request")
     p.add_argument("--label", default=None, help="replay: the run's name in the report")
     p.add_argument("--out", default=None)
@@ -163,14 +166,31 @@ def conditions(a: argparse.Namespace, settings: Settings, requests: list[Request
             "emulated": all(kind_of(m) == "emulated" for m in a.model.split(","))}
 
 
+def policy_params(items: list[str]) -> dict[str, dict]:
+    """--params POLICY=JSON, each a JSON object; SystemExit naming a malformed one."""
+    out = {}
+    for item in items:
+        policy, _, raw = item.partition("=")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--params {item!r}: not JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise SystemExit(f"--params {item!r}: a JSON object, please")
+        out[policy.strip()] = value
+    return out
+
+
 def compare(a: argparse.Namespace, base: Settings, requests: list[Request]) -> dict[str, dict]:
     from runtime import __main__ as control
     from runtime.ports import free_port
     runs = {}
+    params = policy_params(a.params)
     for policy in [p.strip() for p in a.policies.split(",") if p.strip()]:
         home = tempfile.mkdtemp(prefix=f"quart-{policy}-")
         settings = base.replace(home=home, models=str(base.models_dir), gateway_port=free_port(),
-                                redis_port=free_port(), keysmanager_port=free_port(), policy=policy)
+                                redis_port=free_port(), keysmanager_port=free_port(), policy=policy,
+                                policy_params=params.get(policy, base.autoscaler.policy_params))
         print(f"{policy}: starting a fresh runtime ...", flush=True)
         try:
             if control.up(settings, timeout=600) != 0:

@@ -19,6 +19,7 @@ import redis
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
+from autoscaler.policy.cpu_sets import pick_cores
 from contracts import keys
 from contracts.config import Settings
 from contracts.proc_stat import started_at
@@ -101,7 +102,10 @@ class Replica:
         self.first_work_at: float | None = None
         self._allowed_cpus = sorted(os.sched_getaffinity(0))
         self.cpus = max(1, settings.compute.threads)
-        self._wanted_cpus = self.cpus
+        # CPUs the autoscaler asked for (quart:cpus:<stage>), and those this replica is pinned to
+        # (None: not pinned, every allowed core; a replica at its default count still pins when asked).
+        self._wanted_cpus: int | None = None
+        self._pinned: int | None = None
         self._threads: list[threading.Thread] = []
 
     @property
@@ -163,6 +167,7 @@ class Replica:
             thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         deregister(self.redis, self.info)
         self.redis.delete(self.private)
+        self.redis.hdel(keys.cpu_sets(self.info.server), self.replica_id)
         log.info("replica %s stopped", self.replica_id)
 
     def _give_back_waiting(self) -> None:
@@ -181,7 +186,7 @@ class Replica:
         next_reclaim = next_expiry = 0.0
         while not self._stop.is_set():
             try:
-                if self._wanted_cpus != self.cpus:
+                if self._wanted_cpus is not None and self._wanted_cpus != self._pinned:
                     self._apply_cpus(self._wanted_cpus)
                 reclaim = time.monotonic() >= next_reclaim
                 if reclaim:
@@ -438,8 +443,9 @@ class Replica:
 
     def _apply_cpus(self, cpus: int) -> None:
         """Changes this replica's CPUs while it runs: the affinity of every thread of the process
-        and torch's thread count (emulated stages scale their service time instead)."""
-        cores = self._allowed_cpus[: max(1, min(cpus, len(self._allowed_cpus)))]
+        and torch's thread count (emulated stages scale their service time instead), on cores
+        the server's other pinned replicas do not hold where enough are free."""
+        cores = self._claim_cores(cpus)
         for tid in os.listdir("/proc/self/task"):
             try:
                 os.sched_setaffinity(int(tid), cores)
@@ -448,9 +454,32 @@ class Replica:
         torch.set_num_threads(len(cores))
         if hasattr(self.runner, "cpus"):
             self.runner.cpus = cpus
-        self.cpus = cpus
+        self.cpus = self._pinned = cpus
         self.redis.hset(keys.replica(self.replica_id), "cpus", str(cpus))
         log.info("%s now uses %d CPUs (cores %s)", self.replica_id, cpus, cores)
+
+    def _claim_cores(self, cpus: int) -> list[int]:
+        """Picks and records this replica's cores in the server's hash of pinned replicas (in a
+        WATCH transaction: two replicas pinned at once do not pick the same free cores); entries
+        of replicas that are gone are dropped on the way."""
+        key = keys.cpu_sets(self.info.server)
+        with self.redis.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    held = {rid.decode(): v.decode() for rid, v in pipe.hgetall(key).items()
+                            if rid.decode() != self.replica_id}
+                    gone = [rid for rid in held if not pipe.exists(keys.replica(rid))]
+                    others = [[int(c) for c in v.split(",")] for rid, v in held.items() if rid not in gone]
+                    cores = pick_cores(self._allowed_cpus, others, cpus)
+                    pipe.multi()
+                    if gone:
+                        pipe.hdel(key, *gone)
+                    pipe.hset(key, self.replica_id, ",".join(map(str, cores)))
+                    pipe.execute()
+                    return cores
+                except redis.WatchError:
+                    continue
 
     # -- liveness ------------------------------------------------------------------------------
 

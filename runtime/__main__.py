@@ -15,7 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from contracts.config import Settings, add_arguments, child_environment, exit_on_config_error, settings_from_args
+from contracts.config import (
+    ConfigError,
+    Settings,
+    add_arguments,
+    child_environment,
+    exit_on_config_error,
+    settings_from_args,
+)
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.proc_stat import stat_fields
@@ -31,6 +38,14 @@ def ensure_partitioned(settings: Settings) -> None:
     for model, pipeline in pipelines(stack).items():
         if model not in emulated:  # an emulated model has no weights to partition
             ensure(settings.models_dir, model, pipeline.num_stages)
+
+
+def check_policy(settings: Settings) -> None:
+    """The autoscaler's policy builds for every model of the stack, its artefacts included:
+    ConfigError here, rather than an autoscaler that exits at every restart."""
+    if settings.autoscaler.policy != "none":
+        from autoscaler.policy.controller import Controller
+        Controller.from_settings(settings, {m: p.stages for m, p in pipelines(read_stack(Path(settings.stack_file))).items()})
 
 
 def _pid(settings: Settings) -> int | None:
@@ -49,6 +64,11 @@ def up(settings: Settings, timeout: float) -> int:
         print(f"the runtime is already running (pid file {Path(settings.home) / PID_FILE})")
         return 0
     settings = settings.replace(stack_file=str(Path(settings.stack_file).resolve()))
+    try:
+        check_policy(settings)
+    except ConfigError as exc:
+        print(f"up: {exc}", file=sys.stderr)
+        return 2
     ensure_partitioned(settings)
     home = Path(settings.home)
     (home / "logs").mkdir(parents=True, exist_ok=True)
@@ -67,6 +87,7 @@ def up(settings: Settings, timeout: float) -> int:
         down(settings)
         return 1
     print(f"ready: gateway {settings.gateway.url}, admin password in {settings.password_file}")
+    print(cache_status(settings) + " (`make status` shows it again)")
     return 0
 
 
@@ -204,7 +225,28 @@ def status(settings: Settings) -> int:
     print(f"{'function':<16} {'replicas':>8} {'ready':>6} {'invocations':>12}")
     for f in client.functions():
         print(f"{f['name']:<16} {f['replicas']:>8} {f['availableReplicas']:>6} {f['invocationCount']:>12}")
+    print()
+    print(cache_status(settings))
     return 0
+
+
+def cache_status(settings: Settings) -> str:
+    """Which of the stage ranges QUART_CACHE_STAGES names are cached yet, over every server: until
+    they are, their scale-ups start cold."""
+    from keysmanager.client import KeysClient, KeysManagerError
+    from runtime.server import stages_to_cache
+    wanted = stages_to_cache(settings, read_stack(Path(settings.stack_file)))
+    cached, unreachable = set(), []
+    for i, server in enumerate(settings.virtual_server_names()):
+        try:
+            client = KeysClient.for_settings(settings.replace(keysmanager_port=settings.cache.port + i), timeout=5)
+            cached |= {f"{z['model']}:{z['stages']}" for z in client.zygotes()}
+        except (KeysManagerError, OSError):
+            unreachable.append(server)
+    missing = [s.key for s in wanted if s.key not in cached]
+    line = (f"cache: {len(wanted) - len(missing)} of {len(wanted)} configured stage ranges cached"
+            + (f"; warming {', '.join(missing)} (their scale-ups start cold until then)" if missing else ""))
+    return line + (f"; KeysManager unreachable on {', '.join(unreachable)}" if unreachable else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ class Zygote:
     bytes: int
     last_use: float
     ready: bool = False
+    cached_at: float = float("-inf")
 
 
 class Background:
@@ -56,7 +57,7 @@ class SimCluster:
     def __init__(self, cfg: SimConfig, chains: dict[str, list[Stage]], scheduler: Scheduler,
                  schedule_event: Callable, start_serving: Callable[[Replica, float], None],
                  drain_generative: Callable[[Replica, float], None] | None = None,
-                 cache_key_stages: bool = True) -> None:
+                 cache_key_stages: bool = True, min_residency_s: float = 0.0) -> None:
         self.cfg, self.by_model, self.scheduler = cfg, chains, scheduler
         self.stages = {s.key: s for chain in chains.values() for s in chain}
         self.servers = [Server(f"server-{i}", cfg.slots, cfg.cache_budget, reads=Fluid(cfg.bandwidth),
@@ -68,6 +69,7 @@ class SimCluster:
         self._event, self._start_serving = schedule_event, start_serving
         self._drain_generative = drain_generative     # a generative stage's replica leaves through its data plane
         self.cache_key_stages = cache_key_stages
+        self.min_residency_s = min_residency_s
         self._ids = 0
         self.placements: list[dict] = []
         self.starts = {"fork": 0, "cold": 0}
@@ -228,13 +230,13 @@ class SimCluster:
         shard read into host memory (a zygote start)."""
         if st.key in sv.zygotes:
             return True
-        held = [Held(k, z.bytes, z.last_use) for k, z in sv.zygotes.items()]
+        held = [Held(k, z.bytes, z.last_use, cached_at=z.cached_at) for k, z in sv.zygotes.items()]
         try:
-            for key in evictions(held, set(self.key_stage_keys()), sv.budget, st.shard_bytes):
+            for key in evictions(held, set(self.key_stage_keys()), sv.budget, st.shard_bytes, now, self.min_residency_s):
                 del sv.zygotes[key]
         except OverBudget:
             return False
-        z = sv.zygotes[st.key] = Zygote(st.shard_bytes, now)
+        z = sv.zygotes[st.key] = Zygote(st.shard_bytes, now, cached_at=now)
         self._read(sv, z, st.shard_bytes, now)
         return True
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from autoscaler.policy.controller import Controller, enact
 from autoscaler.policy.state import PipelineState
+from contracts import artefacts
 from contracts.config import Settings, load_settings
 from contracts.stage import StageRef
 from loadgen.client import Record
@@ -96,10 +97,14 @@ class Simulation:
             self.prompt_rngs[m.name] = np.random.default_rng(child.spawn(1)[0])
             for a, b in zip(chain, chain[1:]):
                 a.next = b
+            for a, b in (m.graph() if isinstance(m, SimModel) else zip(range(len(chain)), range(1, len(chain)))):
+                chain[a].successors.append(chain[b])
+                chain[b].predecessors += 1
             self.chains[m.name] = chain
             if isinstance(m, SimModel):
                 self.hop[m.name] = cfg.hop(m.activation_bytes)
         self.stages = {s.key: s for chain in self.chains.values() for s in chain}
+        self.parts: dict[tuple[int, str], int] = {}     # (request, join stage) -> parts arrived
         # Requests, in arrival order over all models.
         names = [m.name for m in models]
         order = [(float(t), k) for k, m in enumerate(names) for t in np.asarray(arrivals.get(m, []))]
@@ -123,10 +128,17 @@ class Simulation:
         self.cluster = SimCluster(cfg, self.chains,
                                   scheduler or Scheduler(SchedulerParams.from_settings(self.settings)),
                                   self.schedule, self._serve_next, self.generation.drain if self.generation else None,
-                                  cache_key_stages=not self.settings.autoscaler.ablated("fork-cache"))
+                                  cache_key_stages=not self.settings.autoscaler.ablated("fork-cache"),
+                                  min_residency_s=self.settings.cache.min_residency_s)
         self.slo = {m.name: cfg.slo_x * unloaded_latency(cfg, m) if cfg.slo_x > 0 else cfg.slo_s for m in models}
+        # The compensator runs on the fits the live one would (artefacts measured on the emulated
+        # stages); a model without any gets the fits of the service law simulated, and a
+        # generative model's batched step has no CPU law here (calibrated at its measured threads).
+        fits = {m.name: m.cpu_fits(cfg.service_overhead_s) if isinstance(m, SimModel) else {} for m in models
+                if not isinstance(m, SimModel) or artefacts.find(self.settings.home, artefacts.cpu_fits_name(m.name)) is None}
         self.controller = Controller.from_settings(
-            self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models})
+            self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models},
+            fits)
 
     def _stage(self, m: SimModel | GenerativeModel, i: int, rng: np.random.Generator) -> Stage:
         if isinstance(m, GenerativeModel):
@@ -228,6 +240,13 @@ class Simulation:
         return self.entry_free
 
     def _enqueue(self, st: Stage, item: tuple[int, float], now: float) -> None:
+        if st.predecessors > 1:
+            # A join: the request starts here once every predecessor's part is in.
+            key = (item[0], st.key)
+            self.parts[key] = self.parts.get(key, 0) + 1
+            if self.parts[key] < st.predecessors:
+                return
+            del self.parts[key]
         self.observe_arrival(st, now)
         if st.idle:
             self._begin(st.idle.pop(), item, now)
@@ -256,9 +275,9 @@ class Simulation:
         st.finish(now, float(self.service[i, st.index]), float(self.wait[i, st.index]))
         slow = r.server.slowdown()
         hop = self.hop[st.model] * slow
-        if st.next is not None:
-            self.schedule(now + hop, "enq", st.next, (i, now))
-        else:
+        for successor in st.successors:
+            self.schedule(now + hop, "enq", successor, (i, now))
+        if not st.successors:
             self.schedule(self._entry(now + hop), "reply", i)
         if r.draining:
             self.cluster.release(r)
@@ -304,6 +323,7 @@ class Simulation:
         for m in self.models:
             states = tuple(st.observe(now, self.cfg.window_s) for st in self.chains[m.name])
             observations[m.name] = PipelineState(m.name, states, slo_s=self.slo[m.name],
+                                                 edges=m.edges if isinstance(m, SimModel) else None,
                                                  entry_rate=states[0].arrival_rate, now=now,
                                                  cpu_free=None if isinstance(m, SimModel) else cpu_free)
         for actions in self.controller.step(now, observations):

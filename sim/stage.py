@@ -45,7 +45,9 @@ class Stage:
         self.cpus = 1
         self.desired = 0
         self.cost: StepCost | None = None     # a generative stage's batched step (sim.generation)
-        self.next: Stage | None = None
+        self.next: Stage | None = None      # a chain's next stage (generative models)
+        self.successors: list[Stage] = []    # every stage this one's output goes to
+        self.predecessors = 0                # parts a request brings before it starts here
         self.queue: deque = deque()          # (request, handed-off time)
         self.idle: list[Replica] = []
         self.replicas: list[Replica] = []    # every replica holding a slot, draining ones too

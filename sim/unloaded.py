@@ -23,10 +23,11 @@ def unloaded_generation(cfg: SimConfig, model: GenerativeModel) -> tuple[float, 
 
 
 def unloaded_latency(cfg: SimConfig, model: AnyModel) -> float:
-    """A request alone in the pipeline: the entry, every stage's mean service and every hop."""
+    """A request alone in the pipeline: the entry, and every stage's mean service and hop on its
+    critical path (every stage, in a chain)."""
     if isinstance(model, GenerativeModel):
         ttft, tpot = unloaded_generation(cfg, model)
         return ttft + (model.new_tokens - 1) * tpot
     p = model.profile
     hop = cfg.hop(model.activation_bytes)
-    return cfg.entry_s + sum(p.stage_ms(i) / 1000.0 + cfg.service_overhead_s + hop for i in range(model.num_stages))
+    return cfg.entry_s + sum(p.stage_ms(i) / 1000.0 + cfg.service_overhead_s + hop for i in model.critical_path())

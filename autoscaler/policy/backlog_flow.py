@@ -6,7 +6,7 @@ burst has not reached yet, whose windows look calm; and a burst that comes back 
 replicas of the last one reclaimed.
 
 The backlog is known at once, though, and where it will go: every item queued at stage k passes
-through every later stage. So each stage is sized for the traffic it is about to carry: its own
+through every stage after it in the graph. So each stage is sized for the traffic it is about to carry: its own
 arrival rate, its traffic envelope (the busiest second of the window), or the backlog queued at
 it and before it drained within `horizon_s`, whichever is highest; and that size is held for
 `hold_s`, since bursts recur. A stage sized up this way is marked key, so the KeysManagers cache
@@ -22,6 +22,19 @@ from autoscaler.policy.state import Decision, PipelineState, StageDecision
 FlowMemory = tuple[tuple[int, float], ...]
 
 
+def backlog_upstream(state: PipelineState) -> list[int]:
+    """Per stage, the requests queued or in service at it or before it: every one of them will
+    pass it. Past a join, a request's parts wait in each branch: it counts once, by its branch
+    with the most."""
+    up = [s.queue_length + s.in_flight for s in state.stages]
+    before: dict[int, int] = {}
+    for a, b in sorted(state.graph()):
+        before[b] = max(before.get(b, 0), up[a])
+        # Edges sorted by their source: every edge into b comes before any edge out of b.
+        up[b] = state.stages[b].queue_length + state.stages[b].in_flight + before[b]
+    return up
+
+
 @dataclass(frozen=True)
 class BacklogFlow:
     horizon_s: float = 1.0            # drain what is queued up to a stage within this
@@ -31,9 +44,8 @@ class BacklogFlow:
     def apply(self, state: PipelineState, decision: Decision,
               memory: FlowMemory = ()) -> tuple[Decision, FlowMemory]:
         held = memory if len(memory) == len(state.stages) else ((0, -math.inf),) * len(state.stages)
-        out, new_memory, upstream = [], [], 0
-        for s, d, (last_need, since) in zip(state.stages, decision.stages, held):
-            upstream += s.queue_length + s.in_flight
+        out, new_memory = [], []
+        for s, d, (last_need, since), upstream in zip(state.stages, decision.stages, held, backlog_upstream(state)):
             rate = max(s.arrival_rate, s.peak_rate, upstream / self.horizon_s)
             need = state.bounds.clamp(math.ceil(rate * s.service_time_s / self.target_utilization))
             if need >= last_need or state.now - since > self.hold_s:

@@ -12,48 +12,68 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Protocol
 
 from autoscaler.policy.backlog_flow import BacklogFlow
 from autoscaler.policy.baselines import BASELINES
-from autoscaler.policy.compensator import Compensator, load_fits
+from autoscaler.policy.compensator import Compensator, CPUFit, load_fits, within_total
 from autoscaler.policy.corrector import Corrector, PIDConfig
 from autoscaler.policy.cpu_guard import hold_without_cpu
 from autoscaler.policy.quart import Quart
 from autoscaler.policy.smoother import CVAttention, Smoother, predict_cvs
 from autoscaler.policy.state import Decision, PipelineState
+from contracts import artefacts
 from contracts.config import Bounds, ConfigError, Settings, from_params
 from contracts.stage import StageRef
 
-CV_MODEL_FILE = "cv_attention.pt"
-CPU_FITS_FILE = "cpu_fits.json"
-
-
-# Every policy a user can name, QUART first: each baseline at its documented defaults and tuned.
+# Every policy a user can name: QUART's variants (the paper's, and quart-flow, which sizes stages ahead of a
+# burst's backlog), then each baseline at its documented defaults and tuned.
 VARIANTS = ("quart", "quart-flow")
 POLICIES = (*VARIANTS, *BASELINES)
 
 
-def load_cv_model(settings: Settings) -> CVAttention | None:
-    """The trained CV-attention model in QUART_HOME, if there is one."""
-    path = Path(settings.home) / CV_MODEL_FILE
-    return CVAttention.load(path) if path.exists() else None
+def load_cv_model(settings: Settings) -> CVAttention:
+    """The trained CV-attention model: QUART_HOME's, else the shipped one; ConfigError naming
+    the command that makes it when there is neither."""
+    path = artefacts.find(settings.home, artefacts.CV_MODEL)
+    if path is None:
+        raise ConfigError(f"no trained CV-attention model ({artefacts.CV_MODEL} in {settings.home} or "
+                          f"{artefacts.SHIPPED}): make it with `{artefacts.MAKE_ALL} --only cv`, "
+                          "or run without it: QUART_ABLATE=attention")
+    return CVAttention.load(path)
 
 
-def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = None) -> object:
-    """The configured policy for one model. QUART uses a trained CV model and CPU fits where they
-    exist in QUART_HOME (cv_attention.pt, <model>.cpu_fits.json); without them it smooths on
-    observed CVs and leaves CPUs alone. ConfigError for an unknown policy or parameter."""
+def load_cpu_fits(settings: Settings, model: str) -> dict[int, CPUFit]:
+    """A model's CPU fits: QUART_HOME's, else the shipped ones; ConfigError naming the command
+    that makes them when there are neither."""
+    name = artefacts.cpu_fits_name(model)
+    path = artefacts.find(settings.home, name)
+    if path is None:
+        raise ConfigError(f"no CPU fits for {model!r} ({name} in {settings.home} or {artefacts.SHIPPED}): "
+                          f"profile it with `{artefacts.make_fits_command(model, settings.home)}`, "
+                          "or run without the compensator: QUART_ABLATE=compensator")
+    return load_fits(path)
+
+
+def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = None,
+                fits: dict[int, CPUFit] | None = None) -> object:
+    """The configured policy for one model. QUART runs every mechanism that QUART_ABLATE leaves
+    on: the trained CV model and the model's CPU fits (`fits` given: those, {} for a model with no
+    CPU law) from the artefacts. ConfigError for an unknown policy or parameter, or a missing
+    artefact."""
     cfg = settings.autoscaler
     if cfg.policy in BASELINES:
         return from_params(BASELINES[cfg.policy], cfg.policy_params, "QUART_POLICY_PARAMS")
     if cfg.policy not in VARIANTS:
         raise ConfigError(f"QUART_POLICY={cfg.policy!r}: choose none or one of {list(POLICIES)}")
-    cv_model = None if cfg.ablated("attention") else cv_model or load_cv_model(settings)
-    fits_path = Path(settings.home) / f"{model}.{CPU_FITS_FILE}"
-    compensator = Compensator(load_fits(fits_path), cpu_max=cfg.cpu_max) \
-        if fits_path.exists() and not cfg.ablated("compensator") else None
+    if not cfg.ablated("attention"):
+        cv_model = cv_model or load_cv_model(settings)
+    else:
+        cv_model = None
+    compensator = None
+    if not cfg.ablated("compensator"):
+        fits = load_cpu_fits(settings, model) if fits is None else fits
+        compensator = Compensator(fits, cpu_max=cfg.cpu_max) if fits else None
     pid = from_params(PIDConfig, {"period_s": cfg.tick_s, **cfg.policy_params}, "QUART_POLICY_PARAMS")
     flow = BacklogFlow() if cfg.policy == "quart-flow" else None
     return Quart(Corrector(pid), Smoother(cv_model), compensator, flow, name=cfg.policy)
@@ -82,6 +102,7 @@ class Actions:
                 "key": json.dumps([s.stages for s in self.key_stages]),
                 "stages": json.dumps([{"stage": ref.stages, "observed_replicas": s.replicas, "replicas": d.replicas,
                                        "cpus": d.cpus, "key": d.key, "queue": s.queue_length,
+                                       "busy": round(s.busy_fraction, 3),
                                        **{k: readable(v) for k, v in d.reason.items()}}
                                       for ref, s, d in zip(self.stages, state.stages, decision.stages)])}
 
@@ -110,19 +131,29 @@ class Controller:
     policies: dict[str, object]
     bounds: Bounds = field(default_factory=Bounds)
     memory: dict[str, object] = field(default_factory=dict)
+    cpu_total: int = 0          # R_total (QUART_CPU_TOTAL); 0: no bound
 
     @classmethod
-    def from_settings(cls, settings: Settings, pipelines: dict[str, tuple[StageRef, ...]]) -> Controller:
+    def from_settings(cls, settings: Settings, pipelines: dict[str, tuple[StageRef, ...]],
+                      fits: dict[str, dict[int, CPUFit]] | None = None) -> Controller:
+        """`fits`: CPU fits per model where the caller has them (the simulator, from the service
+        law it simulates); the others' come from the artefacts."""
         # One CV model for every model's policy, so that their predictions batch together.
         cfg = settings.autoscaler
-        cv_model = load_cv_model(settings) if cfg.policy in VARIANTS and not cfg.ablated("attention") else None
-        return cls(pipelines, {m: make_policy(settings, m, cv_model) for m in pipelines},
-                   settings.autoscaler.bounds)
+        quart = cfg.policy in VARIANTS and not cfg.ablated("attention")
+        cv_model = load_cv_model(settings) if quart else None
+        fits = fits or {}
+        return cls(pipelines, {m: make_policy(settings, m, cv_model, fits.get(m)) for m in pipelines},
+                   settings.autoscaler.bounds, cpu_total=cfg.cpu_total)
 
     def step(self, now: float, observations: dict[str, PipelineState]) -> list[Actions]:
         states = {m: replace(observations[m], bounds=self.bounds, now=now)
                   for m in self.pipelines if m in observations and observations[m].stages}
         decided = self._decide(states)
+        if self.cpu_total > 0 and decided:
+            models = list(decided)
+            bounded = within_total([states[m] for m in models], [decided[m] for m in models], self.cpu_total)
+            decided = dict(zip(models, bounded))
         return [self._actions(states[m], decided[m]) for m in self.pipelines if m in decided]
 
     def _decide(self, states: dict[str, PipelineState]) -> dict[str, Decision]:

@@ -46,12 +46,12 @@ class CorrectorMemory:
 
 
 def stage_targets(state: PipelineState) -> list[float]:
-    """Each stage's delay target: the SLO split in proportion to the stages' service times."""
-    if any(s.service_time_s <= 0 for s in state.stages):
-        # A stage that has not served anything yet has no known service time: split evenly.
-        return [state.slo_s / len(state.stages)] * len(state.stages)
-    total = sum(s.service_time_s for s in state.stages)
-    return [state.slo_s * s.service_time_s / total for s in state.stages]
+    """Each stage's delay target: the SLO split in proportion to the service times along the
+    heaviest path through the stage (in a chain, all stages)."""
+    known = all(s.service_time_s > 0 for s in state.stages)
+    # A stage that has not served anything yet has no known service time: count stages instead.
+    weights = [s.service_time_s if known else 1.0 for s in state.stages]
+    return [state.slo_s * w / length for w, length in zip(weights, state.path_lengths(weights))]
 
 
 def stage_delay(s: StageState) -> float:

@@ -27,6 +27,9 @@ class StageState:
     # The highest arrival rate over any PEAK_S seconds of the window (the traffic envelope's
     # finest time scale, autoscaler.policy.window); 0 where not observed.
     peak_rate: float = 0.0
+    # The share of the window its ready replicas spent computing (QUART Fig. 3a's utilisation):
+    # finished items' service time over window × replicas.
+    busy_fraction: float = 0.0
 
     @property
     def scaling_up(self) -> bool:
@@ -50,7 +53,8 @@ class PipelineState:
     slo_s: float                 # end-to-end latency objective
     entry_rate: float            # requests per second arriving at the model
     now: float = 0.0             # seconds; policies with windows use it
-    # Edges (from, to) of the stage graph; None means a chain 0 -> 1 -> ... -> S-1.
+    # Edges (from, to) of the stage graph, each from a lower stage index to a higher one (the
+    # stages' order is a topological order); None means a chain 0 -> 1 -> ... -> S-1.
     edges: tuple[tuple[int, int], ...] | None = None
     # Replicas a stage may have: policies may read them (the PID's anti-windup, the smoother's
     # floor); the controller applies them to every decision, once.
@@ -63,6 +67,17 @@ class PipelineState:
         if self.edges is not None:
             return self.edges
         return tuple((i, i + 1) for i in range(len(self.stages) - 1))
+
+    def path_lengths(self, weights: list[float]) -> list[float]:
+        """Per stage, the heaviest source-to-sink path through it, by `weights` per stage (a
+        chain: the total)."""
+        n = len(self.stages)
+        before, after = list(weights), list(weights)
+        for a, b in sorted(self.graph()):
+            before[b] = max(before[b], before[a] + weights[b])
+        for a, b in sorted(self.graph(), reverse=True):
+            after[a] = max(after[a], after[b] + weights[a])
+        return [before[i] + after[i] - weights[i] for i in range(n)]
 
 
 @dataclass(slots=True)

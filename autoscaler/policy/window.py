@@ -59,4 +59,5 @@ def stage_state(stage: int, window_s: float, w: Window, mean_service: float, rep
         cpus=sum(live_cpus) / len(live_cpus) if live_cpus else 1.0,
         queue_length=queued, in_flight=in_flight, wait_s=w.wait_mean,
         peak_rate=max(w.peak_arrivals / PEAK_S, w.arrivals / window_s),
+        busy_fraction=min(1.0, w.finished * w.service_mean / (window_s * max(1, len(live_cpus)))),
         latency_s=w.wait_mean + w.service_mean if w.finished else 0.0)

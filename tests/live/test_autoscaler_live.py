@@ -119,7 +119,7 @@ def _allowed_cpus(pid: int) -> set[int]:
     return cpus
 
 
-def test_cpu_changes_take_effect_in_running_replicas(emulated):
+def test_cpu_changes_take_effect_in_running_replicas_on_cores_of_their_own(emulated):
     settings, r = emulated
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs")
@@ -140,5 +140,17 @@ def test_cpu_changes_take_effect_in_running_replicas(emulated):
         while time.time() < deadline and r.hget(keys.replica(replica["replica_id"]), "cpus") != b"1":
             time.sleep(0.2)
         assert all(len(os.sched_getaffinity(int(t))) == 1 for t in os.listdir(f"/proc/{pid}/task"))
+        # A second stage's replica pinned to one CPU takes the core the first does not hold.
+        other = live_replicas(r, MODEL, 6)[0]
+        r.set(keys.stage_cpus(StageRef(MODEL, 6, 7)), "1")
+        burst(f"{settings.gateway.url}/function/{MODEL}", rate=5, seconds=2)
+        deadline = time.time() + 30
+        # (Its record says 1 CPU from the start: wait for its pinning instead.)
+        while time.time() < deadline and len(_allowed_cpus(int(other["pid"]))) != 1:
+            time.sleep(0.2)
+        mine, theirs = _allowed_cpus(pid), _allowed_cpus(int(other["pid"]))
+        assert len(mine) == len(theirs) == 1 and mine != theirs
+        held = {k.decode(): v.decode() for k, v in r.hgetall(keys.cpu_sets(settings.server)).items()}
+        assert held[replica["replica_id"]] == str(min(mine)) and held[other["replica_id"]] == str(min(theirs))
     finally:
-        r.delete(keys.stage_cpus(StageRef(MODEL, 5, 6)))
+        r.delete(keys.stage_cpus(StageRef(MODEL, 5, 6)), keys.stage_cpus(StageRef(MODEL, 6, 7)))

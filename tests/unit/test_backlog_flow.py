@@ -1,7 +1,9 @@
-"""The quart-flow variant's burst sizing, and the traffic envelope it and InferLine read."""
+"""The quart-flow variant's burst sizing, and what a window tells every policy: the traffic envelope
+(which it and InferLine read) and the busy fraction."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from autoscaler.policy.backlog_flow import BacklogFlow
 from autoscaler.policy.state import Decision, PipelineState, StageDecision, StageState
@@ -44,3 +46,9 @@ def test_the_envelope_is_the_busiest_second_of_the_window():
     assert peak_count(times) == 4 and peak_count([]) == 0
     s = stage_state(0, 10.0, Window.of(np.array(times), np.array([]), np.array([])), 0.1, 1, [1.0], 0, 0)
     assert s.peak_rate == 4.0 and s.arrival_rate == 0.6
+
+
+def test_the_busy_fraction_is_service_time_over_the_window_and_replicas():
+    done = Window.of(np.array([1.0, 2.0]), np.array([0.5] * 8), np.array([0.0] * 8))
+    # 8 items of 0.5 s in 10 s on 2 ready replicas: 4 s of 20.
+    assert stage_state(0, 10.0, done, 0.5, 2, [1.0, 1.0], 0, 0).busy_fraction == pytest.approx(0.2)

@@ -133,8 +133,45 @@ def test_policies_come_from_one_configuration(tmp_path):
     policy = make_policy(settings, "m")
     assert isinstance(policy, KnativeKPA) and policy.target_concurrency == 3.0
     quart = make_policy(load_settings(environ={"QUART_POLICY": "quart", "QUART_POLICY_PARAMS": '{"kp": 2.0}',
-                                               "QUART_HOME": str(tmp_path)}), "m")
+                                               "QUART_HOME": str(tmp_path)}), "llama-7b")
     assert quart.corrector.config.kp == 2.0 and quart.corrector.config.period_s == 1.0
+
+
+def test_quart_runs_every_mechanism_from_the_shipped_artefacts_unless_ablated(tmp_path):
+    from autoscaler.policy.controller import make_policy
+    from contracts.config import load_settings
+
+    def quart(**env: str):
+        return make_policy(load_settings(environ={"QUART_POLICY": "quart", "QUART_HOME": str(tmp_path), **env}), "smollm2")
+    full = quart()
+    assert full.smoother.model is not None and sorted(full.compensator.fits) == [0, 1, 2, 3] and full.flow is None
+    assert quart(QUART_ABLATE="attention").smoother.model is None
+    assert quart(QUART_ABLATE="compensator").compensator is None
+    assert make_policy(load_settings(environ={"QUART_POLICY": "quart-flow", "QUART_HOME": str(tmp_path)}),
+                       "llama-7b").flow is not None
+
+
+def test_a_missing_artefact_is_an_error_naming_the_command_that_makes_it(tmp_path, monkeypatch):
+    import pytest
+
+    from autoscaler.policy.controller import make_policy
+    from contracts import artefacts
+    from contracts.config import ConfigError, load_settings
+    settings = load_settings(environ={"QUART_POLICY": "quart", "QUART_HOME": str(tmp_path)})
+    with pytest.raises(ConfigError, match="python -m tools.profile_cpu --model my-model"):
+        make_policy(settings, "my-model")
+    monkeypatch.setattr(artefacts, "SHIPPED", tmp_path / "nothing-shipped")
+    with pytest.raises(ConfigError, match="python -m tools.artefacts --only cv"):
+        make_policy(settings, "llama-7b")
+    # `make up` refuses before it starts anything, with the same message.
+    from contracts.paths import REPO_ROOT
+    from runtime.__main__ import check_policy
+    with pytest.raises(ConfigError, match="tools.artefacts"):
+        check_policy(settings.replace(stack_file=str(REPO_ROOT / "stack-emulated.yml")))
+    check_policy(settings.replace(stack_file=str(REPO_ROOT / "stack-emulated.yml"), ablate="attention,compensator"))
+    # A user's own artefacts in QUART_HOME are found first.
+    (tmp_path / "my-model.cpu_fits.json").write_text('{"0": {"b0": 0.01, "b1": 0.02, "b2": 0.0}}')
+    assert make_policy(settings.replace(ablate="attention"), "my-model").compensator.fits[0].b3 == 0.0
 
 
 def test_plain_names_run_the_documented_defaults_and_tuned_ones_say_so():

@@ -131,3 +131,13 @@ def test_token_metrics_count_each_slo_separately_and_goodput_needs_both():
     assert s["token_goodput_per_s"] == 10 / 2.0
     assert s["ttft_s"]["p50"] == 0.1
     assert "tokens" not in summarize(records, profiled_s=1.0, duration_s=2.0)
+
+
+def test_compare_takes_one_policys_parameters_as_json():
+    import pytest
+
+    from loadgen.__main__ import policy_params
+    assert policy_params(['inferline={"plan_rps": 20, "plan_cv": 4}']) == {"inferline": {"plan_rps": 20, "plan_cv": 4}}
+    for bad in ("inferline={plan", "inferline=[1]"):
+        with pytest.raises(SystemExit, match="--params"):
+            policy_params([bad])

@@ -132,6 +132,23 @@ def test_the_flow_variant_sizes_the_stages_behind_a_burst_before_it_reaches_them
     assert waits["quart-flow"] < waits["quart"], waits
 
 
+def test_a_fan_out_fan_in_pipeline_joins_every_requests_parts_once(tmp_path):
+    """The ensemble DAG: stage 0 feeds three branches that stage 7 joins. Alone, a request takes
+    its critical path (the heaviest branch); under load every request is answered once, each
+    stage saw every request once, and the join starts a request only after its last part."""
+    model = table1(["ensemble-8"])[0]
+    assert model.critical_path() == [0, 1, 4, 7]
+    alone = simulate(BARE.replace(servers=4), [model], {model.name: np.array([1.0])}, "static", static(1, tmp_path))
+    path_s = sum(model.profile.stage_ms(i) for i in (0, 1, 4, 7)) / 1000.0
+    assert alone.status[0] == 200 and alone.latency[0] == pytest.approx(path_s, rel=0.6)
+    arrivals = {model.name: gamma_arrivals(10.0, 2.0, 60.0, seed=1)}
+    trace = simulate(quart_testbed(tail_s=10.0), [model], arrivals, "static", static(2, tmp_path))
+    n = len(arrivals[model.name])
+    assert int((trace.status == 200).sum()) == n
+    assert [len(a) for a in trace.stage_arrivals[model.name]] == [n] * 8
+    assert not np.isnan(trace.service[:, :8]).any()    # every stage served every request
+
+
 def test_cold_starts_share_a_servers_bandwidth(tmp_path):
     cfg = BARE.replace(servers=1, bandwidth=1e9, init_s=1.0)
     model = SimModel("q", Profile("q", 100, weights=(1.0,), size_gb=2.0), 0)
@@ -170,5 +187,11 @@ def test_cache_policy_evicts_least_recently_used_idle_zygotes_and_refuses_early(
     assert evictions(held, {"m:3"}, 16, 4) == ["m:1"]
     assert evictions(held, {"m:3"}, 16, 8) == ["m:1", "m:0"]
     assert evictions(held, set(), 0, 100) == []
+    # A zygote cached moments ago is not evicted for another key stage (QUART_CACHE_MIN_RESIDENCY_S).
+    fresh = [Held("m:0", 4, 9.0, cached_at=9.0), Held("m:1", 4, 5.0, cached_at=-30.0)]
+    assert evictions(fresh, set(), 8, 4, now=10.0, min_residency_s=30.0) == ["m:1"]
+    with pytest.raises(OverBudget):
+        evictions(fresh, set(), 8, 8, now=10.0, min_residency_s=30.0)
+    assert evictions(fresh, set(), 8, 8, now=40.0, min_residency_s=30.0) == ["m:1", "m:0"]
     with pytest.raises(OverBudget):
         evictions(held, {"m:0", "m:1", "m:3"}, 16, 4)

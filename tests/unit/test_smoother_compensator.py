@@ -136,3 +136,35 @@ def test_quart_policy_runs_corrector_smoother_compensator():
     assert "cpus" in d.stages[0].reason and "predicted_cv" in d.stages[2].reason
 
 
+
+
+def test_cpu_fit_with_a_payload_dependent_parallel_part():
+    truth = CPUFit(0.004, 0.005, 3e-5, 3e-4)
+    samples = [(c, p, truth.predict(c, p)) for c in (1, 2, 4) for p in (16, 64, 256)]
+    fit = fit_cpu_profile(samples)
+    assert all(fit.predict(c, p) == pytest.approx(s, rel=1e-6) for c, p, s in samples)
+
+
+def test_pinned_replicas_get_cores_of_their_own_while_there_are_free_ones():
+    from autoscaler.policy.cpu_sets import pick_cores
+    host = [0, 1, 2, 3]
+    assert pick_cores(host, [], 2) == [0, 1]
+    assert pick_cores(host, [[0, 1]], 2) == [2, 3]
+    assert pick_cores(host, [[0, 1], [2]], 1) == [3]
+    # None free: the least shared.
+    assert pick_cores(host, [[0, 1], [2, 3], [0]], 1) == [1]
+    assert pick_cores(host, [], 9) == [0, 1, 2, 3] and pick_cores(host, [], 0) == [0]
+
+
+def test_r_total_takes_back_the_largest_cpu_raises_first():
+    from autoscaler.policy.compensator import within_total
+    state = PipelineState("m", (st(0, 1, 0.1, 2), st(1, 1, 0.1, 1)), slo_s=1.0, entry_rate=1.0)
+    decision = Decision("m", "quart", (StageDecision(0, 2, 4.0), StageDecision(1, 1, 2.0)))
+    # 2 x 4 + 1 x 2 = 10 CPUs asked, at most 7: stage 0, the most per replica, gives back one CPU at
+    # a time (10 -> 8 -> 6).
+    (bounded,) = within_total([state], [decision], 7)
+    assert sum(d.replicas * d.cpus for d in bounded.stages) <= 7
+    assert [d.cpus for d in bounded.stages] == [2.0, 2.0] and bounded.stages[0].reason["cpu_total_bound"] == 2.0
+    # Replica counts alone over the bound: nothing more to take back, nothing below one CPU.
+    (floor,) = within_total([state], [decision], 1)
+    assert [d.cpus for d in floor.stages] == [1.0, 1.0] and [d.replicas for d in floor.stages] == [2, 1]

@@ -1,0 +1,252 @@
+"""QUART's evaluation in the cluster simulator, at its testbed (12 servers x 4 GPUs, 1 TB each),
+with Table 1's 5 models split evenly over 8 stages, every mechanism on (the shipped CV-attention
+model; CPU fits of the simulated service law), 5 seeds per point:
+
+1. Fig. 6/7: all 5 models together at 10 req/s each, entry CV 0.1-8, every policy: mean latency
+   (averaged over the models) and goodput (answers within 2x the model's unloaded latency, the
+   latency objective every policy is given), mean and 95 % interval over the seeds; the ratio of
+   QUART and quart-flow to the best baseline at each CV; SLO attainment at 1-3x per model at CV 4.
+   InferLine's planner is given the trace's rate and CV as its planning sample.
+2. Fig. 8: at CV 4 and 8, latency quantiles per policy and the mean queue per stage (LLaMA-7B).
+3. Ablation: QUART and quart-flow minus each mechanism (QUART_ABLATE) at CV 4 and 8.
+4. The DAG: the fan-out/fan-in ensemble alone at CV 4 and 8, QUART with and without attention.
+
+    python -m benchmarks simulator_policies [--seeds 5] [--duration 600]"""
+from __future__ import annotations
+
+import argparse
+import json
+from multiprocessing import get_context
+
+import numpy as np
+import torch
+
+from autoscaler.policy.baselines import BASELINES
+from autoscaler.policy.controller import POLICIES, VARIANTS
+from benchmarks.report import RESULTS, conditions, mean_ci95, table, write
+from contracts import artefacts
+from contracts.config import MECHANISMS, load_settings
+from loadgen.arrivals import gamma_arrivals
+from sim.config import quart_testbed
+from sim.models import table1
+from sim.run import replica_seconds, simulate, unloaded_latency
+
+CVS = (0.1, 1.0, 2.0, 4.0, 8.0)
+RATE = 10.0
+SLO_X = 2.0
+# The multiples of each model's unloaded latency that Fig. 6b reads attainment at.
+SLO_MULTIPLES = (1.0, 1.5, 2.0, 2.5, 3.0)
+
+
+def run_one(job: dict) -> dict:
+    """One simulated run: every model's latency figures, goodput and queue per stage."""
+    torch.set_num_threads(1)
+    models = table1(job["models"])
+    cfg = quart_testbed(seed=job["seed"], slo_x=SLO_X)
+    arrivals = {m.name: gamma_arrivals(RATE, job["cv"], job["duration"], seed=100 * job["seed"] + k)
+                for k, m in enumerate(models)}
+    params = {"plan_rps": RATE, "plan_cv": job["cv"]} if job["policy"] == "inferline" else {}
+    settings = load_settings(environ={}, home="/nonexistent-quart-home", policy_params=params,
+                             ablate=job.get("ablate", ""))
+    trace = simulate(cfg, models, arrivals, job["policy"], settings, record_arrivals=False)
+    out = {**job, "models_out": {}, "replica_s": replica_seconds(trace, cfg.sample_s), "forks": trace.starts["fork"],
+           "cold": trace.starts["cold"]}
+    for k, m in enumerate(models):
+        mine = trace.model_of == k
+        ok = mine & (trace.status == 200)
+        unloaded = unloaded_latency(cfg, m)
+        lat = trace.latency[ok]
+        out["models_out"][m.name] = {
+            "mean_ms": float(lat.mean()) * 1000, "sent": int(mine.sum()), "failed": int((mine & ~ok).sum()),
+            "quantiles_ms": [float(np.percentile(lat, q)) * 1000 for q in (50, 75, 90, 99)],
+            "goodput": float((ok & (trace.latency <= SLO_X * unloaded)).sum()) / job["duration"],
+            "attainment": [float((ok & (trace.latency <= x * unloaded)).sum()) / max(1, int(mine.sum()))
+                           for x in SLO_MULTIPLES],
+            "queue": np.asarray(trace.samples[m.name]["queue"], dtype=float).mean(axis=0).round(3).tolist()}
+    return out
+
+
+def summary(run: dict) -> tuple[float, float]:
+    """(mean latency averaged over the models, goodput summed over them)."""
+    per = run["models_out"].values()
+    return float(np.mean([m["mean_ms"] for m in per])), float(sum(m["goodput"] for m in per))
+
+
+def fig7_rows(runs: list[dict]) -> list[dict]:
+    rows = []
+    for cv in CVS:
+        for policy in POLICIES:
+            mine = [summary(r) for r in runs if r["cv"] == cv and r["policy"] == policy and not r.get("ablate")]
+            lat, good = mean_ci95([m for m, _ in mine]), mean_ci95([g for _, g in mine])
+            rows.append({"cv": cv, "policy": policy, "mean_ms": lat[0], "mean_ci_ms": lat[1],
+                         "goodput": good[0], "goodput_ci": good[1],
+                         "replica_s": float(np.mean([r["replica_s"] for r in runs if r["cv"] == cv
+                                                     and r["policy"] == policy and not r.get("ablate")]))})
+    return rows
+
+
+def against_best(rows: list[dict]) -> list[dict]:
+    """Per CV and QUART policy: its latency and goodput over the best baseline's (lowest mean
+    latency; highest goodput), and whether the seeds' intervals separate."""
+    out = []
+    for cv in CVS:
+        at = [r for r in rows if r["cv"] == cv]
+        base = [r for r in at if r["policy"] in BASELINES]
+        fastest = min(base, key=lambda r: r["mean_ms"])
+        best_good = max(base, key=lambda r: r["goodput"])
+        for r in (r for r in at if r["policy"] in VARIANTS):
+            out.append({"cv": cv, "policy": r["policy"], "best_latency_baseline": fastest["policy"],
+                        "latency_ratio": r["mean_ms"] / fastest["mean_ms"],
+                        "latency_separate": abs(r["mean_ms"] - fastest["mean_ms"]) > r["mean_ci_ms"] + fastest["mean_ci_ms"],
+                        "best_goodput_baseline": best_good["policy"], "goodput_ratio": r["goodput"] / best_good["goodput"],
+                        "goodput_separate": abs(r["goodput"] - best_good["goodput"]) > r["goodput_ci"] + best_good["goodput_ci"]})
+    return out
+
+
+def ablation_rows(runs: list[dict]) -> list[dict]:
+    rows = []
+    for policy in VARIANTS:
+        for cv in (4.0, 8.0):
+            for ablate in ("", *MECHANISMS):
+                mine = [summary(r) for r in runs if r["cv"] == cv and r["policy"] == policy
+                        and r.get("ablate", "") == ablate and r["models"] is None]
+                if not mine:
+                    continue
+                lat, good = mean_ci95([m for m, _ in mine]), mean_ci95([g for _, g in mine])
+                rows.append({"policy": policy, "cv": cv, "without": ablate or "(full)", "mean_ms": lat[0],
+                             "mean_ci_ms": lat[1], "goodput": good[0], "goodput_ci": good[1]})
+    return rows
+
+
+def dag_rows(runs: list[dict]) -> list[dict]:
+    rows = []
+    for cv in (4.0, 8.0):
+        for ablate in ("", "attention"):
+            mine = [r for r in runs if r["models"] == ["ensemble-8"] and r["cv"] == cv and r.get("ablate", "") == ablate]
+            lat = mean_ci95([r["models_out"]["ensemble-8"]["mean_ms"] for r in mine])
+            good = mean_ci95([r["models_out"]["ensemble-8"]["goodput"] for r in mine])
+            rows.append({"cv": cv, "attention": not ablate, "mean_ms": lat[0], "mean_ci_ms": lat[1],
+                         "goodput": good[0], "goodput_ci": good[1],
+                         "replica_s": float(np.mean([r["replica_s"] for r in mine]))})
+    return rows
+
+
+def jobs(seeds: int, duration: float) -> list[dict]:
+    base = {"models": None, "duration": duration}
+    out = [{**base, "cv": cv, "policy": p, "seed": s} for cv in CVS for p in POLICIES for s in range(seeds)]
+    out += [{**base, "cv": cv, "policy": p, "seed": s, "ablate": m}
+            for p in VARIANTS for cv in (4.0, 8.0) for m in MECHANISMS for s in range(seeds)]
+    out += [{**base, "models": ["ensemble-8"], "cv": cv, "policy": "quart", "seed": s, "ablate": a}
+            for cv in (4.0, 8.0) for a in ("", "attention") for s in range(seeds)]
+    return out
+
+
+def plot(rows: list[dict], runs: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
+    for policy in POLICIES:
+        mine = [r for r in rows if r["policy"] == policy]
+        style = {"linewidth": 2.5} if policy in VARIANTS else {"linewidth": 1, "alpha": 0.8}
+        a.errorbar(CVS, [r["mean_ms"] for r in mine], yerr=[r["mean_ci_ms"] for r in mine], marker="o",
+                   label=policy, capsize=3, **style)
+        b.errorbar(CVS, [r["goodput"] for r in mine], yerr=[r["goodput_ci"] for r in mine], marker="o",
+                   label=policy, capsize=3, **style)
+    a.set(title="Fig. 7a (simulated): mean latency, 5 models, 95 % interval over seeds", xlabel="entry CV",
+          ylabel="ms", xscale="log", yscale="log")
+    b.set(title="Fig. 7b (simulated): goodput (within 2x unloaded), 5 models", xlabel="entry CV",
+          ylabel="req/s", xscale="log")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "simulator_fig7.png", dpi=100)
+    plt.close(fig)
+    fig, axes = plt.subplots(2, 2, figsize=(14, 8), squeeze=False)
+    for col, cv in enumerate(cv for cv in (4.0, 8.0) if cv in CVS):
+        for policy in POLICIES:
+            mine = [r["models_out"]["llama-7b"] for r in runs if r["cv"] == cv and r["policy"] == policy
+                    and not r.get("ablate") and r["models"] is None]
+            q = np.mean([m["quantiles_ms"] for m in mine], axis=0)
+            axes[0][col].plot(["p50", "p75", "p90", "p99"], q, marker="o", label=policy)
+            axes[1][col].plot(range(8), np.mean([m["queue"] for m in mine], axis=0), marker="o", label=policy)
+        axes[0][col].set(title=f"Fig. 8a (simulated): LLaMA-7B latency quantiles, CV {cv:g}", ylabel="ms", yscale="log")
+        axes[1][col].set(title=f"Fig. 8b (simulated): LLaMA-7B mean queue per stage, CV {cv:g}", xlabel="stage",
+                         yscale="symlog")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "simulator_fig8.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--workers", type=int, default=2)
+    a = parser.parse_args(argv or [])
+    todo = jobs(a.seeds, a.duration)
+    runs = []
+    with get_context("fork").Pool(a.workers) as pool:
+        for k, run in enumerate(pool.imap_unordered(run_one, todo), 1):
+            runs.append(run)
+            if k % 20 == 0 or k == len(todo):
+                print(f"  {k}/{len(todo)} simulated runs", flush=True)
+    rows, ablation, dag = fig7_rows(runs), ablation_rows(runs), dag_rows(runs)
+    ratios = against_best(rows)
+    print(table(f"Fig. 7: 5 models x 10 req/s, {a.duration:g} s, mean and 95 % interval over {a.seeds} seeds",
+                ["entry CV", "policy", "mean ms", "±", "goodput req/s", "±", "replica-s"],
+                [[r["cv"], r["policy"], round(r["mean_ms"]), round(r["mean_ci_ms"]), round(r["goodput"], 2),
+                  round(r["goodput_ci"], 2), round(r["replica_s"])] for r in rows]))
+    print(table("QUART against the best baseline at each CV (ratios of means; separate: the 95 % intervals do not overlap)",
+                ["entry CV", "policy", "latency ×", "vs", "separate", "goodput ×", "vs", "separate"],
+                [[r["cv"], r["policy"], round(r["latency_ratio"], 2), r["best_latency_baseline"], r["latency_separate"],
+                  round(r["goodput_ratio"], 2), r["best_goodput_baseline"], r["goodput_separate"]] for r in ratios]))
+    print(table("Ablation: without one mechanism (QUART_ABLATE)", ["policy", "CV", "without", "mean ms", "±", "goodput", "±"],
+                [[r["policy"], r["cv"], r["without"], round(r["mean_ms"]), round(r["mean_ci_ms"]), round(r["goodput"], 2),
+                  round(r["goodput_ci"], 2)] for r in ablation]))
+    print(table("The DAG (ensemble-8 alone, 10 req/s): QUART with and without CV attention",
+                ["CV", "attention", "mean ms", "±", "goodput", "±", "replica-s"],
+                [[r["cv"], r["attention"], round(r["mean_ms"]), round(r["mean_ci_ms"]), round(r["goodput"], 2),
+                  round(r["goodput_ci"], 2), round(r["replica_s"])] for r in dag]))
+    plot(rows, runs)
+    cv_model = json.loads((artefacts.SHIPPED / "cv_attention.json").read_text())
+    figures = [{"name": f"fig7 cv{r['cv']:g} {r['policy']} mean latency", "value": round(r["mean_ms"], 1), "unit": "ms",
+                "ci95": round(r["mean_ci_ms"], 1)} for r in rows]
+    figures += [{"name": f"fig7 cv{r['cv']:g} {r['policy']} goodput", "value": round(r["goodput"], 3), "unit": "req/s",
+                 "ci95": round(r["goodput_ci"], 3)} for r in rows]
+    figures += [{"name": f"fig7 cv{r['cv']:g} {r['policy']} replica-seconds", "value": round(r["replica_s"]), "unit": "s"}
+                for r in rows]
+    figures += [{"name": f"cv{r['cv']:g} {r['policy']} latency / best baseline ({r['best_latency_baseline']})",
+                 "value": round(r["latency_ratio"], 3), "unit": "ratio", "separate": r["latency_separate"]} for r in ratios]
+    figures += [{"name": f"cv{r['cv']:g} {r['policy']} goodput / best baseline ({r['best_goodput_baseline']})",
+                 "value": round(r["goodput_ratio"], 3), "unit": "ratio", "separate": r["goodput_separate"]} for r in ratios]
+    figures += [{"name": f"ablation {r['policy']} cv{r['cv']:g} without {r['without']} mean latency",
+                 "value": round(r["mean_ms"], 1), "unit": "ms", "ci95": round(r["mean_ci_ms"], 1)} for r in ablation]
+    figures += [{"name": f"ablation {r['policy']} cv{r['cv']:g} without {r['without']} goodput",
+                 "value": round(r["goodput"], 3), "unit": "req/s", "ci95": round(r["goodput_ci"], 3)} for r in ablation]
+    figures += [{"name": f"dag ensemble-8 cv{r['cv']:g} attention {'on' if r['attention'] else 'off'} mean latency",
+                 "value": round(r["mean_ms"], 1), "unit": "ms", "ci95": round(r["mean_ci_ms"], 1),
+                 "goodput": round(r["goodput"], 3), "replica_s": round(r["replica_s"])} for r in dag]
+    figures += [{"name": "cv attention theta", "value": round(cv_model["theta"], 4), "unit": ""}]
+    for scope in ("all", "dag"):
+        if cv_model.get(scope):
+            figures += [{"name": f"cv attention held-out MAE ({scope}) stage {i}", "value": m, "unit": "CV", "naive": n}
+                        for i, (m, n) in enumerate(zip(cv_model[scope]["model_mae"], cv_model[scope]["naive_mae"]))]
+    attainment = {p: np.mean([[r["models_out"][m]["attainment"] for m in r["models_out"]] for r in runs
+                              if r["cv"] == 4.0 and r["policy"] == p and not r.get("ablate") and r["models"] is None],
+                             axis=0).round(4).tolist() for p in POLICIES}
+    figures += [{"name": f"fig6 cv4 {p} SLO attainment per model at {list(SLO_MULTIPLES)}x", "value": attainment[p],
+                 "unit": "fraction", "models": [m.name for m in table1()]} for p in POLICIES]
+    write("simulator_policies", figures, conditions(
+        seeds=a.seeds, duration_s=a.duration, rate_per_model_rps=RATE, slo=f"{SLO_X:g}x unloaded latency",
+        testbed="12 servers x 4 GPUs x 4 slots, 1 TB", split="even (8 stages)",
+        inferline_plan="the trace's rate and CV", plots="simulator_fig7.png, simulator_fig8.png"))
+    return {"fig7": rows, "against_best": ratios, "ablation": ablation, "dag": dag}
+
+
+if __name__ == "__main__":
+    main()
