@@ -3,7 +3,7 @@ autoscaler/artefacts (or --out): the CV-attention model trained on the cluster s
 windows (Table 1's chains and the fan-out/fan-in ensemble), with its held-out error, and each
 bundled model's CPU profile and fits (QUART Fig. 3b), with a plot of the profiles.
 
-    python -m tools.artefacts                  everything (about 5 minutes on 2 cores)
+    python -m tools.artefacts                  everything (about 10 minutes on 2 cores)
     python -m tools.artefacts --only cv        the CV-attention model
     python -m tools.artefacts --only fits      the CPU profiles and fits
     python -m tools.artefacts --only fits --models smollm2    one bundled model's
@@ -50,7 +50,7 @@ def make_cv(out: Path, traces: int = 66, epochs: int = 60) -> dict:
 def make_fits(out: Path, models: list[str]) -> None:
     settings = load_settings()
     for name in (m for m in models if m in PROFILES):
-        assert profile_cpu.main(["--model", name, "--cpus", "1,2,4,8", "--payloads", "16,64", "--repeats", "3",
+        assert profile_cpu.main(["--model", name, "--cpus", "1,2,4,8", "--payloads", "16,64", "--repeats", "15",
                                  "--out", str(out), "--home", settings.home]) == 0
     from pipeline.partition import ensure_partitioned
     stack = pipelines(read_stack(Path(settings.stack_file)))
