@@ -72,16 +72,20 @@ def summary(run: dict) -> tuple[float, float]:
     return float(np.mean([m["mean_ms"] for m in per])), float(sum(m["goodput"] for m in per))
 
 
+def fig7_runs(runs: list[dict], cv: float, policy: str) -> list[dict]:
+    """The runs of all 5 models together under the policy with every mechanism on."""
+    return [r for r in runs if r["cv"] == cv and r["policy"] == policy and not r.get("ablate") and r["models"] is None]
+
+
 def fig7_rows(runs: list[dict]) -> list[dict]:
     rows = []
     for cv in CVS:
         for policy in POLICIES:
-            mine = [summary(r) for r in runs if r["cv"] == cv and r["policy"] == policy and not r.get("ablate")]
-            lat, good = mean_ci95([m for m, _ in mine]), mean_ci95([g for _, g in mine])
+            mine = fig7_runs(runs, cv, policy)
+            lat, good = mean_ci95([summary(r)[0] for r in mine]), mean_ci95([summary(r)[1] for r in mine])
             rows.append({"cv": cv, "policy": policy, "mean_ms": lat[0], "mean_ci_ms": lat[1],
                          "goodput": good[0], "goodput_ci": good[1],
-                         "replica_s": float(np.mean([r["replica_s"] for r in runs if r["cv"] == cv
-                                                     and r["policy"] == policy and not r.get("ablate")]))})
+                         "replica_s": float(np.mean([r["replica_s"] for r in mine]))})
     return rows
 
 
@@ -166,8 +170,7 @@ def plot(rows: list[dict], runs: list[dict]) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(14, 8), squeeze=False)
     for col, cv in enumerate(cv for cv in (4.0, 8.0) if cv in CVS):
         for policy in POLICIES:
-            mine = [r["models_out"]["llama-7b"] for r in runs if r["cv"] == cv and r["policy"] == policy
-                    and not r.get("ablate") and r["models"] is None]
+            mine = [r["models_out"]["llama-7b"] for r in fig7_runs(runs, cv, policy)]
             q = np.mean([m["quantiles_ms"] for m in mine], axis=0)
             axes[0][col].plot(["p50", "p75", "p90", "p99"], q, marker="o", label=policy)
             axes[1][col].plot(range(8), np.mean([m["queue"] for m in mine], axis=0), marker="o", label=policy)
@@ -195,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
             runs.append(run)
             if k % 20 == 0 or k == len(todo):
                 print(f"  {k}/{len(todo)} simulated runs", flush=True)
+    # Every run's figures, so the tables can be read again without simulating.
+    (RESULTS / "simulator_policies_runs.json").write_text(json.dumps(sorted(runs, key=lambda r: json.dumps(
+        {k: r.get(k) for k in ("cv", "policy", "seed", "ablate", "models")}, sort_keys=True)), separators=(",", ":")))
     rows, ablation, dag = fig7_rows(runs), ablation_rows(runs), dag_rows(runs)
     ratios = against_best(rows)
     print(table(f"Fig. 7: 5 models x 10 req/s, {a.duration:g} s, mean and 95 % interval over {a.seeds} seeds",
@@ -236,8 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         if cv_model.get(scope):
             figures += [{"name": f"cv attention held-out MAE ({scope}) stage {i}", "value": m, "unit": "CV", "naive": n}
                         for i, (m, n) in enumerate(zip(cv_model[scope]["model_mae"], cv_model[scope]["naive_mae"]))]
-    attainment = {p: np.mean([[r["models_out"][m]["attainment"] for m in r["models_out"]] for r in runs
-                              if r["cv"] == 4.0 and r["policy"] == p and not r.get("ablate") and r["models"] is None],
+    attainment = {p: np.mean([[r["models_out"][m]["attainment"] for m in r["models_out"]] for r in fig7_runs(runs, 4.0, p)],
                              axis=0).round(4).tolist() for p in POLICIES}
     figures += [{"name": f"fig6 cv4 {p} SLO attainment per model at {list(SLO_MULTIPLES)}x", "value": attainment[p],
                  "unit": "fraction", "models": [m.name for m in table1()]} for p in POLICIES]

@@ -27,7 +27,7 @@ from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from pipeline.manifest import Manifest
 from pipeline.profiles import PROFILES as EMULATION_PROFILES
-from pipeline.registry import key_stage_ranges
+from pipeline.registry import key_stage_ranges, live_among
 
 log = logging.getLogger("quart.keysmanager")
 ZYGOTE_START_TIMEOUT_S = 300.0
@@ -298,6 +298,17 @@ class KeysManager:
         """Stage ranges the autoscaler marked as key stages, in every model."""
         return key_stage_ranges(self.redis)
 
+    def scheduled_here(self, stages: list[StageRef]) -> list[StageRef]:
+        """Of `stages`, those with a replica on this server (QUART §6.1: a key stage is cached where
+        it is scheduled; the next replicas there fork). Caching every key stage on every server
+        instead read each shard onto every server at once, and those reads slowed the cold starts
+        sharing the servers' bandwidth (the simulator's ablation showed the fork cache costing
+        latency that way)."""
+        live = live_among(self.redis, {(s.model, s.first): self.redis.smembers(keys.stage_replicas(s.model, s.first))
+                                       for s in stages})
+        return [s for s in stages if any(x.get("server") == self.server and int(x.get("stage_end", -1)) == s.last
+                                         for x in live[(s.model, s.first)])]
+
     def watch_once(self) -> None:
         """Keeps the runtime zygote (QUART_WARM_RUNTIME), caches new key stages, re-caches crashed
         zygotes, and evicts least recently used ones over the memory threshold."""
@@ -309,7 +320,7 @@ class KeysManager:
         with self._lock:
             held = set(self.zygotes) | set(self._starting)
         # QUART_ABLATE=fork-cache: key stages are not cached, so their scale-ups start cold.
-        key_stages = [] if self.settings.autoscaler.ablated("fork-cache") else self.key_stages()
+        key_stages = [] if self.settings.autoscaler.ablated("fork-cache") else self.scheduled_here(self.key_stages())
         for stage in key_stages:
             if not (self.settings.model_dir(stage.model) / "manifest.json").exists() and not self.emulated(stage.model):
                 continue  # not partitioned here

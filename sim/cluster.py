@@ -247,13 +247,14 @@ class SimCluster:
             self.cache(sv, st, now)
 
     def watch(self, now: float) -> None:
-        """Every KeysManager caches the key stages it does not hold (keysmanager watch_once),
-        unless the fork cache is ablated."""
+        """Each KeysManager caches the key stages scheduled on its server that it does not hold
+        (keysmanager watch_once, QUART §6.1), unless the fork cache is ablated."""
         if not self.cache_key_stages:
             return
         for key in sorted(self.key_stage_keys()):
-            for sv in self.servers:
-                self.cache(sv, self.stages[key], now)
+            st = self.stages[key]
+            for sv in {r.server.name: r.server for r in st.replicas if not r.draining}.values():
+                self.cache(sv, st, now)
 
     def cache_at_start(self, how: str, now: float) -> None:
         """The embedded runtime's start (cache_stages=all), stages round-robin over servers:

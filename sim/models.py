@@ -61,6 +61,9 @@ class GenerativeModel:
     def num_stages(self) -> int:
         return self.calibration.num_stages
 
+    def graph(self) -> tuple[tuple[int, int], ...]:
+        return tuple((i, i + 1) for i in range(self.num_stages - 1))
+
     def stage_bytes(self, stage: int) -> int:
         return self.calibration.shard_bytes[stage]
 

@@ -97,7 +97,7 @@ class Simulation:
             self.prompt_rngs[m.name] = np.random.default_rng(child.spawn(1)[0])
             for a, b in zip(chain, chain[1:]):
                 a.next = b
-            for a, b in (m.graph() if isinstance(m, SimModel) else zip(range(len(chain)), range(1, len(chain)))):
+            for a, b in m.graph():
                 chain[a].successors.append(chain[b])
                 chain[b].predecessors += 1
             self.chains[m.name] = chain
@@ -131,14 +131,21 @@ class Simulation:
                                   cache_key_stages=not self.settings.autoscaler.ablated("fork-cache"),
                                   min_residency_s=self.settings.cache.min_residency_s)
         self.slo = {m.name: cfg.slo_x * unloaded_latency(cfg, m) if cfg.slo_x > 0 else cfg.slo_s for m in models}
-        # The compensator runs on the fits the live one would (artefacts measured on the emulated
-        # stages); a model without any gets the fits of the service law simulated, and a
-        # generative model's batched step has no CPU law here (calibrated at its measured threads).
-        fits = {m.name: m.cpu_fits(cfg.service_overhead_s) if isinstance(m, SimModel) else {} for m in models
-                if not isinstance(m, SimModel) or artefacts.find(self.settings.home, artefacts.cpu_fits_name(m.name)) is None}
         self.controller = Controller.from_settings(
             self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models},
-            fits)
+            self._fits_without_artefacts(models))
+
+    def _fits_without_artefacts(self, models: list[SimModel | GenerativeModel]) -> dict[str, dict]:
+        """The compensator runs on the fits the live one would (artefacts measured on the emulated
+        stages); a model without any gets those of the service law simulated, and a generative
+        model none: its batched step has no CPU law here (calibrated at its measured threads)."""
+        out = {}
+        for m in models:
+            if isinstance(m, GenerativeModel):
+                out[m.name] = {}
+            elif artefacts.find(self.settings.home, artefacts.cpu_fits_name(m.name)) is None:
+                out[m.name] = m.cpu_fits(self.cfg.service_overhead_s)
+        return out
 
     def _stage(self, m: SimModel | GenerativeModel, i: int, rng: np.random.Generator) -> Stage:
         if isinstance(m, GenerativeModel):

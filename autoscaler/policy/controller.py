@@ -66,10 +66,7 @@ def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = N
         return from_params(BASELINES[cfg.policy], cfg.policy_params, "QUART_POLICY_PARAMS")
     if cfg.policy not in VARIANTS:
         raise ConfigError(f"QUART_POLICY={cfg.policy!r}: choose none or one of {list(POLICIES)}")
-    if not cfg.ablated("attention"):
-        cv_model = cv_model or load_cv_model(settings)
-    else:
-        cv_model = None
+    cv_model = None if cfg.ablated("attention") else cv_model or load_cv_model(settings)
     compensator = None
     if not cfg.ablated("compensator"):
         fits = load_cpu_fits(settings, model) if fits is None else fits

@@ -21,7 +21,7 @@ from keysmanager.client import KeysClient, KeysManagerError
 from pipeline.manifest import Manifest, sha256_file
 from pipeline.model_fetch import FetchError, ensure_model
 from pipeline.partition import partition
-from pipeline.registry import live_replicas
+from pipeline.registry import ReplicaInfo, deregister, live_replicas, register
 from pipeline.stage_runner import StageRunner
 from runtime.functions import start_watchdog
 
@@ -232,15 +232,25 @@ def test_bad_fork_requests(km):
     assert client.request("PUT", "/config", {"memory_threshold": 2}).status == 400
 
 
-def test_key_stages_published_by_the_autoscaler_get_cached(km):
+def test_key_stages_published_by_the_autoscaler_get_cached_where_they_run(km):
     settings, client, r, children = km
-    assert not any(z["model"] == "minilm" and z["stages"] == "1" for z in client.zygotes())
+    cached = lambda: any(z["model"] == "minilm" and z["stages"] == "1" for z in client.zygotes())  # noqa: E731
+    assert not cached()
     r.sadd(keys.key_stages("minilm"), "1")
+    elsewhere = ReplicaInfo("minilm-s1.other.1", "minilm", 1, 2, "another-server", 1, "cpu", 1, "cold", time.time())
+    here = ReplicaInfo("minilm-s1.here.2", "minilm", 1, 2, settings.server, 2, "cpu", 1, "cold", time.time())
     try:
-        wait_until(lambda: any(z["model"] == "minilm" and z["stages"] == "1" for z in client.zygotes()),
-                   120, "the key stage to be cached")
+        # A key stage with a replica only on another server is not cached here (QUART §6.1) ...
+        register(r, elsewhere, 60)
+        time.sleep(3)  # three watch periods
+        assert not cached()
+        # ... and is once one is scheduled here.
+        register(r, here, 60)
+        wait_until(cached, 120, "the key stage to be cached")
     finally:
         r.delete(keys.key_stages("minilm"))
+        deregister(r, elsewhere)
+        deregister(r, here)
 
 
 def test_a_replica_fetches_only_its_shards_from_the_keysmanager(km, tmp_path) -> None:

@@ -42,6 +42,14 @@ def test_smollm2_answers_like_the_unsplit_model(client, sources, tokenizer):
     assert answer["latency_ms"] > 0
 
 
+def test_the_status_says_which_configured_stage_ranges_are_cached(runtime):
+    """QUART_CACHE_STAGES=all (the default): the stack's 7 stage ranges warm several at a time, and
+    the status line counts them until every one is in."""
+    from runtime.__main__ import cache_status
+    wait_until(lambda: cache_status(runtime).startswith("cache: 7 of 7 "), 300, "every stage range to be cached")
+    assert "warming" not in cache_status(runtime)
+
+
 def test_chat_messages_use_the_chat_template(client, sources, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of Italy?"}]
     reply = client.invoke("smollm2", {"messages": messages, "max_new_tokens": 6})
