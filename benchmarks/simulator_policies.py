@@ -11,11 +11,13 @@ model; CPU fits of the simulated service law), 5 seeds per point:
 3. Ablation: QUART and quart-flow minus each mechanism (QUART_ABLATE) at CV 4 and 8.
 4. The DAG: the fan-out/fan-in ensemble alone at CV 4 and 8, QUART with and without attention.
 
-    python -m benchmarks simulator_policies [--seeds 5] [--duration 600]"""
+    python -m benchmarks.simulator_policies [--seeds 5] [--duration 600]
+    python -m benchmarks.simulator_policies --from-runs     tables and plots again from the kept runs"""
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from multiprocessing import get_context
 
 import numpy as np
@@ -145,6 +147,24 @@ def jobs(seeds: int, duration: float) -> list[dict]:
     return out
 
 
+def simulate_all(todo: list[dict], workers: int) -> list[dict]:
+    runs = []
+    with get_context("fork").Pool(workers) as pool:
+        for k, run in enumerate(pool.imap_unordered(run_one, todo), 1):
+            runs.append(run)
+            if k % 20 == 0 or k == len(todo):
+                print(f"  {k}/{len(todo)} simulated runs", flush=True)
+    return runs
+
+
+def style(policy: str) -> dict:
+    """One colour per policy (12 of them: the default cycle has 10), QUART's variants bold."""
+    import matplotlib
+    colour = matplotlib.colormaps["tab20"](POLICIES.index(policy) / 20)
+    bold = policy in VARIANTS
+    return {"color": colour, "linewidth": 2.5 if bold else 1.0, "alpha": 1.0 if bold else 0.8}
+
+
 def plot(rows: list[dict], runs: list[dict]) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -152,11 +172,10 @@ def plot(rows: list[dict], runs: list[dict]) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
     for policy in POLICIES:
         mine = [r for r in rows if r["policy"] == policy]
-        style = {"linewidth": 2.5} if policy in VARIANTS else {"linewidth": 1, "alpha": 0.8}
         a.errorbar(CVS, [r["mean_ms"] for r in mine], yerr=[r["mean_ci_ms"] for r in mine], marker="o",
-                   label=policy, capsize=3, **style)
+                   label=policy, capsize=3, **style(policy))
         b.errorbar(CVS, [r["goodput"] for r in mine], yerr=[r["goodput_ci"] for r in mine], marker="o",
-                   label=policy, capsize=3, **style)
+                   label=policy, capsize=3, **style(policy))
     a.set(title="Fig. 7a (simulated): mean latency, 5 models, 95 % interval over seeds", xlabel="entry CV",
           ylabel="ms", xscale="log", yscale="log")
     b.set(title="Fig. 7b (simulated): goodput (within 2x unloaded), 5 models", xlabel="entry CV",
@@ -172,8 +191,9 @@ def plot(rows: list[dict], runs: list[dict]) -> None:
         for policy in POLICIES:
             mine = [r["models_out"]["llama-7b"] for r in fig7_runs(runs, cv, policy)]
             q = np.mean([m["quantiles_ms"] for m in mine], axis=0)
-            axes[0][col].plot(["p50", "p75", "p90", "p99"], q, marker="o", label=policy)
-            axes[1][col].plot(range(8), np.mean([m["queue"] for m in mine], axis=0), marker="o", label=policy)
+            axes[0][col].plot(["p50", "p75", "p90", "p99"], q, marker="o", label=policy, **style(policy))
+            axes[1][col].plot(range(8), np.mean([m["queue"] for m in mine], axis=0), marker="o", label=policy,
+                              **style(policy))
         axes[0][col].set(title=f"Fig. 8a (simulated): LLaMA-7B latency quantiles, CV {cv:g}", ylabel="ms", yscale="log")
         axes[1][col].set(title=f"Fig. 8b (simulated): LLaMA-7B mean queue per stage, CV {cv:g}", xlabel="stage",
                          yscale="symlog")
@@ -190,17 +210,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--from-runs", action="store_true",
+                        help="tables, plots and results from the kept runs (simulator_policies_runs.json), not simulating")
     a = parser.parse_args(argv or [])
-    todo = jobs(a.seeds, a.duration)
-    runs = []
-    with get_context("fork").Pool(a.workers) as pool:
-        for k, run in enumerate(pool.imap_unordered(run_one, todo), 1):
-            runs.append(run)
-            if k % 20 == 0 or k == len(todo):
-                print(f"  {k}/{len(todo)} simulated runs", flush=True)
-    # Every run's figures, so the tables can be read again without simulating.
-    (RESULTS / "simulator_policies_runs.json").write_text(json.dumps(sorted(runs, key=lambda r: json.dumps(
-        {k: r.get(k) for k in ("cv", "policy", "seed", "ablate", "models")}, sort_keys=True)), separators=(",", ":")))
+    kept = RESULTS / "simulator_policies_runs.json"
+    if a.from_runs:
+        runs = json.loads(kept.read_text())
+    else:
+        runs = simulate_all(jobs(a.seeds, a.duration), a.workers)
+        # Every run's figures, so the tables can be read again without simulating.
+        kept.write_text(json.dumps(sorted(runs, key=lambda r: json.dumps(
+            {k: r.get(k) for k in ("cv", "policy", "seed", "ablate", "models")}, sort_keys=True)), separators=(",", ":")))
     rows, ablation, dag = fig7_rows(runs), ablation_rows(runs), dag_rows(runs)
     ratios = against_best(rows)
     print(table(f"Fig. 7: 5 models x 10 req/s, {a.duration:g} s, mean and 95 % interval over {a.seeds} seeds",
@@ -254,4 +274,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
