@@ -9,7 +9,9 @@ intervals separate. Then the simulator's embedded preset replays each run's sche
 same policy (one simulator seed per run): its mean and p99 against the measured ones (targets:
 within 15 % and 25 %).
 
-    python -m benchmarks live_policies [--seeds 5] [--cv 4] [--rate 20] [--duration 30]"""
+    python -m benchmarks live_policies
+    python -m benchmarks.live_policies [--seeds 5] [--cv 4] [--rate 20] [--duration 30] [--from-runs]
+        (--from-runs: the kept measurements, simulated again: the calibration after a simulator change)"""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +44,10 @@ def measure(seed: int, a: argparse.Namespace) -> dict:
     return json.loads((out / "results.json").read_text())["runs"]
 
 
+def kept(seed: int, a: argparse.Namespace) -> dict:
+    return json.loads((RESULTS / f"live-cv{a.cv:g}" / f"seed-{seed}" / "results.json").read_text())["runs"]
+
+
 def simulated(seed: int, policy: str, a: argparse.Namespace) -> tuple[float, float]:
     """(mean, p99) in seconds of the simulator's embedded preset on the run's schedule."""
     arrivals = {MODEL: gamma_arrivals(a.rate, a.cv, a.duration, seed=seed)}
@@ -58,8 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cv", type=float, default=4.0)
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--from-runs", action="store_true",
+                        help="the measured runs kept in benchmarks/results/live-cv<CV>/seed-*/ (simulate only)")
     a = parser.parse_args(argv or [])
-    runs = {seed: measure(seed, a) for seed in range(a.seeds)}
+    runs = {seed: kept(seed, a) if a.from_runs else measure(seed, a) for seed in range(a.seeds)}
     rows, figures = [], []
     per = {p: {k: [] for k in ("mean", "p99", "goodput", "attain", "sim_mean", "sim_p99", "replica_s")} for p in POLICIES}
     for seed, by_policy in runs.items():
@@ -123,4 +131,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -24,7 +24,7 @@ class SimConfig:
     init_s: float = 3.0                  # runtime start after the read (process, imports, CUDA)
     fork_s: float = 0.03                 # fork to first work (scale-up benchmark: 29-32 ms)
     h2d_bandwidth: float = 12e9          # bytes/s host to GPU over PCIe
-    cache_at_start: str = "none"         # "all", "sequential" (the embedded runtime) or "none"
+    cache_at_start: str = "none"         # "all", "parallel" (the embedded runtime), "sequential" or "none"
     # CPU cores per server that runtime initialisations share (0: not modelled, each takes
     # init_s). Where modelled, init_s is CPU work, and the data plane's own work (hops, the
     # entry, service overhead) slows by (initialisations + 1) / cores when they outnumber them.
@@ -50,6 +50,9 @@ class SimConfig:
     # "SLO ... a multiple of each model inference time") instead of slo_s for all.
     slo_x: float = 0.0
     request_timeout_s: float = 120.0
+    # The entry's admission control (pipeline/admission.py at QUART_ADMIT_WAIT_S) on a model's
+    # requests, as the embedded runtime runs it; QUART's testbed evaluation has none.
+    admission: bool = False
     initial_replicas: int = 1
     sample_s: float = 0.5
     tail_s: float = 15.0                 # simulated after the last arrival, as loadgen's --tail
@@ -85,10 +88,11 @@ def embedded_runtime(**changes: object) -> SimConfig:
     forked replica takes its first item after about 30 ms; a cold replica or a zygote first
     imports its modules, 5.1 s of one core's work (`import pipeline.replica, pipeline.watchdog`:
     4.7 s user + 0.5 s system), sharing the 2 cores with every other start. Its one KeysManager
-    caches the stages one after another, and by the time a replay starts only the first is
-    cached (the runtime's logs). Emulated stages read no parameters."""
+    warms the stages four at a time, and when a replay starts four of eight are cached (`make up`
+    says so). Emulated stages read no parameters. The entry refuses (429) what would queue past
+    QUART_ADMIT_WAIT_S, as the runtime's does (7-12 % of the live_policies runs' requests)."""
     base = dict(servers=1, gpus_per_server=64, replicas_per_gpu=1, host_memory_bytes=0.0,
                 bandwidth=1e15, init_s=5.1, host_cores=2.0, fork_s=0.03, h2d_bandwidth=0.0,
-                cache_at_start="sequential", hop_s=0.0025, hop_bandwidth=0.0, entry_s=0.005,
-                service_overhead_s=0.0006, window_s=5.0, slo_s=1.0)
+                cache_at_start="parallel", hop_s=0.0025, hop_bandwidth=0.0, entry_s=0.005,
+                service_overhead_s=0.0006, window_s=5.0, slo_s=1.0, admission=True)
     return SimConfig(**{**base, **changes})

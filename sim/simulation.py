@@ -19,6 +19,7 @@ from contracts import artefacts
 from contracts.config import Settings, load_settings
 from contracts.stage import StageRef
 from loadgen.client import Record
+from pipeline.admission import Admission
 from scheduler.placement import Scheduler, SchedulerParams
 from sim.cluster import SimCluster
 from sim.config import SimConfig
@@ -28,7 +29,7 @@ from sim.stage import Replica, Stage
 from sim.unloaded import unloaded_latency
 
 TIMEOUT_STATUS = 504
-_ERRORS = {504: "timed out in the simulated pipeline", 429: "no KV room in time (429)",
+_ERRORS = {504: "timed out in the simulated pipeline", 429: "refused: overloaded or no KV room in time (429)",
            413: "the request's KV cache exceeds a replica's budget (413)"}
 log = logging.getLogger("quart.sim")
 
@@ -105,6 +106,10 @@ class Simulation:
                 self.hop[m.name] = cfg.hop(m.activation_bytes)
         self.stages = {s.key: s for chain in self.chains.values() for s in chain}
         self.parts: dict[tuple[int, str], int] = {}     # (request, join stage) -> parts arrived
+        # The entry's admission control, per model whose requests are single passes (a generative
+        # model's first pass is its prefill: not modelled here).
+        self.admission = {m.name: Admission(self.settings.data.admit_wait_s) for m in models
+                          if cfg.admission and isinstance(m, SimModel)}
         # Requests, in arrival order over all models.
         names = [m.name for m in models]
         order = [(float(t), k) for k, m in enumerate(names) for t in np.asarray(arrivals.get(m, []))]
@@ -216,6 +221,12 @@ class Simulation:
     def _arrive(self, i: int) -> None:
         m = self.models[self.model_of[i]]
         t = self._entry(self.now)
+        admission = self.admission.get(m.name)
+        if admission is not None:
+            if admission.refusal(self.now) is not None:
+                self._fail(i, 429)
+                return
+            admission.sent(i, self.now)
         if isinstance(m, GenerativeModel):
             given = self.prompts.get(m.name)
             prompt = int(given.pop(0)) if given else int(self.prompt_rngs[m.name].choice(m.calibration.prompt_tokens))
@@ -304,6 +315,9 @@ class Simulation:
     def _reply(self, i: int, now: float) -> None:
         if self.status[i]:
             return
+        admission = self.admission.get(self.models[self.model_of[i]].name)
+        if admission is not None:
+            admission.answered(i, float(np.nansum(self.service[i])), now)
         latency = now - self.sent[i]
         if latency > self.cfg.request_timeout_s:
             self._fail(i)
@@ -314,6 +328,9 @@ class Simulation:
     def _fail(self, i: int, status: int = 0) -> None:
         """Answers a request with an error: 504 (0) at its deadline, another status at once."""
         if not self.status[i]:
+            admission = self.admission.get(self.models[self.model_of[i]].name)
+            if admission is not None:
+                admission.answered(i, None, self.now)
             self.latency[i] = self.cfg.request_timeout_s if not status else self.now - self.sent[i]
             self.status[i] = status or TIMEOUT_STATUS
             self.outstanding -= 1
