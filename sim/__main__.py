@@ -57,7 +57,12 @@ def config(a: argparse.Namespace) -> SimConfig:
             raise SystemExit(f"--set {item}: no such field; known: {sorted(kinds)}")
         current = getattr(cfg, name)
         try:
-            changes[name] = raw if isinstance(current, str) else type(current)(raw)
+            if isinstance(current, bool):
+                if raw.lower() not in ("true", "false"):
+                    raise ValueError(raw)
+                changes[name] = raw.lower() == "true"
+            else:
+                changes[name] = raw if isinstance(current, str) else type(current)(raw)
         except ValueError:
             raise SystemExit(f"--set {item}: {name} takes a {type(current).__name__}") from None
     return cfg.replace(**changes)

@@ -209,3 +209,11 @@ def test_cache_policy_evicts_least_recently_used_idle_zygotes_and_refuses_early(
     assert evictions(fresh, set(), 8, 8, now=40.0, min_residency_s=30.0) == ["m:1", "m:0"]
     with pytest.raises(OverBudget):
         evictions(held, {"m:0", "m:1", "m:3"}, 16, 4)
+
+
+def test_the_command_line_sets_a_boolean_field_by_its_name():
+    from sim.__main__ import config, parse
+    assert config(parse(["--preset", "embedded", "--set", "admission=false"])).admission is False
+    assert config(parse(["--preset", "embedded"])).admission is True
+    with pytest.raises(SystemExit, match="takes a bool"):
+        config(parse(["--set", "admission=nope"]))
