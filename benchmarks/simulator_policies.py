@@ -74,16 +74,18 @@ def summary(run: dict) -> tuple[float, float]:
     return float(np.mean([m["mean_ms"] for m in per])), float(sum(m["goodput"] for m in per))
 
 
-def fig7_runs(runs: list[dict], cv: float, policy: str) -> list[dict]:
-    """The runs of all 5 models together under the policy with every mechanism on."""
-    return [r for r in runs if r["cv"] == cv and r["policy"] == policy and not r.get("ablate") and r["models"] is None]
+def select(runs: list[dict], cv: float, policy: str, ablate: str = "", models: list[str] | None = None) -> list[dict]:
+    """The runs at `cv` under `policy` without `ablate` (""; every mechanism on) of `models`
+    (None: all 5 together)."""
+    return [r for r in runs if r["cv"] == cv and r["policy"] == policy and r.get("ablate", "") == ablate
+            and r["models"] == models]
 
 
 def fig7_rows(runs: list[dict]) -> list[dict]:
     rows = []
     for cv in CVS:
         for policy in POLICIES:
-            mine = fig7_runs(runs, cv, policy)
+            mine = select(runs, cv, policy)
             lat, good = mean_ci95([summary(r)[0] for r in mine]), mean_ci95([summary(r)[1] for r in mine])
             rows.append({"cv": cv, "policy": policy, "mean_ms": lat[0], "mean_ci_ms": lat[1],
                          "goodput": good[0], "goodput_ci": good[1],
@@ -114,8 +116,7 @@ def ablation_rows(runs: list[dict]) -> list[dict]:
     for policy in VARIANTS:
         for cv in (4.0, 8.0):
             for ablate in ("", *MECHANISMS):
-                mine = [summary(r) for r in runs if r["cv"] == cv and r["policy"] == policy
-                        and r.get("ablate", "") == ablate and r["models"] is None]
+                mine = [summary(r) for r in select(runs, cv, policy, ablate)]
                 if not mine:
                     continue
                 lat, good = mean_ci95([m for m, _ in mine]), mean_ci95([g for _, g in mine])
@@ -128,7 +129,7 @@ def dag_rows(runs: list[dict]) -> list[dict]:
     rows = []
     for cv in (4.0, 8.0):
         for ablate in ("", "attention"):
-            mine = [r for r in runs if r["models"] == ["ensemble-8"] and r["cv"] == cv and r.get("ablate", "") == ablate]
+            mine = select(runs, cv, "quart", ablate, ["ensemble-8"])
             lat = mean_ci95([r["models_out"]["ensemble-8"]["mean_ms"] for r in mine])
             good = mean_ci95([r["models_out"]["ensemble-8"]["goodput"] for r in mine])
             rows.append({"cv": cv, "attention": not ablate, "mean_ms": lat[0], "mean_ci_ms": lat[1],
@@ -189,7 +190,7 @@ def plot(rows: list[dict], runs: list[dict]) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(14, 8), squeeze=False)
     for col, cv in enumerate(cv for cv in (4.0, 8.0) if cv in CVS):
         for policy in POLICIES:
-            mine = [r["models_out"]["llama-7b"] for r in fig7_runs(runs, cv, policy)]
+            mine = [r["models_out"]["llama-7b"] for r in select(runs, cv, policy)]
             q = np.mean([m["quantiles_ms"] for m in mine], axis=0)
             axes[0][col].plot(["p50", "p75", "p90", "p99"], q, marker="o", label=policy, **style(policy))
             axes[1][col].plot(range(8), np.mean([m["queue"] for m in mine], axis=0), marker="o", label=policy,
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
         if cv_model.get(scope):
             figures += [{"name": f"cv attention held-out MAE ({scope}) stage {i}", "value": m, "unit": "CV", "naive": n}
                         for i, (m, n) in enumerate(zip(cv_model[scope]["model_mae"], cv_model[scope]["naive_mae"]))]
-    attainment = {p: np.mean([[r["models_out"][m]["attainment"] for m in r["models_out"]] for r in fig7_runs(runs, 4.0, p)],
+    attainment = {p: np.mean([[r["models_out"][m]["attainment"] for m in r["models_out"]] for r in select(runs, 4.0, p)],
                              axis=0).round(4).tolist() for p in POLICIES}
     figures += [{"name": f"fig6 cv4 {p} SLO attainment per model at {list(SLO_MULTIPLES)}x", "value": attainment[p],
                  "unit": "fraction", "models": [m.name for m in table1()]} for p in POLICIES]

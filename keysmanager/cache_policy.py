@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Zygotes a server's KeysManager warms at once at start: each is mostly waiting (its imports, its
+# shard's read), so several overlap well (the runtime's start and the simulator's both use it).
+WARMING_AT_ONCE = 4
+
 
 class OverBudget(RuntimeError):
     """The stage range does not fit in the server's cache budget, even after evicting every

@@ -320,11 +320,12 @@ class KeysManager:
         with self._lock:
             held = set(self.zygotes) | set(self._starting)
         # QUART_ABLATE=fork-cache: key stages are not cached, so their scale-ups start cold.
-        key_stages = [] if self.settings.autoscaler.ablated("fork-cache") else self.scheduled_here(self.key_stages())
+        key_stages = [] if self.settings.autoscaler.ablated("fork-cache") else \
+            self.scheduled_here([s for s in self.key_stages() if s not in held])
         for stage in key_stages:
             if not (self.settings.model_dir(stage.model) / "manifest.json").exists() and not self.emulated(stage.model):
                 continue  # not partitioned here
-            if stage not in held and self.memory_used() < self.threshold:
+            if self.memory_used() < self.threshold:
                 try:
                     self.cache(stage)
                 except OverBudget as exc:

@@ -28,6 +28,7 @@ from contracts.paths import REPO_ROOT
 from contracts.secrets import read_or_create_secret
 from contracts.stack import StackFunction, is_whole, read_stack
 from contracts.stage import StageRef
+from keysmanager.cache_policy import WARMING_AT_ONCE
 from keysmanager.client import KeysClient, KeysManagerError
 from runtime.log_rotation import rotate
 from runtime.provider import LocalProvider
@@ -102,11 +103,6 @@ def stages_to_cache(settings: Settings, stack: list[StackFunction]) -> list[Stag
     except ValueError as exc:
         raise SystemExit(f"configuration: QUART_CACHE_STAGES={choice!r}: {exc}") from None
     return [s for s in stage_fns if s in wanted]
-
-
-# Zygotes warming at once: each is mostly waiting (its imports, its shard's read), so several
-# overlap well, and `make up`'s configured stages are cached in about the time of the slowest.
-WARMING_AT_ONCE = 4
 
 
 def cache_in_background(clients: list[KeysClient], ranges: list[StageRef]) -> None:

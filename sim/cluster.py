@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from contracts.stage import StageRef
-from keysmanager.cache_policy import Held, OverBudget, evictions
+from keysmanager.cache_policy import WARMING_AT_ONCE, Held, OverBudget, evictions
 from scheduler.placement import Scheduler
 from scheduler.state import Change, ClusterState, Fetch, Schedule
 from scheduler.state import Replica as SchedReplica
@@ -246,9 +246,6 @@ class SimCluster:
             sv, st = self._startup.popleft()
             self.cache(sv, st, now)
 
-    # The runtime's KeysManagers warm this many stage ranges at once (runtime.server).
-    WARMING_AT_ONCE = 4
-
     def watch(self, now: float) -> None:
         """Each KeysManager caches the key stages scheduled on its server that it does not hold
         (keysmanager watch_once, QUART §6.1), unless the fork cache is ablated."""
@@ -270,16 +267,10 @@ class SimCluster:
             for sv, st in plan:
                 if self.cache(sv, st, now):
                     sv.zygotes[st.key].ready = True
-        elif how == "sequential" and plan:
-            sv, st = plan[0]
-            if self.cache(sv, st, now):
-                sv.zygotes[st.key].ready = True
-            self._startup.extend(plan[1:])
-            self.on_cached(sv.zygotes[st.key], now)
-        elif how == "parallel" and plan:
+        elif how in ("parallel", "sequential"):
             # The first batch is in when traffic starts (`make up` reported 4 of 8 cached when
-            # the live replays began); the rest warm WARMING_AT_ONCE at a time.
-            at_once = self.WARMING_AT_ONCE
+            # the live replays began); the rest warm as many at a time.
+            at_once = WARMING_AT_ONCE if how == "parallel" else 1
             for sv, st in plan[:at_once]:
                 if self.cache(sv, st, now):
                     sv.zygotes[st.key].ready = True

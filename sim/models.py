@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autoscaler.policy.compensator import CPUFit
+from autoscaler.policy.state import chain
 from pipeline.profiles import PROFILES, TABLE1, UNEVEN, Profile
 from sim.step_cost import Calibration, calibrated
 
@@ -26,7 +27,7 @@ class SimModel:
         return self.profile.num_stages
 
     def graph(self) -> tuple[tuple[int, int], ...]:
-        return self.edges if self.edges is not None else tuple((i, i + 1) for i in range(self.num_stages - 1))
+        return self.edges if self.edges is not None else chain(self.num_stages)
 
     def critical_path(self) -> list[int]:
         """The stages of the longest path by mean service time: a request alone takes that long."""
@@ -62,7 +63,7 @@ class GenerativeModel:
         return self.calibration.num_stages
 
     def graph(self) -> tuple[tuple[int, int], ...]:
-        return tuple((i, i + 1) for i in range(self.num_stages - 1))
+        return chain(self.num_stages)
 
     def stage_bytes(self, stage: int) -> int:
         return self.calibration.shard_bytes[stage]

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from contracts.config import Bounds
 
 
+def chain(num_stages: int) -> tuple[tuple[int, int], ...]:
+    """The edges of a chain 0 -> 1 -> ... -> num_stages - 1."""
+    return tuple((i, i + 1) for i in range(num_stages - 1))
+
+
 @dataclass(frozen=True, slots=True)
 class StageState:
     """One stage over the last observation window."""
@@ -66,7 +71,7 @@ class PipelineState:
     def graph(self) -> tuple[tuple[int, int], ...]:
         if self.edges is not None:
             return self.edges
-        return tuple((i, i + 1) for i in range(len(self.stages) - 1))
+        return chain(len(self.stages))
 
     def path_lengths(self, weights: list[float]) -> list[float]:
         """Per stage, the heaviest source-to-sink path through it, by `weights` per stage (a
