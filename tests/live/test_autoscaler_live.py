@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from autoscaler.policy.cpu_sets import pick_cores
 from contracts import keys
 from contracts.config import Settings
 from contracts.stage import StageRef
@@ -119,38 +120,44 @@ def _allowed_cpus(pid: int) -> set[int]:
     return cpus
 
 
+def _wait(condition, seconds: float = 30) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline and not condition():
+        time.sleep(0.2)
+
+
 def test_cpu_changes_take_effect_in_running_replicas_on_cores_of_their_own(emulated):
+    """No traffic is sent: a replica applies a change between reads of its stream, which block
+    only briefly, and traffic would scale stages up, whose new replicas pin cores as well."""
     settings, r = emulated
-    if len(os.sched_getaffinity(0)) < 2:
+    host = sorted(os.sched_getaffinity(0))
+    if len(host) < 2:
         pytest.skip("needs two CPUs")
     replica = live_replicas(r, MODEL, 5)[0]
     pid = int(replica["pid"])
+    record = keys.replica(replica["replica_id"])
     r.set(keys.stage_cpus(StageRef(MODEL, 5, 6)), "2")
     try:
-        # A change is applied between work items: give the replica one.
-        burst(f"{settings.gateway.url}/function/{MODEL}", rate=5, seconds=2)
-        deadline = time.time() + 30
-        while time.time() < deadline and r.hget(keys.replica(replica["replica_id"]), "cpus") != b"2":
-            time.sleep(0.2)
-        assert r.hget(keys.replica(replica["replica_id"]), "cpus") == b"2"
+        _wait(lambda: r.hget(record, "cpus") == b"2")
+        assert r.hget(record, "cpus") == b"2"
         assert len(_allowed_cpus(pid)) == 2
         r.set(keys.stage_cpus(StageRef(MODEL, 5, 6)), "1")
-        burst(f"{settings.gateway.url}/function/{MODEL}", rate=5, seconds=2)
-        deadline = time.time() + 30
-        while time.time() < deadline and r.hget(keys.replica(replica["replica_id"]), "cpus") != b"1":
-            time.sleep(0.2)
+        _wait(lambda: r.hget(record, "cpus") == b"1")
         assert all(len(os.sched_getaffinity(int(t))) == 1 for t in os.listdir(f"/proc/{pid}/task"))
-        # A second stage's replica pinned to one CPU takes the core the first does not hold.
+        # A second stage's replica pinned to one CPU takes the core held least by the server's
+        # other pinned replicas (the first one's among them): a core of its own where one is free.
         other = live_replicas(r, MODEL, 6)[0]
         r.set(keys.stage_cpus(StageRef(MODEL, 6, 7)), "1")
-        burst(f"{settings.gateway.url}/function/{MODEL}", rate=5, seconds=2)
-        deadline = time.time() + 30
         # (Its record says 1 CPU from the start: wait for its pinning instead.)
-        while time.time() < deadline and len(_allowed_cpus(int(other["pid"]))) != 1:
-            time.sleep(0.2)
+        _wait(lambda: len(_allowed_cpus(int(other["pid"]))) == 1)
         mine, theirs = _allowed_cpus(pid), _allowed_cpus(int(other["pid"]))
-        assert len(mine) == len(theirs) == 1 and mine != theirs
         held = {k.decode(): v.decode() for k, v in r.hgetall(keys.cpu_sets(settings.server)).items()}
-        assert held[replica["replica_id"]] == str(min(mine)) and held[other["replica_id"]] == str(min(theirs))
+        assert held[replica["replica_id"]] == ",".join(map(str, sorted(mine))) and len(mine) == 1
+        assert held[other["replica_id"]] == ",".join(map(str, sorted(theirs))) and len(theirs) == 1
+        others = [[int(c) for c in v.split(",")] for rid, v in held.items()
+                  if rid != other["replica_id"] and r.exists(keys.replica(rid))]
+        assert sorted(theirs) == pick_cores(host, others, 1), held
+        if len(others) == 1:
+            assert mine != theirs
     finally:
         r.delete(keys.stage_cpus(StageRef(MODEL, 5, 6)), keys.stage_cpus(StageRef(MODEL, 6, 7)))
