@@ -23,6 +23,7 @@ from contracts.config import Settings
 from contracts.loops import every_in_thread
 from contracts.stack import Pipeline
 from contracts.stage import StageRef
+from pipeline.profiles import profile
 
 log = logging.getLogger("quart.autoscaler")
 
@@ -41,7 +42,8 @@ class ControlLoop:
     def __post_init__(self) -> None:
         stages = {m: p.stages for m, p in self.pipelines.items()}
         self.controller = Controller.from_settings(self.settings, stages)
-        self.observer = Observer(self.r, stages, self.settings.autoscaler.window_s)
+        graphs = {m: graph for m, p in self.pipelines.items() if p.emulated and (graph := profile(p.emulated).edges)}
+        self.observer = Observer(self.r, stages, self.settings.autoscaler.window_s, graphs)
         a = self.settings.autoscaler
         self.layouts = {m: LayoutController(self.r, self.backend, p, LayoutRule(
             a.layout_windows, self.settings.batching.max_batch, p.whole_max), a.layout_window_s)

@@ -15,6 +15,7 @@ from autoscaler.policy.state import PipelineState
 from autoscaler.policy.window import Window, stage_state
 from contracts import keys
 from contracts.stage import StageRef
+from contracts.stage_graph import Edges
 from pipeline.registry import live_among
 
 
@@ -41,6 +42,7 @@ class Observer:
     r: redis.Redis
     pipelines: dict[str, tuple[StageRef, ...]]
     window_s: float
+    graphs: dict[str, Edges] = field(default_factory=dict)  # the models that are not chains
     service_s: dict[StageRef, float] = field(default_factory=dict)
     records: dict[StageRef, _Records] = field(default_factory=dict)
 
@@ -65,7 +67,8 @@ class Observer:
         for model, stages in self.pipelines.items():
             states = tuple(self._stage(i, ref, now, since_ms, desired[model][i], per_ref[ref], cpus[ref])
                            for i, ref in enumerate(stages))
-            out[model] = PipelineState(model, states, slo_s=slo_s, entry_rate=states[0].arrival_rate, now=now)
+            out[model] = PipelineState(model, states, slo_s=slo_s, entry_rate=states[0].arrival_rate, now=now,
+                                       edges=self.graphs.get(model))
         return out
 
     def _stage(self, index: int, ref: StageRef, now: float, since_ms: int, replicas: int, raw: list,

@@ -12,6 +12,7 @@ from benchmarks import (
     generation,
     hop,
     kv_migration,
+    live_dag,
     live_policies,
     loadgen,
     overload,
@@ -38,7 +39,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([]),
               "simulator_coldstart": lambda: simulator_coldstart.main([]),
               "simulator_policies": lambda: simulator_policies.main([]),
-              "live_policies": lambda: live_policies.main([])}
+              "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([])}
 
 
 def main(argv: list[str]) -> int:

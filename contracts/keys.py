@@ -24,6 +24,12 @@ def reply_list(request_id: str) -> str:
     return f"{PREFIX}:reply:{request_id}"
 
 
+def join_parts(model: str, stage: int, request_id: str) -> str:
+    """Hash of the parts one request has brought to a join (a stage with several predecessors),
+    field: the predecessor stage; the last part in queues the request at the join's stream."""
+    return f"{PREFIX}:join:{model}:{stage}:{request_id}"
+
+
 def records_stream(model: str, stage: int) -> str:
     """Per-request records of one stage (queue wait, service time, replica), capped in length."""
     return f"{PREFIX}:records:{model}:{stage}"

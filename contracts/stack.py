@@ -128,7 +128,7 @@ class Pipeline:
     model: str
     stages: tuple[StageRef, ...]
     functions: tuple[str, ...]        # the stage function serving each range
-    emulated: bool = False            # its stages draw compute times (QUART_EMULATE) instead of computing
+    emulated: str = ""                # the profile its stages draw compute times from (QUART_EMULATE), if emulated
     whole: str | None = None          # the function serving [0, num_stages) that it may consolidate into
     whole_max: int = 1                # replicas that function may have (its com.openfaas.scale.max)
 
@@ -168,7 +168,7 @@ def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
                                  f"it end at {end} (ranges must cover 0.. without gaps or overlaps)")
             end = f.stage.last
         out[model] = Pipeline(model, tuple(f.stage for f in fns), tuple(f.name for f in fns),
-                              emulated=any(f.deployment["envVars"].get("QUART_EMULATE") for f in fns),
+                              emulated=next((e for f in fns if (e := f.deployment["envVars"].get("QUART_EMULATE"))), ""),
                               **_whole(wholes.pop(model, None), end))
     if wholes:
         raise ValueError(f"{sorted(wholes)}: a function labelled {WHOLE_LABEL} but no stage functions")

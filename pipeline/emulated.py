@@ -51,6 +51,14 @@ class EmulatedRunner:
         shape = 1.0 / (p.cv * p.cv)
         return float(self._rng.gamma(shape, mean / shape))
 
+    def join(self, parts: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """A join stage's input: the mean of its predecessors' activations (an ensemble's
+        combiner averages its members' outputs), which must agree in shape."""
+        hidden = [p.get("hidden") for p in parts.values()]
+        if any(h is None for h in hidden) or len({tuple(h.shape) for h in hidden}) != 1:
+            raise BadRequest(f"the parts joined here differ: {[None if h is None else tuple(h.shape) for h in hidden]}")
+        return {"hidden": torch.stack(hidden).mean(dim=0)}
+
     def checked_run(self, tensors: dict[str, torch.Tensor], limits: Limits) -> dict[str, torch.Tensor]:
         hidden = tensors.get("hidden")
         if hidden is None or hidden.dim() != 3 or hidden.shape[2] != WIDTH or not hidden.is_floating_point():

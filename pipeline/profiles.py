@@ -1,8 +1,8 @@
 """Emulated models' profiles: QUART's Table 1 (standalone GPU execution time and parameter size of
 the whole model) split evenly over 8 stages, as DeepSpeed's balanced partitioning splits a stack of
 identical layers, so that key stages arise from the workload, not from the split; each also as a
-named variant `<name>-uneven` whose stage 3 weighs 1.6 (a heavy stage by construction); and the
-stack file of one of them. Data only (no torch): the provider reads it too."""
+named variant `<name>-uneven` whose stage 3 weighs 1.6 (a heavy stage by construction); a DAG,
+`ensemble-8`; and the stack file of one of them. Data only (no torch): the provider reads it too."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from contracts.paths import REPO_ROOT
+from contracts.stage_graph import Edges, chain
 
 EVEN_8 = (1.0,) * 8
 UNEVEN_8 = (0.8, 1.0, 1.0, 1.6, 1.0, 0.9, 0.9, 0.8)
@@ -28,10 +29,15 @@ class Profile:
     # Parameter size of the whole model (QUART Table 1), for cache budgets and cold-start
     # reads; an emulated zygote holds none of it.
     size_gb: float = 0.0
+    # The stage graph (contracts/stage_graph.py); None: a chain.
+    edges: Edges | None = None
 
     @property
     def num_stages(self) -> int:
         return len(self.weights)
+
+    def graph(self) -> Edges:
+        return self.edges if self.edges is not None else chain(self.num_stages)
 
     def stage_ms(self, stage: int) -> float:
         return self.total_ms * self.weights[stage] / sum(self.weights)
@@ -45,8 +51,14 @@ TABLE1 = (Profile("whisper-9b", 74, size_gb=2.9), Profile("bert-21b", 137, size_
           Profile("llama-7b", 243, size_gb=14), Profile("opt-66b", 278, size_gb=132),
           Profile("wideresnet", 646, size_gb=16))
 UNEVEN = "-uneven"
+# A fan-out/fan-in pipeline (QUART §4.1's DAG): a shared encoder (stage 0) feeds an ensemble of
+# three models of two stages each (1 -> 4, 2 -> 5, 3 -> 6), a large, a medium and a small one,
+# whose outputs a combiner (stage 7) joins; LLaMA-7B's time and size spread over the 8 stages.
+ENSEMBLE = Profile("ensemble-8", 243, size_gb=14, weights=(1.0, 1.6, 1.0, 0.5, 1.6, 1.0, 0.5, 1.0),
+                   edges=((0, 1), (0, 2), (0, 3), (1, 4), (2, 5), (3, 6), (4, 7), (5, 7), (6, 7)))
 PROFILES = {p.name: p for p in TABLE1} | {
-    p.name + UNEVEN: dataclasses.replace(p, name=p.name + UNEVEN, weights=UNEVEN_8) for p in TABLE1}
+    p.name + UNEVEN: dataclasses.replace(p, name=p.name + UNEVEN, weights=UNEVEN_8) for p in TABLE1} | {
+    ENSEMBLE.name: ENSEMBLE}
 
 
 def profile(name: str) -> Profile:

@@ -1,6 +1,7 @@
 """A stage replica: pulls work for its stage range from the stage's Redis Stream through the
-shared consumer group, hands the output to the next stage (or the reply list), and only then
-acknowledges. Work left pending by a dead replica is claimed again after an idle time.
+shared consumer group, hands the output to the next stage (or the reply list; in a DAG, to every
+successor, a join's part by pipeline/join.py), and only then acknowledges. Work left pending by a
+dead replica is claimed again after an idle time.
 
 A replica of a generative model also reads its own stream: the decode steps of the requests whose
 KV cache it holds (it ran their prefill). It runs everything ready as one batch per step
@@ -24,10 +25,12 @@ from contracts import keys
 from contracts.config import Settings
 from contracts.proc_stat import started_at
 from contracts.stage import StageRef
+from contracts.stage_graph import Edges, chain, check_range, predecessors, successors
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
 from pipeline.batch_policy import handover_peer, new_item_slots
 from pipeline.emulated import EmulatedRunner
 from pipeline.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
+from pipeline.join import Joins
 from pipeline.model_fetch import ensure_manifest
 from pipeline.profiles import profile as emulation_profile
 from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, record_cold_start, register
@@ -48,6 +51,12 @@ MIGRATIONS = Counter("quart_stage_migrations_total", "KV caches moved between re
                      _LABELS + ("direction",))
 KV_BYTES = Gauge("quart_stage_kv_bytes", "KV-cache bytes reserved by the sequences this replica holds", _LABELS)
 WAITING_POLL_MS = 50
+
+
+def stage_graph(runner: StageRunner | EmulatedRunner) -> Edges:
+    """An emulated model's graph is its profile's; a real model is a chain."""
+    profile = getattr(runner.manifest, "profile", None)
+    return profile.graph() if profile is not None else chain(runner.manifest.num_stages)
 
 
 def ensure_group(r: redis.Redis, stream: str) -> None:
@@ -85,7 +94,14 @@ class Replica:
             device="emulated" if settings.compute.emulate else settings.compute.device, cpus=max(1, settings.compute.threads),
             started_by=started_by, started_at=time.time())
         self.stream = keys.stage_stream(self.model, first)
-        self.next_stream = None if self.runner.is_last else keys.stage_stream(self.model, last)
+        graph = stage_graph(runner)
+        check_range(graph, first, last)
+        # Where this range's output goes (several: a fan-out; none: the reply), and, at a join
+        # (a stage with several predecessors), the stages whose parts a request brings here.
+        self.next_stages = successors(graph, last - 1)
+        self.join_of = predecessors(graph, first) if len(predecessors(graph, first)) > 1 else []
+        self.next_parts = {s: len(predecessors(graph, s)) for s in self.next_stages}
+        self.joins = Joins(self.redis, self.model, int(settings.data.request_timeout_s * 2000))
         self.private = keys.replica_stream(self.replica_id)
         generative = isinstance(runner, StageRunner) and runner.manifest.arch == "llama"
         self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
@@ -144,8 +160,8 @@ class Replica:
         """The streams this replica reads and writes, with their consumer groups: at start, and
         again after a Redis that came back without them."""
         ensure_group(self.redis, self.stream)
-        if self.next_stream:
-            ensure_group(self.redis, self.next_stream)
+        for stage in self.next_stages:
+            ensure_group(self.redis, keys.stage_stream(self.model, stage))
         if self.generation is not None:
             ensure_group(self.redis, self.private)
             self.redis.pexpire(self.private, int(self.settings.data.replica_ttl_s * 1000))
@@ -317,11 +333,20 @@ class Replica:
             REQUESTS.labels(**self._labels, outcome="expired").inc()
             self._finish([work], self.redis.pipeline(transaction=True))
             return
-        out = self._compute(header, work.tensors)
+        tensors = work.tensors
+        if self.join_of:
+            try:
+                header, parts = self.joins.collect(header, self.join_of)
+                tensors = self.runner.join(parts)
+            except BadRequest as exc:
+                header.error, header.status = f"stage {self.first}: {exc}", exc.status
+        out = self._compute(header, tensors) if header.error is None else {}
         service_ms = (time.time() - work.received) * 1000.0
         pipe = self.redis.pipeline(transaction=True)
         self._record(pipe, work, service_ms, 1)
         self._hand_off(pipe, header, out)
+        if self.join_of:
+            self.joins.done(pipe, header, self.first)
         self._finish([work], pipe)
 
     def _run_generation(self, works: list[Work]) -> None:
@@ -360,7 +385,7 @@ class Replica:
                 holders.append((len(pipe.command_stack), o))
                 pipe.xadd(keys.replica_stream(replica), {MESSAGE_FIELD: pack(o.header, o.tensors)}, nomkstream=True)
             elif o.to == NEXT:
-                pipe.xadd(self.next_stream, {MESSAGE_FIELD: pack(o.header, o.tensors)})
+                pipe.xadd(keys.stage_stream(self.model, self.last), {MESSAGE_FIELD: pack(o.header, o.tensors)})  # a chain
             elif o.to == REPLY:
                 self._reply(pipe, o.header, o.tensors)
             else:
@@ -419,11 +444,16 @@ class Replica:
         return {}
 
     def _hand_off(self, pipe: redis.client.Pipeline, header: Header, out: dict[str, torch.Tensor]) -> None:
-        if header.error is not None or self.next_stream is None:
+        if header.error is not None or not self.next_stages:
             self._reply(pipe, header, out)
             return
-        header.stage, header.enqueued_at = self.last, time.time()
-        pipe.xadd(self.next_stream, {MESSAGE_FIELD: pack(header, out)})
+        header.enqueued_at = time.time()
+        for stage, parts in self.next_parts.items():
+            header.stage = stage
+            if parts > 1:
+                self.joins.send_part(pipe, header, out, self.last - 1, parts)
+            else:
+                pipe.xadd(keys.stage_stream(self.model, stage), {MESSAGE_FIELD: pack(header, out)})
 
     def _reply(self, pipe: redis.client.Pipeline, header: Header, out: dict[str, torch.Tensor]) -> None:
         pipe.lpush(header.reply_to, pack(header, out))

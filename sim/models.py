@@ -4,11 +4,10 @@ the next, which sets the hop's transfer time; and generative models, whose stage
 cost what their calibration measured (sim/calibration/<model>.json)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from autoscaler.policy.compensator import CPUFit
-from autoscaler.policy.state import chain
+from contracts.stage_graph import chain
 from pipeline.profiles import PROFILES, TABLE1, UNEVEN, Profile
 from sim.step_cost import Calibration, calibrated
 
@@ -18,16 +17,13 @@ class SimModel:
     name: str
     profile: Profile
     activation_bytes: int       # what one request passes between two stages
-    # The stage graph's edges (from, to); None: a chain. Stage 0 is the only source and the last
-    # stage the only sink; a stage with several predecessors starts once all their parts are in.
-    edges: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_stages(self) -> int:
         return self.profile.num_stages
 
     def graph(self) -> tuple[tuple[int, int], ...]:
-        return self.edges if self.edges is not None else chain(self.num_stages)
+        return self.profile.graph()
 
     def critical_path(self) -> list[int]:
         """The stages of the longest path by mean service time: a request alone takes that long."""
@@ -77,34 +73,28 @@ ACTIVATION_BYTES = {"whisper-9b": 1500 * 1280 * 2, "bert-21b": 128 * 6144 * 2, "
                     "opt-66b": 128 * 9216 * 2, "wideresnet": 1024 * 14 * 14 * 2}
 
 
-# A fan-out/fan-in pipeline (QUART §4.1's DAG): a shared encoder (stage 0) feeds an ensemble of
-# three models of two stages each (1 -> 4, 2 -> 5, 3 -> 6), a large, a medium and a small one,
-# whose outputs a combiner (stage 7) joins; LLaMA-7B's time and size spread over the 8 stages.
-ENSEMBLE_EDGES = ((0, 1), (0, 2), (0, 3), (1, 4), (2, 5), (3, 6), (4, 7), (5, 7), (6, 7))
-ENSEMBLE_WEIGHTS = (1.0, 1.6, 1.0, 0.5, 1.6, 1.0, 0.5, 1.0)
-DAGS = {"ensemble-8": (dataclasses.replace(PROFILES["llama-7b"], weights=ENSEMBLE_WEIGHTS), ENSEMBLE_EDGES, "llama-7b")}
+# The DAGs' activations: those of the model whose time and size they spread.
+DAGS = {"ensemble-8": "llama-7b"}
 
 
 def table1(names: list[str] | None = None) -> list[SimModel]:
     """Table 1's models by name (None: the five, evenly split); `<name>-uneven` the named variant."""
     names = names or [p.name for p in TABLE1]
-    unknown = [n for n in names if n not in PROFILES and n not in DAGS]
+    unknown = [n for n in names if n not in PROFILES]
     if unknown:
-        raise ValueError(f"unknown model(s) {unknown}; known: {sorted(PROFILES) + sorted(DAGS)}")
+        raise ValueError(f"unknown model(s) {unknown}; known: {sorted(PROFILES)}")
     return [_sim_model(n) for n in names]
 
 
 def _sim_model(name: str) -> SimModel:
-    if name in DAGS:
-        profile, edges, like = DAGS[name]
-        return SimModel(name, dataclasses.replace(profile, name=name), ACTIVATION_BYTES[like], edges)
-    return SimModel(name, PROFILES[name], ACTIVATION_BYTES[name.removesuffix(UNEVEN)])
+    like = DAGS.get(name, name.removesuffix(UNEVEN))
+    return SimModel(name, PROFILES[name], ACTIVATION_BYTES[like])
 
 
 def resolve(names: list[str] | None, new_tokens: int = 64) -> list[SimModel | GenerativeModel]:
     """Table 1 models and calibrated generative ones by name (None: all of Table 1)."""
     generative = calibrated()
-    known = sorted(PROFILES) + sorted(DAGS) + sorted(generative)
+    known = sorted(PROFILES) + sorted(generative)
     unknown = [n for n in names or [] if n not in known]
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; known: {known}")

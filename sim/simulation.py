@@ -347,7 +347,7 @@ class Simulation:
         for m in self.models:
             states = tuple(st.observe(now, self.cfg.window_s) for st in self.chains[m.name])
             observations[m.name] = PipelineState(m.name, states, slo_s=self.slo[m.name],
-                                                 edges=m.edges if isinstance(m, SimModel) else None,
+                                                 edges=m.profile.edges if isinstance(m, SimModel) else None,
                                                  entry_rate=states[0].arrival_rate, now=now,
                                                  cpu_free=None if isinstance(m, SimModel) else cpu_free)
         for actions in self.controller.step(now, observations):

@@ -87,7 +87,7 @@ def pid_step(cfg: PIDConfig, mem: PIDMemory, delay: float, target: float,
     else:
         new = replicas
     new = bounds.clamp(new)
-    terms = {"error": error, "p": cfg.kp * error, "i": cfg.ki * integral, "d": cfg.kd * derivative,
+    terms = {"target_s": target, "error": error, "p": cfg.kp * error, "i": cfg.ki * integral, "d": cfg.kd * derivative,
              "below_ticks": below}
     return new, PIDMemory(integral, measured, below), terms
 

@@ -6,11 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from contracts.config import Bounds
-
-
-def chain(num_stages: int) -> tuple[tuple[int, int], ...]:
-    """The edges of a chain 0 -> 1 -> ... -> num_stages - 1."""
-    return tuple((i, i + 1) for i in range(num_stages - 1))
+from contracts.stage_graph import chain
 
 
 @dataclass(frozen=True, slots=True)

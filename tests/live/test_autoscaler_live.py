@@ -27,11 +27,11 @@ from runtime.ports import free_port
 MODEL = "llama-7b-uneven"
 
 
-def emulated_settings(home_settings: Settings, home: Path, **changes: object) -> Settings:
-    """The emulated 8-stage stack under QUART on free ports, in its own home. Its bursts are meant
+def emulated_settings(home_settings: Settings, home: Path, model: str = MODEL, **changes: object) -> Settings:
+    """An emulated 8-stage stack under QUART on free ports, in its own home. Its bursts are meant
     to be scaled for, every request answered: no admission control (test_overload has that)."""
     return home_settings.replace(
-        home=str(home), models=str(home_settings.models_dir), stack_file=str(write_stack(MODEL, home / "stack.yml")),
+        home=str(home), models=str(home_settings.models_dir), stack_file=str(write_stack(model, home / "stack.yml")),
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
         policy="quart", slo_s=1.0, window_s=5.0, tick_s=1.0, admit_wait_s=0.0, **changes)
 

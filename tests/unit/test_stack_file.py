@@ -15,7 +15,7 @@ from contracts.stack import load_stack_file, read_stack, substitute
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((REPO / "contracts" / "stack.schema.json").read_text())
-STACKS = ["stack.yml", "stack-emulated.yml"]
+STACKS = ["stack.yml", "stack-emulated.yml", "stack-ensemble.yml"]
 
 
 @pytest.mark.parametrize("name", STACKS)
