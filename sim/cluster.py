@@ -225,9 +225,9 @@ class SimCluster:
 
     # -- the KeysManagers --------------------------------------------------------------------
 
-    def cache(self, sv: Server, st: Stage, now: float) -> bool:
+    def cache(self, sv: Server, st: Stage, now: float, ready: bool = False) -> bool:
         """One server's KeysManager caches a stage: room made by the cache policy, then the
-        shard read into host memory (a zygote start)."""
+        shard read into host memory (a zygote start); `ready`: cached before the run began."""
         if st.key in sv.zygotes:
             return True
         held = [Held(k, z.bytes, z.last_use, cached_at=z.cached_at) for k, z in sv.zygotes.items()]
@@ -236,8 +236,9 @@ class SimCluster:
                 del sv.zygotes[key]
         except OverBudget:
             return False
-        z = sv.zygotes[st.key] = Zygote(st.shard_bytes, now, cached_at=now)
-        self._read(sv, z, st.shard_bytes, now)
+        z = sv.zygotes[st.key] = Zygote(st.shard_bytes, now, cached_at=now, ready=ready)
+        if not ready:
+            self._read(sv, z, st.shard_bytes, now)
         return True
 
     def on_cached(self, z: Zygote, now: float) -> None:
@@ -265,15 +266,13 @@ class SimCluster:
         plan = [(self.servers[n % len(self.servers)], st) for n, st in enumerate(self.stages.values())]
         if how == "all":
             for sv, st in plan:
-                if self.cache(sv, st, now):
-                    sv.zygotes[st.key].ready = True
+                self.cache(sv, st, now, ready=True)
         elif how in ("parallel", "sequential"):
             # The first batch is in when traffic starts (`make up` reported 4 of 8 cached when
             # the live replays began); the rest warm as many at a time.
             at_once = WARMING_AT_ONCE if how == "parallel" else 1
             for sv, st in plan[:at_once]:
-                if self.cache(sv, st, now):
-                    sv.zygotes[st.key].ready = True
+                self.cache(sv, st, now, ready=True)
             self._startup.extend(plan[at_once:])
             for _ in range(min(at_once, len(self._startup))):
                 sv, st = self._startup.popleft()

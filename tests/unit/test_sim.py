@@ -217,3 +217,15 @@ def test_the_command_line_sets_a_boolean_field_by_its_name():
     assert config(parse(["--preset", "embedded"])).admission is True
     with pytest.raises(SystemExit, match="takes a bool"):
         config(parse(["--set", "admission=nope"]))
+
+
+def test_the_embedded_runtime_starts_with_four_stages_cached_and_four_warming(tmp_path):
+    """As `make up` reports when a replay begins: the cached stages' zygotes took their cores
+    before the run; only the four warming ones share the cores in it (5.1 s of one core's work
+    each), and all eight are cached by its end. Static starts no replica."""
+    sim = Simulation(embedded_runtime(), table1(["llama-7b"]), {"llama-7b": np.array([60.0])}, "static",
+                     load_settings(environ={}, home=str(tmp_path)))
+    sim.run()
+    server = sim.cluster.servers[0]
+    assert len(server.zygotes) == 8 and all(z.ready for z in server.zygotes.values())
+    assert server.cpu.used == pytest.approx(4 * sim.cfg.init_s, rel=0.01)
