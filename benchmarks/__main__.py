@@ -8,6 +8,7 @@ from benchmarks import (
     coldstart,
     consolidation,
     containers,
+    data_plane_cpu,
     faults,
     generation,
     hop,
@@ -39,7 +40,8 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([]),
               "simulator_coldstart": lambda: simulator_coldstart.main([]),
               "simulator_policies": lambda: simulator_policies.main([]),
-              "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([])}
+              "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([]),
+              "data_plane_cpu": lambda: data_plane_cpu.main([])}
 
 
 def main(argv: list[str]) -> int:
