@@ -31,6 +31,21 @@ class Background:
     """A token for CPU work nobody waits on."""
 
 
+class RequestWork(Background):
+    """A request's CPU outside the stages (the entry, the gateway, the load generator): it takes
+    its share of the cores and slows the data plane only by that share."""
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A stage's hand-off of request `i` (finished at `at`) where its CPU part shares the host's
+    cores; the rest of the hop, `rest_s`, follows it. `to`: the stages it goes to (none: the reply)."""
+    i: int
+    at: float
+    to: tuple
+    rest_s: float
+
+
 @dataclass
 class Server:
     name: str
@@ -44,7 +59,10 @@ class Server:
     def slowdown(self) -> float:
         """How much slower the data plane's own CPU work runs while initialisations hold the
         cores (1 where the host's cores are not modelled)."""
-        return max(1.0, (len(self.cpu.jobs) + 1) / self.cpu.capacity) if self.cpu else 1.0
+        if self.cpu is None:
+            return 1.0
+        starts = sum(1 for token, _ in self.cpu.jobs if not isinstance(token, (Hop, RequestWork)))
+        return max(1.0, (starts + 1) / self.cpu.capacity)
 
     def cached(self) -> frozenset[str]:
         return frozenset(k for k, z in self.zygotes.items() if z.ready)
@@ -216,11 +234,11 @@ class SimCluster:
         sv.cpu.add(token, seconds, now)
         self._next(sv, "cpu", now)
 
-    def background(self, sv: Server, seconds: float, now: float) -> None:
+    def background(self, sv: Server, seconds: float, now: float, token: Background | None = None) -> None:
         """CPU work that delays nothing by itself but takes its share of the cores while it runs
         (other processes' work: Redis, the entry); nothing where the cores are not modelled."""
         if sv.cpu is not None and seconds > 0:
-            sv.cpu.add(Background(), seconds, now)
+            sv.cpu.add(token or Background(), seconds, now)
             self._next(sv, "cpu", now)
 
     # -- the KeysManagers --------------------------------------------------------------------

@@ -27,7 +27,8 @@ class SimConfig:
     cache_at_start: str = "none"         # "all", "parallel" (the embedded runtime), "sequential" or "none"
     # CPU cores per server that runtime initialisations share (0: not modelled, each takes
     # init_s). Where modelled, init_s is CPU work, and the data plane's own work (hops, the
-    # entry, service overhead) slows by (initialisations + 1) / cores when they outnumber them.
+    # entry, service overhead) slows by (initialisations + 1) / cores when they outnumber them;
+    # the data plane's CPU (item_cpu_s, request_cpu_s) shares them too.
     host_cores: float = 0.0
     cold_deadline_s: float = 60.0
     # Data plane. A hop costs a fixed part (serialise, queue, deserialise) plus the activation
@@ -36,6 +37,10 @@ class SimConfig:
     hop_bandwidth: float = 1.25e9
     entry_s: float = 0.003
     service_overhead_s: float = 0.0      # per item on top of the drawn compute time
+    # Where the cores are modelled: the CPU part of a hop (pack, Redis, unpack), which shares
+    # them with every other hop and start, so a burst whose hand-offs outrun them waits there.
+    item_cpu_s: float = 0.0
+    request_cpu_s: float = 0.0           # a request's CPU outside the stages, sharing the cores too
     # Generative models batch, budget and drain as the settings' batching section says (QUART_MAX_BATCH,
     # QUART_KV_BYTES, QUART_KV_WAIT_S, QUART_DRAIN). A KV migration costs a fixed part plus the
     # cache's bytes at migrate_bandwidth: the kv_migration benchmark's SmolLM2 figures (3 to 47 MB
@@ -90,9 +95,13 @@ def embedded_runtime(**changes: object) -> SimConfig:
     4.7 s user + 0.5 s system), sharing the 2 cores with every other start. Its one KeysManager
     warms the stages four at a time, and when a replay starts four of eight are cached (`make up`
     says so). Emulated stages read no parameters. The entry refuses (429) what would queue past
-    QUART_ADMIT_WAIT_S, as the runtime's does (7-12 % of the live_policies runs' requests)."""
+    QUART_ADMIT_WAIT_S, as the runtime's does (7-12 % of the live_policies runs' requests). The
+    data plane's CPU shares the two cores (benchmarks/results/data_plane_cpu.json): 1.8 ms a stage
+    item (the stage processes and Redis, 13.6-15.4 ms over 8 stages), the hop's CPU part, and
+    4.8 ms a request outside the stages (entry 2.3-2.6, gateway 1.2-1.4, load generator 1.1)."""
     base = dict(servers=1, gpus_per_server=64, replicas_per_gpu=1, host_memory_bytes=0.0,
                 bandwidth=1e15, init_s=5.1, host_cores=2.0, fork_s=0.03, h2d_bandwidth=0.0,
                 cache_at_start="parallel", hop_s=0.0025, hop_bandwidth=0.0, entry_s=0.005,
-                service_overhead_s=0.0006, window_s=5.0, slo_s=1.0, admission=True)
+                service_overhead_s=0.0006, window_s=5.0, slo_s=1.0, admission=True, item_cpu_s=0.0018,
+                request_cpu_s=0.0048)
     return SimConfig(**{**base, **changes})

@@ -21,7 +21,7 @@ from contracts.stage import StageRef
 from loadgen.client import Record
 from pipeline.admission import Admission
 from scheduler.placement import Scheduler, SchedulerParams
-from sim.cluster import SimCluster
+from sim.cluster import Hop, RequestWork, SimCluster
 from sim.config import SimConfig
 from sim.generation import EVENTS, GenerationPlane, Outcome
 from sim.models import GenerativeModel, SimModel
@@ -207,6 +207,8 @@ class Simulation:
                 self.cluster.on_fluid(a, b, t)
             elif kind == "started":
                 self.cluster.on_started(a, t)
+            elif kind == "computed" and isinstance(a, Hop):
+                self._hand_on(a, t)
             elif kind in EVENTS:
                 self.generation.handle(kind, a, b, t)
         self._expire_rest()
@@ -221,6 +223,8 @@ class Simulation:
     def _arrive(self, i: int) -> None:
         m = self.models[self.model_of[i]]
         t = self._entry(self.now)
+        if isinstance(m, SimModel):  # a generative request's own CPU is in its calibrated steps
+            self.cluster.background(self.cluster.servers[0], self.cfg.request_cpu_s, self.now, RequestWork())
         admission = self.admission.get(m.name)
         if admission is not None:
             if admission.refusal(self.now) is not None:
@@ -291,16 +295,23 @@ class Simulation:
         r.busy = False
         st.busy -= 1
         st.finish(now, float(self.service[i, st.index]), float(self.wait[i, st.index]))
-        slow = r.server.slowdown()
-        hop = self.hop[st.model] * slow
-        for successor in st.successors:
-            self.schedule(now + hop, "enq", successor, (i, now))
-        if not st.successors:
-            self.schedule(self._entry(now + hop), "reply", i)
+        if self.cfg.item_cpu_s > 0 and r.server.cpu is not None:
+            # Its CPU part shares the cores with every other hop and start: a burst whose
+            # hand-offs outrun the cores waits there.
+            rest = max(0.0, self.hop[st.model] - self.cfg.item_cpu_s)
+            self.cluster.compute(r.server, Hop(i, now, tuple(st.successors), rest), self.cfg.item_cpu_s, now)
+        else:
+            self._hand_on(Hop(i, now, tuple(st.successors), self.hop[st.model] * r.server.slowdown()), now)
         if r.draining:
             self.cluster.release(r)
         else:
             self._serve_next(r, now)
+
+    def _hand_on(self, hop: Hop, now: float) -> None:
+        for successor in hop.to:
+            self.schedule(now + hop.rest_s, "enq", successor, (hop.i, hop.at))
+        if not hop.to:
+            self.schedule(self._entry(now + hop.rest_s), "reply", hop.i)
 
     def _serve_next(self, r: Replica, now: float) -> None:
         st = r.stage

@@ -229,3 +229,22 @@ def test_the_embedded_runtime_starts_with_four_stages_cached_and_four_warming(tm
     server = sim.cluster.servers[0]
     assert len(server.zygotes) == 8 and all(z.ready for z in server.zygotes.values())
     assert server.cpu.used == pytest.approx(4 * sim.cfg.init_s, rel=0.01)
+
+
+def test_the_data_planes_cpu_shares_the_embedded_runtimes_cores(tmp_path):
+    """Every hop's CPU part and every request's CPU outside the stages take core time (measured by
+    the data_plane_cpu benchmark); a burst whose hand-offs outrun the two cores waits for them."""
+    settings = load_settings(environ={}, home=str(tmp_path))
+    steady = embedded_runtime(admission=False, cache_at_start="all")
+    arrivals = np.linspace(1.0, 6.0, 50)
+    sim = Simulation(steady, table1(["llama-7b"]), {"llama-7b": arrivals}, "static", settings)
+    sim.run()
+    work = len(arrivals) * (8 * steady.item_cpu_s + steady.request_cpu_s)
+    assert sim.cluster.servers[0].cpu.used == pytest.approx(work, rel=0.01)
+    # 200 requests at once, a replica for each at every stage: the stages take them all at once,
+    # and their hand-offs queue for the cores.
+    burst = {"llama-7b": np.full(200, 1.0)}
+    wide = steady.replace(initial_replicas=200, gpus_per_server=2000)
+    shared = simulate(wide, table1(["llama-7b"]), burst, "static", settings)
+    free = simulate(wide.replace(item_cpu_s=0.0, request_cpu_s=0.0), table1(["llama-7b"]), burst, "static", settings)
+    assert shared.latency.mean() > free.latency.mean() + 0.25
