@@ -21,13 +21,9 @@ import sys
 
 import numpy as np
 
+from benchmarks.live_policies import simulate_schedule
 from benchmarks.report import RESULTS, conditions, mean_ci95, table, write
-from contracts.config import load_settings
 from contracts.paths import REPO_ROOT
-from loadgen.arrivals import gamma_arrivals
-from sim.config import embedded_runtime
-from sim.models import table1
-from sim.run import simulate
 
 MODEL = "ensemble-8"
 VARIANTS = {"quart": "", "quart without attention": "attention"}  # name -> QUART_ABLATE
@@ -52,12 +48,7 @@ def kept(seed: int, variant: str, a: argparse.Namespace) -> dict:
 
 
 def simulated(seed: int, variant: str, a: argparse.Namespace) -> tuple[float, float]:
-    """(mean, p99) in seconds of the simulator's embedded preset on the run's schedule."""
-    settings = load_settings(environ={}, home="/nonexistent-quart-home", ablate=VARIANTS[variant])
-    trace = simulate(embedded_runtime(seed=seed), table1([MODEL]),
-                     {MODEL: gamma_arrivals(a.rate, a.cv, a.duration, seed=seed)}, "quart", settings)
-    lat = trace.latency[trace.status == 200]
-    return float(lat.mean()), float(np.percentile(lat, 99))
+    return simulate_schedule(MODEL, "quart", seed, a, ablate=VARIANTS[variant])
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -49,11 +49,16 @@ def kept(seed: int, a: argparse.Namespace) -> dict:
 
 
 def simulated(seed: int, policy: str, a: argparse.Namespace) -> tuple[float, float]:
-    """(mean, p99) in seconds of the simulator's embedded preset on the run's schedule."""
-    arrivals = {MODEL: gamma_arrivals(a.rate, a.cv, a.duration, seed=seed)}
     params = {"plan_rps": a.rate, "plan_cv": a.cv} if policy == "inferline" else {}
-    settings = load_settings(environ={}, home="/nonexistent-quart-home", policy_params=params)
-    trace = simulate(embedded_runtime(seed=seed), table1([MODEL]), arrivals, policy, settings)
+    return simulate_schedule(MODEL, policy, seed, a, policy_params=params)
+
+
+def simulate_schedule(model: str, policy: str, seed: int, a: argparse.Namespace, **settings: object) -> tuple[float, float]:
+    """(mean, p99) in seconds of the simulator's embedded preset on a live run's schedule (the
+    run's seed, rate, CV and duration), the policy given `settings` by short name."""
+    arrivals = {model: gamma_arrivals(a.rate, a.cv, a.duration, seed=seed)}
+    trace = simulate(embedded_runtime(seed=seed), table1([model]), arrivals, policy,
+                     load_settings(environ={}, home="/nonexistent-quart-home", **settings))
     lat = trace.latency[trace.status == 200]
     return float(lat.mean()), float(np.percentile(lat, 99))
 

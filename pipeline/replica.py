@@ -99,7 +99,8 @@ class Replica:
         # Where this range's output goes (several: a fan-out; none: the reply), and, at a join
         # (a stage with several predecessors), the stages whose parts a request brings here.
         self.next_stages = successors(graph, last - 1)
-        self.join_of = predecessors(graph, first) if len(predecessors(graph, first)) > 1 else []
+        before = predecessors(graph, first)
+        self.join_of = before if len(before) > 1 else []
         self.next_parts = {s: len(predecessors(graph, s)) for s in self.next_stages}
         self.joins = Joins(self.redis, self.model, int(settings.data.request_timeout_s * 2000))
         self.private = keys.replica_stream(self.replica_id)
