@@ -16,7 +16,7 @@ from pathlib import Path
 from contracts.config import Settings
 from contracts.stage import StageRef
 from pipeline.model_fetch import FetchError, download, ensure_manifest, shard_url
-from pipeline.shard_reader import ERROR, PART
+from pipeline.shard_reader import ERROR, PART, record_prefetch_error
 
 log = logging.getLogger("quart.prefetch")
 
@@ -73,8 +73,7 @@ class Prefetcher:
             target = folder / info.shard
             if target.is_file():
                 continue
-            error = target.with_name(target.name + ERROR)
-            error.unlink(missing_ok=True)
+            target.with_name(target.name + ERROR).unlink(missing_ok=True)
             try:
                 # `<shard>.part`, the name the replicas following it look for
                 download(shard_url(self.settings, job.stage.model, info.shard), token, target, info.sha256,
@@ -82,7 +81,7 @@ class Prefetcher:
             except (FetchError, OSError) as exc:
                 job.error = str(exc)
                 if not job.cancelled.is_set():
-                    error.write_text(job.error)
+                    record_prefetch_error(target, job.error)
                 log.warning("prefetch of %s failed: %s", job.stage, exc)
                 return
         job.finished = time.time()

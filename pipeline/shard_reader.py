@@ -175,6 +175,15 @@ def _follow(path: Path, view: memoryview, stall_s: float) -> Iterator[int]:
             time.sleep(POLL_S)
 
 
+def record_prefetch_error(target: Path, message: str) -> None:
+    """`<shard>.error`, written whole (a temporary file renamed): a reader that sees it reads the
+    whole message, never an empty file the writer has just created."""
+    error = target.with_name(target.name + ERROR)
+    tmp = error.with_name(error.name + ".tmp")
+    tmp.write_text(message)
+    tmp.replace(error)
+
+
 def _open_either(path: Path, part: Path):
     for _ in range(3):  # the .part may be renamed between the two looks
         for candidate in (path, part):

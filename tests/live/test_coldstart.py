@@ -25,7 +25,7 @@ from pipeline.manifest import Manifest
 from pipeline.model_fetch import FetchError
 from pipeline.pipeline_client import PipelineClient, Progress, StageFailed
 from pipeline.sampling import Sampling
-from pipeline.shard_reader import PART, ShardReader, _follow, start_readers
+from pipeline.shard_reader import PART, ShardReader, _follow, record_prefetch_error, start_readers
 from pipeline.shard_stream import stream_tensors
 from runtime.functions import start_watchdog
 from runtime.ports import free_port
@@ -131,7 +131,7 @@ def test_a_reader_follows_a_shard_being_written_and_fails_on_its_error_file(km, 
             for i in range(0, len(data), 1 << 20):
                 if fail and i > len(data) // 2:
                     part.unlink()
-                    target.with_name(target.name + ".error").write_text("sha256 mismatch in the store")
+                    record_prefetch_error(target, "sha256 mismatch in the store")
                     return
                 out.write(data[i:i + (1 << 20)])
                 out.flush()
