@@ -10,10 +10,14 @@ model; CPU fits of the simulated service law), 5 seeds per point:
 2. Fig. 8: at CV 4 and 8, latency quantiles per policy and the mean queue per stage (LLaMA-7B).
 3. Ablation: QUART and quart-flow minus each mechanism (QUART_ABLATE) at CV 4 and 8.
 4. The DAG: the fan-out/fan-in ensemble alone at CV 4 and 8, QUART with and without attention.
+5. Headroom: quart-flow sizing stages for a lower utilization (`target_utilization` always, or
+   `calm_utilization` while the entry's CV is calm), every CV: the latency each buys and its
+   cost in replica-seconds, against the fastest baseline.
 
     python -m benchmarks.simulator_policies [--seeds 5] [--duration 600]
     python -m benchmarks.simulator_policies --from-runs     tables and plots again from the kept runs
-    python -m benchmarks.simulator_policies --redo-dag      the same, the DAG's runs simulated again"""
+    python -m benchmarks.simulator_policies --redo dag      the same, the DAG's runs simulated again
+    python -m benchmarks.simulator_policies --redo headroom the same, the headroom runs simulated again"""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +43,9 @@ RATE = 10.0
 SLO_X = 2.0
 # The multiples of each model's unloaded latency that Fig. 6b reads attainment at.
 SLO_MULTIPLES = (1.0, 1.5, 2.0, 2.5, 3.0)
+# quart-flow's settings besides its defaults in the headroom section: its parameters by label.
+HEADROOM = {"u 0.6": {"target_utilization": 0.6}, "u 0.3": {"target_utilization": 0.3},
+            "calm 0.6": {"calm_utilization": 0.6}}
 
 
 def run_one(job: dict) -> dict:
@@ -48,7 +55,7 @@ def run_one(job: dict) -> dict:
     cfg = quart_testbed(seed=job["seed"], slo_x=SLO_X)
     arrivals = {m.name: gamma_arrivals(RATE, job["cv"], job["duration"], seed=100 * job["seed"] + k)
                 for k, m in enumerate(models)}
-    params = {"plan_rps": RATE, "plan_cv": job["cv"]} if job["policy"] == "inferline" else {}
+    params = job.get("params") or ({"plan_rps": RATE, "plan_cv": job["cv"]} if job["policy"] == "inferline" else {})
     settings = load_settings(environ={}, home="/nonexistent-quart-home", policy_params=params,
                              ablate=job.get("ablate", ""))
     trace = simulate(cfg, models, arrivals, job["policy"], settings, record_arrivals=False)
@@ -75,11 +82,12 @@ def summary(run: dict) -> tuple[float, float]:
     return float(np.mean([m["mean_ms"] for m in per])), float(sum(m["goodput"] for m in per))
 
 
-def select(runs: list[dict], cv: float, policy: str, ablate: str = "", models: list[str] | None = None) -> list[dict]:
+def select(runs: list[dict], cv: float, policy: str, ablate: str = "", models: list[str] | None = None,
+           params: dict | None = None) -> list[dict]:
     """The runs at `cv` under `policy` without `ablate` (""; every mechanism on) of `models`
-    (None: all 5 together)."""
+    (None: all 5 together) with the policy parameters `params` (None: its defaults)."""
     return [r for r in runs if r["cv"] == cv and r["policy"] == policy and r.get("ablate", "") == ablate
-            and r["models"] == models]
+            and r["models"] == models and r.get("params") == params]
 
 
 def fig7_rows(runs: list[dict]) -> list[dict]:
@@ -139,6 +147,27 @@ def dag_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def headroom_rows(runs: list[dict]) -> list[dict]:
+    """quart-flow in each setting and the fastest baseline, per CV: latency, goodput and cost, and
+    the latency over the fastest baseline's (separate: the 95 % intervals do not overlap)."""
+    rows = []
+    for cv in CVS:
+        fastest = min((p for p in BASELINES if select(runs, cv, p)),
+                      key=lambda p: np.mean([summary(r)[0] for r in select(runs, cv, p)]))
+        settings = [(fastest, fastest, None), ("quart-flow", "quart-flow", None),
+                    *((f"quart-flow {label}", "quart-flow", params) for label, params in HEADROOM.items())]
+        for label, policy, params in settings:
+            mine = select(runs, cv, policy, params=params)
+            lat, good = mean_ci95([summary(r)[0] for r in mine]), mean_ci95([summary(r)[1] for r in mine])
+            rows.append({"cv": cv, "policy": label, "mean_ms": lat[0], "mean_ci_ms": lat[1], "goodput": good[0],
+                         "goodput_ci": good[1], "replica_s": float(np.mean([r["replica_s"] for r in mine]))})
+        base = next(r for r in rows if r["cv"] == cv and r["policy"] == fastest)
+        for r in (r for r in rows if r["cv"] == cv):
+            r["latency_ratio"] = r["mean_ms"] / base["mean_ms"]
+            r["separate"] = abs(r["mean_ms"] - base["mean_ms"]) > r["mean_ci_ms"] + base["mean_ci_ms"]
+    return rows
+
+
 def jobs(seeds: int, duration: float) -> list[dict]:
     base = {"models": None, "duration": duration}
     out = [{**base, "cv": cv, "policy": p, "seed": s} for cv in CVS for p in POLICIES for s in range(seeds)]
@@ -146,11 +175,13 @@ def jobs(seeds: int, duration: float) -> list[dict]:
             for p in VARIANTS for cv in (4.0, 8.0) for m in MECHANISMS for s in range(seeds)]
     out += [{**base, "models": ["ensemble-8"], "cv": cv, "policy": "quart", "seed": s, "ablate": a}
             for cv in (4.0, 8.0) for a in ("", "attention") for s in range(seeds)]
+    out += [{**base, "cv": cv, "policy": "quart-flow", "seed": s, "params": params}
+            for cv in CVS for params in HEADROOM.values() for s in range(seeds)]
     return out
 
 
-def is_dag(job: dict) -> bool:
-    return job.get("models") == ["ensemble-8"]
+# The sections --redo simulates again, each by the jobs that make it.
+SECTIONS = {"dag": lambda job: job.get("models") == ["ensemble-8"], "headroom": lambda job: "params" in job}
 
 
 def simulate_all(todo: list[dict], workers: int) -> list[dict]:
@@ -211,6 +242,28 @@ def plot(rows: list[dict], runs: list[dict]) -> None:
     plt.close(fig)
 
 
+def plot_headroom(rows: list[dict], headroom: list[dict]) -> None:
+    """Latency against cost per CV: every policy, and quart-flow in each headroom setting."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(CVS), figsize=(4 * len(CVS), 4))
+    for ax, cv in zip(axes, CVS):
+        for r in (r for r in rows if r["cv"] == cv):
+            ax.errorbar(r["replica_s"], r["mean_ms"], yerr=r["mean_ci_ms"], marker="o", label=r["policy"],
+                        capsize=2, linestyle="none", **style(r["policy"]))
+        for r in (r for r in headroom if r["cv"] == cv and r["policy"].startswith("quart-flow ")):
+            ax.errorbar(r["replica_s"], r["mean_ms"], yerr=r["mean_ci_ms"], marker="s", capsize=2, linestyle="none",
+                        label=r["policy"], color="black", alpha=1.0 if "calm" in r["policy"] else 0.4)
+        ax.set(title=f"CV {cv:g}", xlabel="replica-seconds", ylabel="mean ms", xscale="log", yscale="log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.suptitle("Latency against cost (simulated, 5 models x 10 req/s); black squares: quart-flow with headroom")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "simulator_headroom.png", dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5)
@@ -218,21 +271,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--from-runs", action="store_true",
                         help="tables, plots and results from the kept runs (simulator_policies_runs.json), not simulating")
-    parser.add_argument("--redo-dag", action="store_true", help="the kept runs, the DAG's simulated again")
+    parser.add_argument("--redo", choices=sorted(SECTIONS), help="the kept runs, this section's simulated again")
     a = parser.parse_args(argv or [])
     kept = RESULTS / "simulator_policies_runs.json"
-    if a.from_runs or a.redo_dag:
+    if a.from_runs or a.redo:
         runs = json.loads(kept.read_text())
-        if a.redo_dag:
-            runs = [r for r in runs if not is_dag(r)] + simulate_all(
-                [j for j in jobs(a.seeds, a.duration) if is_dag(j)], a.workers)
+        if a.redo:
+            redo = SECTIONS[a.redo]
+            runs = [r for r in runs if not redo(r)] + simulate_all(
+                [j for j in jobs(a.seeds, a.duration) if redo(j)], a.workers)
     else:
         runs = simulate_all(jobs(a.seeds, a.duration), a.workers)
     if not a.from_runs:
         # Every run's figures, so the tables can be read again without simulating.
         kept.write_text(json.dumps(sorted(runs, key=lambda r: json.dumps(
-            {k: r.get(k) for k in ("cv", "policy", "seed", "ablate", "models")}, sort_keys=True)), separators=(",", ":")))
-    rows, ablation, dag = fig7_rows(runs), ablation_rows(runs), dag_rows(runs)
+            {k: r.get(k) for k in ("cv", "policy", "seed", "ablate", "models", "params")}, sort_keys=True)),
+            separators=(",", ":")))
+    rows, ablation, dag, headroom = fig7_rows(runs), ablation_rows(runs), dag_rows(runs), headroom_rows(runs)
     ratios = against_best(rows)
     print(table(f"Fig. 7: 5 models x 10 req/s, {a.duration:g} s, mean and 95 % interval over {a.seeds} seeds",
                 ["entry CV", "policy", "mean ms", "±", "goodput req/s", "±", "replica-s"],
@@ -249,7 +304,13 @@ def main(argv: list[str] | None = None) -> dict:
                 ["CV", "attention", "mean ms", "±", "goodput", "±", "replica-s"],
                 [[r["cv"], r["attention"], round(r["mean_ms"]), round(r["mean_ci_ms"]), round(r["goodput"], 2),
                   round(r["goodput_ci"], 2), round(r["replica_s"])] for r in dag]))
+    print(table("Headroom: quart-flow sizing stages for a lower utilization, against the fastest baseline",
+                ["CV", "policy", "mean ms", "±", "latency ×", "separate", "goodput", "±", "replica-s"],
+                [[r["cv"], r["policy"], round(r["mean_ms"]), round(r["mean_ci_ms"]), round(r["latency_ratio"], 3),
+                  r["separate"], round(r["goodput"], 2), round(r["goodput_ci"], 2), round(r["replica_s"])]
+                 for r in headroom]))
     plot(rows, runs)
+    plot_headroom(rows, headroom)
     cv_model = json.loads((artefacts.SHIPPED / "cv_attention.json").read_text())
     figures = [{"name": f"fig7 cv{r['cv']:g} {r['policy']} mean latency", "value": round(r["mean_ms"], 1), "unit": "ms",
                 "ci95": round(r["mean_ci_ms"], 1)} for r in rows]
@@ -268,6 +329,10 @@ def main(argv: list[str] | None = None) -> dict:
     figures += [{"name": f"dag ensemble-8 cv{r['cv']:g} attention {'on' if r['attention'] else 'off'} mean latency",
                  "value": round(r["mean_ms"], 1), "unit": "ms", "ci95": round(r["mean_ci_ms"], 1),
                  "goodput": round(r["goodput"], 3), "replica_s": round(r["replica_s"])} for r in dag]
+    figures += [{"name": f"headroom cv{r['cv']:g} {r['policy']} mean latency", "value": round(r["mean_ms"], 1), "unit": "ms",
+                 "ci95": round(r["mean_ci_ms"], 1), "goodput": round(r["goodput"], 3), "replica_s": round(r["replica_s"]),
+                 "latency_ratio_fastest_baseline": round(r["latency_ratio"], 4), "separate": r["separate"]}
+                for r in headroom]
     figures += [{"name": "cv attention theta", "value": round(cv_model["theta"], 4), "unit": ""}]
     for scope in ("all", "dag"):
         if cv_model.get(scope):
@@ -280,8 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
     write("simulator_policies", figures, conditions(
         seeds=a.seeds, duration_s=a.duration, rate_per_model_rps=RATE, slo=f"{SLO_X:g}x unloaded latency",
         testbed="12 servers x 4 GPUs x 4 slots, 1 TB", split="even (8 stages)",
-        inferline_plan="the trace's rate and CV", plots="simulator_fig7.png, simulator_fig8.png"))
-    return {"fig7": rows, "against_best": ratios, "ablation": ablation, "dag": dag}
+        inferline_plan="the trace's rate and CV",
+        plots="simulator_fig7.png, simulator_fig8.png, simulator_headroom.png"))
+    return {"fig7": rows, "against_best": ratios, "ablation": ablation, "dag": dag, "headroom": headroom}
 
 
 if __name__ == "__main__":

@@ -431,7 +431,8 @@ VARIABLES: tuple[Var, ...] = (
         "CPUs each); the compensator's raises are taken back, largest first, where they would pass it; 0: no bound",
         _not_negative),
     Var("QUART_POLICY_PARAMS", "autoscaler.policy_params",
-        "the policy's own parameters as JSON, e.g. `{\"kp\": 0.5}` (QUART's PID) or `{\"target_concurrency\": 2}` (KPA)",
+        "the policy's own parameters as JSON, e.g. `{\"kp\": 0.5}` (QUART's PID), `{\"target_utilization\": 0.5}` "
+        "(quart-flow's sizing, with the PID's) or `{\"target_concurrency\": 2}` (KPA)",
         _no_bounds),
     Var("QUART_ABLATE", "autoscaler.ablate",
         "QUART's mechanisms to switch off, comma-separated, for an ablation: `attention` (smooth on observed CVs), "

@@ -40,14 +40,30 @@ class BacklogFlow:
     horizon_s: float = 1.0            # drain what is queued up to a stage within this
     target_utilization: float = 0.9
     hold_s: float = 60.0              # keep a burst's size this long after it was last needed
+    # Headroom while traffic is calm: while the entry's arrival CV is at most calm_cv, size for this
+    # utilization instead (None: target_utilization always). Lower utilization everywhere would
+    # fill a cluster during bursts, when the replicas are wanted at the burst's stages.
+    calm_utilization: float | None = None
+    calm_cv: float = 4.0
+
+    def __post_init__(self) -> None:
+        calm = self.target_utilization if self.calm_utilization is None else self.calm_utilization
+        if not (self.horizon_s > 0 and 0 < self.target_utilization <= 1 and 0 < calm <= 1
+                and self.hold_s >= 0 and self.calm_cv >= 0):
+            raise ValueError("quart-flow needs horizon_s > 0, target_utilization and calm_utilization in (0, 1], "
+                             f"hold_s >= 0 and calm_cv >= 0, not {self}")
+
+    def utilization(self, state: PipelineState) -> float:
+        calm = self.calm_utilization is not None and state.stages[0].arrival_cv <= self.calm_cv
+        return self.calm_utilization if calm else self.target_utilization
 
     def apply(self, state: PipelineState, decision: Decision,
               memory: FlowMemory = ()) -> tuple[Decision, FlowMemory]:
         held = memory if len(memory) == len(state.stages) else ((0, -math.inf),) * len(state.stages)
-        out, new_memory = [], []
+        out, new_memory, utilization = [], [], self.utilization(state)
         for s, d, (last_need, since), upstream in zip(state.stages, decision.stages, held, backlog_upstream(state)):
             rate = max(s.arrival_rate, s.peak_rate, upstream / self.horizon_s)
-            need = state.bounds.clamp(math.ceil(rate * s.service_time_s / self.target_utilization))
+            need = state.bounds.clamp(math.ceil(rate * s.service_time_s / utilization))
             if need >= last_need or state.now - since > self.hold_s:
                 last_need, since = need, state.now
             new_memory.append((last_need, since))

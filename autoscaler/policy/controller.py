@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 from autoscaler.policy.backlog_flow import BacklogFlow
@@ -71,9 +71,18 @@ def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = N
     if not cfg.ablated("compensator"):
         fits = load_cpu_fits(settings, model) if fits is None else fits
         compensator = Compensator(fits, cpu_max=cfg.cpu_max) if fits else None
-    pid = from_params(PIDConfig, {"period_s": cfg.tick_s, **cfg.policy_params}, "QUART_POLICY_PARAMS")
-    flow = BacklogFlow() if cfg.policy == "quart-flow" else None
+    pid, flow = _variant_params(cfg.policy, cfg.tick_s, cfg.policy_params)
     return Quart(Corrector(pid), Smoother(cv_model), compensator, flow, name=cfg.policy)
+
+
+def _variant_params(policy: str, tick_s: float, params: dict) -> tuple[PIDConfig, BacklogFlow | None]:
+    """A QUART variant's QUART_POLICY_PARAMS: the PID's fields, and quart-flow's also the flow's."""
+    flow_fields = {f.name for f in fields(BacklogFlow)} if policy == "quart-flow" else set()
+    pid = from_params(PIDConfig, {"period_s": tick_s, **{k: v for k, v in params.items() if k not in flow_fields}},
+                      "QUART_POLICY_PARAMS")
+    if policy != "quart-flow":
+        return pid, None
+    return pid, from_params(BacklogFlow, {k: v for k, v in params.items() if k in flow_fields}, "QUART_POLICY_PARAMS")
 
 
 @dataclass(frozen=True)

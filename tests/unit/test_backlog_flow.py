@@ -41,6 +41,20 @@ def test_a_bursts_size_is_held_then_let_go():
     assert d.replicas() == [1, 1]
 
 
+def test_headroom_while_the_entry_is_calm_and_the_target_in_a_burst():
+    # 6 req/s of 0.1 s: ceil(0.6 / 0.9) = 1 replica at the target, ceil(0.6 / 0.5) = 2 calm.
+    flow = BacklogFlow(target_utilization=0.9, calm_utilization=0.5, calm_cv=4.0)
+
+    def at(cv: float) -> PipelineState:
+        return PipelineState("m", (StageState(stage=0, arrival_rate=6.0, service_time_s=0.1, replicas=1, arrival_cv=cv),),
+                             slo_s=2.0, entry_rate=6.0)
+    assert flow.apply(at(1.0), one_each(at(1.0)))[0].replicas() == [2]
+    assert flow.apply(at(6.0), one_each(at(6.0)))[0].replicas() == [1]
+    assert BacklogFlow().apply(at(1.0), one_each(at(1.0)))[0].replicas() == [1]  # no headroom unless asked
+    with pytest.raises(ValueError, match="calm_utilization"):
+        BacklogFlow(calm_utilization=0.0)
+
+
 def test_the_envelope_is_the_busiest_second_of_the_window():
     times = [0.0, 5.0, 5.2, 5.4, 5.9, 9.0]
     assert peak_count(times) == 4 and peak_count([]) == 0

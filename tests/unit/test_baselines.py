@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
+from autoscaler.policy.backlog_flow import BacklogFlow
 from autoscaler.policy.baselines import BASELINES, KnativeKPA, OpenFaaSPro, RayServe, Static
 from autoscaler.policy.paper_baselines import Cocktail, InferLine, INFless
 from autoscaler.policy.state import PipelineState, StageState
@@ -135,6 +138,22 @@ def test_policies_come_from_one_configuration(tmp_path):
     quart = make_policy(load_settings(environ={"QUART_POLICY": "quart", "QUART_POLICY_PARAMS": '{"kp": 2.0}',
                                                "QUART_HOME": str(tmp_path)}), "llama-7b")
     assert quart.corrector.config.kp == 2.0 and quart.corrector.config.period_s == 1.0
+
+
+def test_quart_flow_takes_its_sizing_and_the_pids_parameters_from_one_json(tmp_path):
+    from autoscaler.policy.controller import make_policy
+    from contracts.config import ConfigError, load_settings
+
+    def policy(name: str, params: str):
+        return make_policy(load_settings(environ={"QUART_POLICY": name, "QUART_POLICY_PARAMS": params,
+                                                  "QUART_HOME": str(tmp_path)}), "llama-7b")
+    flow = policy("quart-flow", '{"calm_utilization": 0.6, "target_utilization": 0.8, "kp": 1.5}')
+    assert (flow.flow.calm_utilization, flow.flow.target_utilization, flow.corrector.config.kp) == (0.6, 0.8, 1.5)
+    assert policy("quart-flow", "{}").flow == BacklogFlow()
+    with pytest.raises(ConfigError, match="target_utilization"):
+        policy("quart-flow", '{"target_utilization": 1.5}')
+    with pytest.raises(ConfigError, match="PIDConfig has no"):
+        policy("quart", '{"target_utilization": 0.5}')  # the paper's QUART has no flow sizing
 
 
 def test_quart_runs_every_mechanism_from_the_shipped_artefacts_unless_ablated(tmp_path):
