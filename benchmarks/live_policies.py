@@ -4,20 +4,23 @@ EMULATED stages on this 2-core host (QUART Table 1's LLaMA-7B split evenly over 
 stack-emulated.yml): Gamma arrivals at 20 req/s and CV 4 for 30 s, one schedule per seed (5),
 replayed by `python -m loadgen compare` against QUART, quart-flow, static and InferLine (the best
 baseline in the simulator; its planner given the trace's rate and CV), each run on a fresh
-runtime. Means over the 5 runs with their 95 % intervals; a gain is claimed only where the
-intervals separate. Then the simulator's embedded preset replays each run's schedule under the
+runtime; then quart-flow with headroom while calm (`{"calm_utilization": 0.6}`) on its own.
+Means over the 5 runs with their 95 % intervals; a gain is claimed only where the intervals
+separate. Then the simulator's embedded preset replays each run's schedule under the
 same policy (one simulator seed per run): its mean and p99 against the measured ones (targets:
 within 15 % and 25 %).
 
     python -m benchmarks live_policies
-    python -m benchmarks.live_policies [--seeds 5] [--cv 4] [--rate 20] [--duration 30] [--from-runs]
-        (--from-runs: the kept measurements, simulated again: the calibration after a simulator change)"""
+    python -m benchmarks.live_policies [--seeds 5] [--cv 4] [--rate 20] [--duration 30] [--from-runs | --calm]
+        (--from-runs: the kept measurements, simulated again: the calibration after a simulator change;
+         --calm: only quart-flow with headroom while calm measured again, on the same schedules)"""
 from __future__ import annotations
 
 import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -30,27 +33,46 @@ from sim.models import table1
 from sim.run import simulate
 
 POLICIES = ("quart", "quart-flow", "static", "inferline")
+# quart-flow with headroom while calm, run on its own after the others on each schedule.
+CALM = "quart-flow calm 0.6"
+CALM_PARAMS = {"calm_utilization": 0.6}
 MODEL = "llama-7b"
 
 
-def measure(seed: int, a: argparse.Namespace) -> dict:
-    out = RESULTS / f"live-cv{a.cv:g}" / f"seed-{seed}"
+def run_dir(seed: int, a: argparse.Namespace) -> Path:
+    return RESULTS / f"live-cv{a.cv:g}" / f"seed-{seed}"
+
+
+def measure(seed: int, a: argparse.Namespace, calm_only: bool = False) -> dict:
+    """Every policy's run on the seed's schedule (`calm_only`: the calm setting's alone, the
+    others' kept)."""
     plan = json.dumps({"plan_rps": a.rate, "plan_cv": a.cv})
+    if not calm_only:
+        compare(seed, a, run_dir(seed, a), POLICIES, f"inferline={plan}")
+    compare(seed, a, run_dir(seed, a) / "calm", ["quart-flow"], f"quart-flow={json.dumps(CALM_PARAMS)}")
+    return kept(seed, a)
+
+
+def compare(seed: int, a: argparse.Namespace, out: Path, policies: list[str], params: str) -> None:
     subprocess.run([sys.executable, "-m", "loadgen", "compare", "--stack-file", "stack-emulated.yml", "--model", MODEL,
-                    "--policies", ",".join(POLICIES), "--params", f"inferline={plan}", "--arrivals", "gamma",
+                    "--policies", ",".join(policies), "--params", params, "--arrivals", "gamma",
                     "--rate", str(a.rate), "--cv", str(a.cv), "--duration", str(a.duration), "--seed", str(seed),
                     "--tail", "15", "--slo-s", "1.0", "--window-s", "5", "--out", str(out), "--no-progress"],
                    cwd=REPO_ROOT, check=True)
-    return json.loads((out / "results.json").read_text())["runs"]
 
 
 def kept(seed: int, a: argparse.Namespace) -> dict:
-    return json.loads((RESULTS / f"live-cv{a.cv:g}" / f"seed-{seed}" / "results.json").read_text())["runs"]
+    """The seed's runs by policy, the calm setting's under CALM."""
+    runs = json.loads((run_dir(seed, a) / "results.json").read_text())["runs"]
+    calm = run_dir(seed, a) / "calm" / "results.json"
+    return {**runs, CALM: json.loads(calm.read_text())["runs"]["quart-flow"]} if calm.exists() else runs
 
 
-def simulated(seed: int, policy: str, a: argparse.Namespace) -> tuple[float, float]:
-    params = {"plan_rps": a.rate, "plan_cv": a.cv} if policy == "inferline" else {}
-    return simulate_schedule(MODEL, policy, seed, a, policy_params=params)
+def simulated(seed: int, label: str, a: argparse.Namespace) -> tuple[float, float]:
+    if label == CALM:
+        return simulate_schedule(MODEL, "quart-flow", seed, a, policy_params=CALM_PARAMS)
+    params = {"plan_rps": a.rate, "plan_cv": a.cv} if label == "inferline" else {}
+    return simulate_schedule(MODEL, label, seed, a, policy_params=params)
 
 
 def simulate_schedule(model: str, policy: str, seed: int, a: argparse.Namespace, **settings: object) -> tuple[float, float]:
@@ -71,12 +93,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--from-runs", action="store_true",
                         help="the measured runs kept in benchmarks/results/live-cv<CV>/seed-*/ (simulate only)")
+    parser.add_argument("--calm", action="store_true", help=f"measure only {CALM} (quart-flow {json.dumps(CALM_PARAMS)}), "
+                        "the other policies' runs kept")
     a = parser.parse_args(argv or [])
-    runs = {seed: kept(seed, a) if a.from_runs else measure(seed, a) for seed in range(a.seeds)}
+    runs = {seed: kept(seed, a) if a.from_runs else measure(seed, a, a.calm) for seed in range(a.seeds)}
+    labels = [p for p in (*POLICIES, CALM) if all(p in r for r in runs.values())]
     rows, figures = [], []
-    per = {p: {k: [] for k in ("mean", "p99", "goodput", "attain", "sim_mean", "sim_p99", "replica_s")} for p in POLICIES}
+    per = {p: {k: [] for k in ("mean", "p99", "goodput", "attain", "sim_mean", "sim_p99", "replica_s")} for p in labels}
     for seed, by_policy in runs.items():
-        for p in POLICIES:
+        for p in labels:
             s = by_policy[p]["summary"]
             per[p]["mean"].append(s["latency_s"]["mean"] * 1000)
             per[p]["p99"].append(s["latency_s"]["p99"] * 1000)
@@ -86,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
             sim_mean, sim_p99 = simulated(seed, p, a)
             per[p]["sim_mean"].append(sim_mean * 1000)
             per[p]["sim_p99"].append(sim_p99 * 1000)
-    for p in POLICIES:
+    for p in labels:
         m, p99, good = mean_ci95(per[p]["mean"]), mean_ci95(per[p]["p99"]), mean_ci95(per[p]["goodput"])
         sim_m, sim_p99 = float(np.mean(per[p]["sim_mean"])), float(np.mean(per[p]["sim_p99"]))
         rows.append({"policy": p, "mean_ms": m, "p99_ms": p99, "goodput": good,
@@ -101,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
                   round(r["replica_s"])] for r in rows]))
     gains = []
     by = {r["policy"]: r for r in rows}
-    for mine in ("quart", "quart-flow"):
+    for mine in (p for p in labels if p.startswith("quart")):
         for other in ("static", "inferline"):
             x, y = by[mine]["mean_ms"], by[other]["mean_ms"]
             gains.append({"policy": mine, "against": other, "latency_ratio": x[0] / y[0],
