@@ -91,10 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cv", type=float, default=4.0)
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--duration", type=float, default=30.0)
-    parser.add_argument("--from-runs", action="store_true",
-                        help="the measured runs kept in benchmarks/results/live-cv<CV>/seed-*/ (simulate only)")
-    parser.add_argument("--calm", action="store_true", help=f"measure only {CALM} (quart-flow {json.dumps(CALM_PARAMS)}), "
-                        "the other policies' runs kept")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--from-runs", action="store_true",
+                      help="the measured runs kept in benchmarks/results/live-cv<CV>/seed-*/ (simulate only)")
+    only.add_argument("--calm", action="store_true", help=f"measure only {CALM} (quart-flow {json.dumps(CALM_PARAMS)}), "
+                      "the other policies' runs kept")
     a = parser.parse_args(argv or [])
     runs = {seed: kept(seed, a) if a.from_runs else measure(seed, a, a.calm) for seed in range(a.seeds)}
     labels = [p for p in (*POLICIES, CALM) if all(p in r for r in runs.values())]
