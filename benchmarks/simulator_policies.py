@@ -91,15 +91,23 @@ def select(runs: list[dict], cv: float, policy: str, ablate: str = "", models: l
 
 
 def fig7_rows(runs: list[dict]) -> list[dict]:
-    rows = []
-    for cv in CVS:
-        for policy in POLICIES:
-            mine = select(runs, cv, policy)
-            lat, good = mean_ci95([summary(r)[0] for r in mine]), mean_ci95([summary(r)[1] for r in mine])
-            rows.append({"cv": cv, "policy": policy, "mean_ms": lat[0], "mean_ci_ms": lat[1],
-                         "goodput": good[0], "goodput_ci": good[1],
-                         "replica_s": float(np.mean([r["replica_s"] for r in mine]))})
-    return rows
+    return [{"cv": cv, "policy": policy, **figures_of(select(runs, cv, policy))} for cv in CVS for policy in POLICIES]
+
+
+def figures_of(runs: list[dict]) -> dict:
+    """Mean latency and goodput over the seeds' runs with their 95 % intervals, and mean replica-seconds."""
+    lat, good = mean_ci95([summary(r)[0] for r in runs]), mean_ci95([summary(r)[1] for r in runs])
+    return {"mean_ms": lat[0], "mean_ci_ms": lat[1], "goodput": good[0], "goodput_ci": good[1],
+            "replica_s": float(np.mean([r["replica_s"] for r in runs]))}
+
+
+def separate(a: dict, b: dict, figure: str, ci: str) -> bool:
+    """Whether two rows' 95 % intervals of `figure` do not overlap."""
+    return abs(a[figure] - b[figure]) > a[ci] + b[ci]
+
+
+def fastest_baseline(rows: list[dict], cv: float) -> dict:
+    return min((r for r in rows if r["cv"] == cv and r["policy"] in BASELINES), key=lambda r: r["mean_ms"])
 
 
 def against_best(rows: list[dict]) -> list[dict]:
@@ -107,31 +115,21 @@ def against_best(rows: list[dict]) -> list[dict]:
     latency; highest goodput), and whether the seeds' intervals separate."""
     out = []
     for cv in CVS:
-        at = [r for r in rows if r["cv"] == cv]
-        base = [r for r in at if r["policy"] in BASELINES]
-        fastest = min(base, key=lambda r: r["mean_ms"])
-        best_good = max(base, key=lambda r: r["goodput"])
-        for r in (r for r in at if r["policy"] in VARIANTS):
+        fastest = fastest_baseline(rows, cv)
+        best_good = max((r for r in rows if r["cv"] == cv and r["policy"] in BASELINES), key=lambda r: r["goodput"])
+        for r in (r for r in rows if r["cv"] == cv and r["policy"] in VARIANTS):
             out.append({"cv": cv, "policy": r["policy"], "best_latency_baseline": fastest["policy"],
                         "latency_ratio": r["mean_ms"] / fastest["mean_ms"],
-                        "latency_separate": abs(r["mean_ms"] - fastest["mean_ms"]) > r["mean_ci_ms"] + fastest["mean_ci_ms"],
+                        "latency_separate": separate(r, fastest, "mean_ms", "mean_ci_ms"),
                         "best_goodput_baseline": best_good["policy"], "goodput_ratio": r["goodput"] / best_good["goodput"],
-                        "goodput_separate": abs(r["goodput"] - best_good["goodput"]) > r["goodput_ci"] + best_good["goodput_ci"]})
+                        "goodput_separate": separate(r, best_good, "goodput", "goodput_ci")})
     return out
 
 
 def ablation_rows(runs: list[dict]) -> list[dict]:
-    rows = []
-    for policy in VARIANTS:
-        for cv in (4.0, 8.0):
-            for ablate in ("", *MECHANISMS):
-                mine = [summary(r) for r in select(runs, cv, policy, ablate)]
-                if not mine:
-                    continue
-                lat, good = mean_ci95([m for m, _ in mine]), mean_ci95([g for _, g in mine])
-                rows.append({"policy": policy, "cv": cv, "without": ablate or "(full)", "mean_ms": lat[0],
-                             "mean_ci_ms": lat[1], "goodput": good[0], "goodput_ci": good[1]})
-    return rows
+    return [{"policy": policy, "cv": cv, "without": ablate or "(full)", **figures_of(mine)}
+            for policy in VARIANTS for cv in (4.0, 8.0) for ablate in ("", *MECHANISMS)
+            if (mine := select(runs, cv, policy, ablate))]
 
 
 def dag_rows(runs: list[dict]) -> list[dict]:
@@ -147,25 +145,19 @@ def dag_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def headroom_rows(runs: list[dict]) -> list[dict]:
-    """quart-flow in each setting and the fastest baseline, per CV: latency, goodput and cost, and
-    the latency over the fastest baseline's (separate: the 95 % intervals do not overlap)."""
-    rows = []
+def headroom_rows(runs: list[dict], rows: list[dict]) -> list[dict]:
+    """quart-flow in each setting beside the fastest baseline (of the Fig. 7 `rows`), per CV:
+    latency, goodput and cost, and the latency over the fastest baseline's (separate: the 95 %
+    intervals do not overlap)."""
+    out = []
     for cv in CVS:
-        fastest = min((p for p in BASELINES if select(runs, cv, p)),
-                      key=lambda p: np.mean([summary(r)[0] for r in select(runs, cv, p)]))
-        settings = [(fastest, fastest, None), ("quart-flow", "quart-flow", None),
-                    *((f"quart-flow {label}", "quart-flow", params) for label, params in HEADROOM.items())]
-        for label, policy, params in settings:
-            mine = select(runs, cv, policy, params=params)
-            lat, good = mean_ci95([summary(r)[0] for r in mine]), mean_ci95([summary(r)[1] for r in mine])
-            rows.append({"cv": cv, "policy": label, "mean_ms": lat[0], "mean_ci_ms": lat[1], "goodput": good[0],
-                         "goodput_ci": good[1], "replica_s": float(np.mean([r["replica_s"] for r in mine]))})
-        base = next(r for r in rows if r["cv"] == cv and r["policy"] == fastest)
-        for r in (r for r in rows if r["cv"] == cv):
-            r["latency_ratio"] = r["mean_ms"] / base["mean_ms"]
-            r["separate"] = abs(r["mean_ms"] - base["mean_ms"]) > r["mean_ci_ms"] + base["mean_ci_ms"]
-    return rows
+        fastest = fastest_baseline(rows, cv)
+        mine = [fastest, next(r for r in rows if r["cv"] == cv and r["policy"] == "quart-flow")]
+        mine += [{"cv": cv, "policy": f"quart-flow {label}", **figures_of(select(runs, cv, "quart-flow", params=params))}
+                 for label, params in HEADROOM.items()]
+        out += [{**r, "latency_ratio": r["mean_ms"] / fastest["mean_ms"],
+                 "separate": separate(r, fastest, "mean_ms", "mean_ci_ms")} for r in mine]
+    return out
 
 
 def jobs(seeds: int, duration: float) -> list[dict]:
@@ -287,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
         kept.write_text(json.dumps(sorted(runs, key=lambda r: json.dumps(
             {k: r.get(k) for k in ("cv", "policy", "seed", "ablate", "models", "params")}, sort_keys=True)),
             separators=(",", ":")))
-    rows, ablation, dag, headroom = fig7_rows(runs), ablation_rows(runs), dag_rows(runs), headroom_rows(runs)
+    rows, ablation, dag = fig7_rows(runs), ablation_rows(runs), dag_rows(runs)
+    headroom = headroom_rows(runs, rows)
     ratios = against_best(rows)
     print(table(f"Fig. 7: 5 models x 10 req/s, {a.duration:g} s, mean and 95 % interval over {a.seeds} seeds",
                 ["entry CV", "policy", "mean ms", "±", "goodput req/s", "±", "replica-s"],
