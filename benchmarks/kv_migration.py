@@ -20,7 +20,7 @@ from benchmarks.report import conditions, table, write
 from contracts import keys
 from contracts.config import load_settings
 from contracts.wire import MESSAGE_FIELD, Header, pack, unpack
-from pipeline.batched_llama import BatchedLlama, Step
+from pipeline.batched_decoder import BatchedDecoder, Step
 from pipeline.kv_cache import KVStore
 from pipeline.partition import ensure_partitioned
 from pipeline.stage_runner import StageRunner
@@ -37,7 +37,7 @@ def main() -> dict:
     torch.set_num_threads(1)
     settings = load_settings()
     manifest = ensure_partitioned(settings.models_dir, "smollm2", STAGES)
-    engines = [BatchedLlama(StageRunner(manifest, i, i + 1).modules) for i in range(STAGES)]
+    engines = [BatchedDecoder(StageRunner(manifest, i, i + 1).modules) for i in range(STAGES)]
     workdir = Path(tempfile.mkdtemp(prefix="quart-migrate-"))
     port = free_port()
     proc = start_redis("127.0.0.1", port, workdir, workdir / "redis.log")
@@ -65,7 +65,7 @@ def main() -> dict:
     return {"rows": rows}
 
 
-def _measure(engines: list[BatchedLlama], r: redis.Redis, length: int) -> dict:
+def _measure(engines: list[BatchedDecoder], r: redis.Redis, length: int) -> dict:
     ids = torch.randint(0, 49152, (length,))
     stores = [KVStore(e.kv_shape(), 1 << 30) for e in engines]
     recompute, migrate, moved = [], [], 0

@@ -96,7 +96,7 @@ class Batching:
 @dataclass(frozen=True)
 class ComputeConfig:
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     threads: int = 1
     emulate: str = ""
 
@@ -278,6 +278,7 @@ class ReplicaIdentity:
     model: str = ""
     stages: str = ""
     started_by: str = "cold"
+    source: str = ""
 
 
 # -- the registry -------------------------------------------------------------------------------
@@ -396,7 +397,8 @@ VARIABLES: tuple[Var, ...] = (
         "what a replica being removed does with the KV caches it holds: `migrate` them to a peer, or `finish` their requests",
         _one_of("migrate", "finish")),
     Var("QUART_DEVICE", "compute.device", "where stages compute", _device),
-    Var("QUART_DTYPE", "compute.dtype", "stage weights' dtype", _one_of("float32", "bfloat16", "float16")),
+    Var("QUART_DTYPE", "compute.dtype", "stage weights' and KV caches' dtype; auto: the checkpoint's own",
+        _one_of("auto", "float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),
     Var("QUART_EMULATE", "compute.emulate", "an emulation profile (`pipeline/profiles.py`) instead of real weights"),
     Var("QUART_KEYSMANAGER_HOST", "cache.host",
@@ -473,6 +475,8 @@ VARIABLES: tuple[Var, ...] = (
         "(`${QUART_IMAGE_PREFIX:-quart}/stage:0.1.0`, substituted as faas-cli does)", default="quart"),
     Var("QUART_OCI_RUNTIME", "containers.oci_runtime", "the OCI runtime podman and buildah run containers with"),
     Var("QUART_MODEL", "identity.model", "set per function: the model it serves"),
+    Var("QUART_MODEL_SOURCE", "identity.source", "set per function: the model's checkpoint, a folder in Hugging Face "
+        "layout, a hub id, `smollm2` or `minilm` (default: QUART_MODEL); `make up` partitions it"),
     Var("QUART_STAGES", "identity.stages", "set per stage function: its stage range, `2` or `1-3` (end exclusive)"),
     Var("QUART_STARTED_BY", "identity.started_by", "set per replica by the runtime: `cold`, `fork-cow` or `fork-copy`"),
     Var("QUART_TEST_HOME", "", "tests: where partitioned test models are kept between runs", default=".quart/test"),

@@ -129,6 +129,7 @@ class Pipeline:
     stages: tuple[StageRef, ...]
     functions: tuple[str, ...]        # the stage function serving each range
     emulated: str = ""                # the profile its stages draw compute times from (QUART_EMULATE), if emulated
+    source: str = ""                  # where its checkpoint comes from (QUART_MODEL_SOURCE; default: its name)
     whole: str | None = None          # the function serving [0, num_stages) that it may consolidate into
     whole_max: int = 1                # replicas that function may have (its com.openfaas.scale.max)
 
@@ -169,10 +170,22 @@ def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
             end = f.stage.last
         out[model] = Pipeline(model, tuple(f.stage for f in fns), tuple(f.name for f in fns),
                               emulated=next((e for f in fns if (e := f.deployment["envVars"].get("QUART_EMULATE"))), ""),
-                              **_whole(wholes.pop(model, None), end))
+                              source=model_source(functions, model), **_whole(wholes.pop(model, None), end))
     if wholes:
         raise ValueError(f"{sorted(wholes)}: a function labelled {WHOLE_LABEL} but no stage functions")
     return out
+
+
+SOURCE_VAR = "QUART_MODEL_SOURCE"
+
+
+def model_source(functions: list[StackFunction], model: str) -> str:
+    """The checkpoint a model's functions name in QUART_MODEL_SOURCE (a folder, a hub id, a
+    bundled model; default: the model's name); ValueError where two of them name different ones."""
+    named = {f.deployment["envVars"][SOURCE_VAR] for f in functions if f.model == model and SOURCE_VAR in f.deployment["envVars"]}
+    if len(named) > 1:
+        raise ValueError(f"{model}: its functions name different {SOURCE_VAR}s: {sorted(named)}")
+    return named.pop() if named else model
 
 
 def _whole(f: StackFunction | None, end: int) -> dict:

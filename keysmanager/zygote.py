@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = EmulatedRunner(emulation_profile(args.emulate), stage.model, stage.first, stage.last)
     else:
         runner = StageRunner(Manifest.load(settings.model_dir(stage.model)), stage.first, stage.last,
-                             device="cpu", dtype="float32")
+                             device="cpu", dtype="auto")
     assert not torch.cuda.is_initialized()
     serve(runner, args.socket)
     return 0

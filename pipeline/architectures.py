@@ -1,45 +1,100 @@
-"""How each supported architecture splits into units (embedding, blocks, head) and how a
-contiguous range of units runs as one stage, reusing the transformers modules themselves so a
-split model computes exactly what the unsplit one does."""
+"""The model families this server splits, and how a contiguous range of units (the embedding,
+transformer blocks, the head) runs as one stage. A stage reuses the family's own transformers
+modules (embedding, decoder or encoder layers, norms, rotary embeddings), built for its range of
+layers, so a split model computes what the unsplit one does, with each family's quirks (q/k/v
+bias, q/k norms, fused projections, sliding windows, soft-capping, scaled embeddings, tied heads)
+handled where transformers handles them. Only attention is this project's own
+(`pipeline/decoder_attention.py`): it runs against this server's KV cache."""
 from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, LlamaModel, PretrainedConfig
+from transformers import CONFIG_MAPPING, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
 from contracts.config import Limits
 from contracts.wire import BadRequest, check_size
+from pipeline.decoder_attention import ATTENTION
 
 EMBED, HEAD = "embed", "head"
+DECODER, ENCODER = "decoder", "encoder"
+# model_type (config.json) -> kind. Decoders split into embedding, `model.layers.N` and norm plus
+# head; encoders into embeddings and `encoder.layer.N`, their head being the sentence pooling.
+FAMILIES = {"llama": DECODER, "mistral": DECODER, "qwen2": DECODER, "qwen3": DECODER, "gemma2": DECODER,
+            "gemma3_text": DECODER, "phi3": DECODER, "bert": ENCODER, "roberta": ENCODER, "xlm-roberta": ENCODER}
+
+
+class Unsupported(ValueError):
+    """A checkpoint of a family this server does not split."""
+
+
+def family(model_type: str) -> str:
+    """The kind of a model_type; Unsupported naming the supported ones otherwise."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        hint = " (a multimodal Gemma 3: serve its text model, model_type gemma3_text)" if model_type == "gemma3" else ""
+        raise Unsupported(f"unsupported model_type {model_type!r}{hint}; supported: {sorted(FAMILIES)}") from None
+
+
+def config_from_dict(model_type: str, data: dict) -> PretrainedConfig:
+    family(model_type)
+    return CONFIG_MAPPING[model_type].from_dict({k: v for k, v in data.items() if k != "model_type"})
 
 
 def unit_names(num_layers: int) -> list[str]:
     return [EMBED] + [f"layer.{i}" for i in range(num_layers)] + [HEAD]
 
 
-class _Passthrough(nn.Module):
-    """Stands in for BERT's embedding module on stages that receive hidden states."""
-
-    def forward(self, inputs_embeds: torch.Tensor | None = None, **_: object) -> torch.Tensor:
-        return inputs_embeds
+_COMPUTED = (".position_ids", ".inv_freq")
+_DECODER_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_ENCODER_LAYER = re.compile(r"encoder\.layer\.(\d+)\.")
 
 
-def _config_for_layers(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
+def unit_of(model_type: str, key: str) -> str | None:
+    """The unit a checkpoint tensor belongs to; None for tensors no stage uses (BERT's pooler, and
+    buffers that older checkpoints carry and transformers computes: position ids, rotary
+    frequencies)."""
+    if key.endswith(_COMPUTED):
+        return None
+    if family(model_type) == DECODER:
+        if key.startswith("model.embed_tokens."):
+            return EMBED
+        m = _DECODER_LAYER.match(key)
+        if m:
+            return f"layer.{m.group(1)}"
+        return HEAD if key.startswith(("model.norm.", "lm_head.")) else None
+    key = _strip_prefix(key)
+    if key.startswith("embeddings."):
+        return EMBED
+    m = _ENCODER_LAYER.match(key)
+    return f"layer.{m.group(1)}" if m else None
+
+
+def _strip_prefix(key: str) -> str:
+    """An encoder's tensor name without its base-model prefix (`bert.`, `roberta.`), which some
+    checkpoints carry and sentence-transformers' do not."""
+    head, _, rest = key.partition(".")
+    return rest if head in ("bert", "roberta", "model") and rest else key
+
+
+def stage_config(config: PretrainedConfig, layer_start: int, layer_end: int) -> PretrainedConfig:
+    """The family's config for a model of only blocks [layer_start, layer_end): per-layer settings
+    (sliding or full attention) cut to that range, and this project's attention."""
     cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = num_layers
-    cfg._attn_implementation = "sdpa"
+    cfg.num_hidden_layers = layer_end - layer_start
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(config.layer_types[layer_start:layer_end])
+    cfg._attn_implementation = ATTENTION if family(cfg.model_type) == DECODER else "sdpa"
     return cfg
 
 
 class StageModule(nn.Module):
     """Units [first, last) of a model: optional embedding, some blocks, optional head."""
-
-    arch: str
 
     def __init__(self, config: PretrainedConfig, layer_start: int, layer_end: int,
                  has_embed: bool, has_head: bool) -> None:
@@ -90,60 +145,49 @@ def _require(tensors: dict[str, torch.Tensor], name: str, dtypes: tuple, ndim: i
     return t
 
 
-def _last_positions(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
-    if mask is None:
-        return torch.full((batch,), length - 1, dtype=torch.long)
-    # Right padding: the last real token of each row.
-    return mask.long().sum(dim=1) - 1
+class DecoderStage(StageModule):
+    """Blocks of a decoder-only model: the family's base model (`Qwen2Model`, ...) built for this
+    range, without the embedding where another stage embeds and without the final norm where
+    another stage ends, plus the head on the last stage. It runs through `BatchedDecoder`."""
 
-
-class LlamaStage(StageModule):
-    arch = "llama"
-
-    def __init__(self, config: LlamaConfig, layer_start: int, layer_end: int,
+    def __init__(self, config: PretrainedConfig, layer_start: int, layer_end: int,
                  has_embed: bool, has_head: bool) -> None:
         super().__init__(config, layer_start, layer_end, has_embed, has_head)
-        self.model = LlamaModel(_config_for_layers(config, layer_end - layer_start))
+        cfg = stage_config(config, layer_start, layer_end)
+        self.model = MODEL_MAPPING[type(config)](cfg)
         if not has_embed:
             self.model.embed_tokens = None
         if has_head:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
-            self.model.norm = nn.Identity()
+            self.model.norm = None
+        self._engine = None
 
     def forward(self, tensors: dict[str, torch.Tensor], full_logits: bool = False) -> dict[str, torch.Tensor]:
-        mask = tensors.get("attention_mask")
-        if mask is not None:
-            mask = mask.long()
-        if self.has_embed:
-            out = self.model(input_ids=tensors["input_ids"].long(), attention_mask=mask)
-        else:
-            dtype = self.model.norm.weight.dtype if self.has_head else next(self.parameters()).dtype
-            out = self.model(inputs_embeds=tensors["hidden"].to(dtype), attention_mask=mask)
-        hidden = out.last_hidden_state
-        if not self.has_head:
-            return _with_mask({"hidden": hidden}, mask)
-        if full_logits:
-            return {"logits": self.lm_head(hidden).float()}
-        rows = torch.arange(hidden.shape[0])
-        last = _last_positions(mask, hidden.shape[0], hidden.shape[1])
-        return {"logits": self.lm_head(hidden[rows, last]).float()}
+        """A padded batch ([B, T], right padding) without a KV cache: each row a prefill of its own.
+        Per row, hidden states for the next stage, or the logits of its last position (of every
+        position with `full_logits`)."""
+        from pipeline.batched_decoder import BatchedDecoder, run_rows
+        if self._engine is None:
+            self._engine = BatchedDecoder([self])
+        return run_rows(self._engine, tensors, full_logits)
 
 
-class BertStage(StageModule):
-    """BERT blocks; its head is sentence-transformers' mean pooling plus L2 normalisation."""
+class EncoderStage(StageModule):
+    """Blocks of a BERT-like encoder; its head is the sentence pooling the checkpoint's
+    sentence-transformers files name (mean or CLS, normalised or not)."""
 
-    arch = "bert"
-
-    def __init__(self, config: BertConfig, layer_start: int, layer_end: int,
-                 has_embed: bool, has_head: bool) -> None:
+    def __init__(self, config: PretrainedConfig, layer_start: int, layer_end: int,
+                 has_embed: bool, has_head: bool, pooling: dict | None = None) -> None:
         super().__init__(config, layer_start, layer_end, has_embed, has_head)
-        self.bert = BertModel(_config_for_layers(config, layer_end - layer_start), add_pooling_layer=False)
+        self.encoder = MODEL_MAPPING[type(config)](stage_config(config, layer_start, layer_end),
+                                                   add_pooling_layer=False)
         if not has_embed:
-            self.bert.embeddings = _Passthrough()
+            self.encoder.embeddings = _Passthrough()
+        self.pooling = pooling or {"mode": "mean", "normalize": True}
 
     def rename(self, key: str) -> str:
-        return "bert." + super().rename(key)
+        return "encoder." + super().rename(_strip_prefix(key))
 
     def forward(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         mask = tensors.get("attention_mask")
@@ -151,72 +195,71 @@ class BertStage(StageModule):
             mask = mask.long()
         if self.has_embed:
             types = tensors.get("token_type_ids")
-            out = self.bert(input_ids=tensors["input_ids"].long(), attention_mask=mask,
-                            token_type_ids=None if types is None else types.long())
+            out = self.encoder(input_ids=tensors["input_ids"].long(), attention_mask=mask,
+                               token_type_ids=None if types is None else types.long())
         else:
             dtype = next(self.parameters()).dtype
-            out = self.bert(inputs_embeds=tensors["hidden"].to(dtype), attention_mask=mask)
+            out = self.encoder(inputs_embeds=tensors["hidden"].to(dtype), attention_mask=mask)
         hidden = out.last_hidden_state
         if not self.has_head:
-            return _with_mask({"hidden": hidden}, mask)
-        return {"embeddings": mean_pool_normalize(hidden, mask)}
+            return {"hidden": hidden, **({"attention_mask": mask} if mask is not None else {})}
+        return {"embeddings": pool(hidden, mask, **self.pooling)}
+
+
+class _Passthrough(nn.Module):
+    """Stands in for an encoder's embeddings on stages that receive hidden states."""
+
+    def forward(self, inputs_embeds: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+        return inputs_embeds
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor | None, mode: str = "mean", normalize: bool = True) -> torch.Tensor:
+    """sentence-transformers' Pooling (mean over real tokens, or the first token) and, when the
+    checkpoint has it, Normalize()."""
+    if mode == "cls":
+        pooled = hidden[:, 0].float()
+    else:
+        if mask is None:
+            mask = torch.ones(hidden.shape[:2], dtype=torch.long)
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = ((hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)).float()
+    return torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
 
 
 def mean_pool_normalize(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """sentence-transformers' Pooling(mean) followed by Normalize()."""
-    if mask is None:
-        mask = torch.ones(hidden.shape[:2], dtype=torch.long)
-    weights = mask.unsqueeze(-1).to(hidden.dtype)
-    summed = (hidden * weights).sum(dim=1)
-    pooled = summed / weights.sum(dim=1).clamp(min=1e-9)
-    return torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
-
-
-def _with_mask(out: dict[str, torch.Tensor], mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    if mask is not None:
-        out["attention_mask"] = mask
-    return out
+    return pool(hidden, mask, "mean", True)
 
 
 @dataclass(frozen=True)
 class Architecture:
-    name: str
-    config_class: type[PretrainedConfig]
-    stage_class: type[StageModule]
-    # Full transformers model used as the unsplit reference.
-    reference_class: type[nn.Module]
-    unit_of: Callable[[str], str | None]
+    model_type: str
+    kind: str
+
+    @property
+    def generative(self) -> bool:
+        return self.kind == DECODER
+
+    def stage(self, config: PretrainedConfig, layers: tuple[int, int], has_embed: bool, has_head: bool,
+              pooling: dict | None = None) -> StageModule:
+        if self.generative:
+            return DecoderStage(config, *layers, has_embed, has_head)
+        return EncoderStage(config, *layers, has_embed, has_head, pooling)
+
+    def reference(self, folder, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The unsplit transformers model of a checkpoint folder, the one a split must equal."""
+        config = config_from_dict(self.model_type, _read_config(folder))
+        cls = (MODEL_FOR_CAUSAL_LM_MAPPING if self.generative else MODEL_MAPPING)[type(config)]
+        kwargs = {} if self.generative else {"add_pooling_layer": False}
+        # Soft-capped attention is eager's alone among transformers' own implementations.
+        attn = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+        return cls.from_pretrained(folder, dtype=dtype, attn_implementation=attn, **kwargs).eval()
 
 
-def _llama_unit(key: str) -> str | None:
-    if key.startswith("model.embed_tokens."):
-        return EMBED
-    m = re.match(r"model\.layers\.(\d+)\.", key)
-    if m:
-        return f"layer.{m.group(1)}"
-    if key.startswith(("model.norm.", "lm_head.")):
-        return HEAD
-    return None
+def _read_config(folder) -> dict:
+    import json
+    from pathlib import Path
+    return json.loads((Path(folder) / "config.json").read_text())
 
 
-def _bert_unit(key: str) -> str | None:
-    key = key.removeprefix("bert.")
-    if key.startswith("embeddings."):
-        return EMBED
-    m = re.match(r"encoder\.layer\.(\d+)\.", key)
-    if m:
-        return f"layer.{m.group(1)}"
-    return None  # the pooler is not part of sentence-transformers' model
-
-
-ARCHITECTURES = {
-    "llama": Architecture("llama", LlamaConfig, LlamaStage, LlamaForCausalLM, _llama_unit),
-    "bert": Architecture("bert", BertConfig, BertStage, BertModel, _bert_unit),
-}
-
-
-def architecture(name: str) -> Architecture:
-    try:
-        return ARCHITECTURES[name]
-    except KeyError:
-        raise ValueError(f"unknown architecture {name!r}; supported: {sorted(ARCHITECTURES)}") from None
+def architecture(model_type: str) -> Architecture:
+    return Architecture(model_type, family(model_type))

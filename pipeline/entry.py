@@ -82,7 +82,8 @@ class Entry:
             emulation_profile(settings.compute.emulate)  # an unknown profile fails at start, not per request
         else:
             manifest = Manifest.load(ensure_model(settings, model))
-            self.arch = manifest.arch
+            self.arch = "generate" if manifest.generative else "embed"
+            self.context_length = manifest.context_length
             self.config = manifest.config_object()
             self.tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())
             self.chars_per_token = max(len(t) for t in self.tokenizer.get_vocab())
@@ -93,7 +94,7 @@ class Entry:
 
     async def handle(self, method: str, path: str, body: bytes) -> Answer:
         path = "/" + path.strip("/")
-        if path.startswith("/v1/") and self.arch == "llama":
+        if path.startswith("/v1/") and self.arch != "emulated":
             return await self._openai(method, path, body)
         if path != "/":
             return Answer(404, {"error": f"no such path {path!r}; POST / (or /v1/... on a generative model)"})
@@ -108,7 +109,7 @@ class Entry:
         started = time.time()
         try:
             data = parse_json(body)
-            handler = {"llama": self._generate, "bert": self._embed, "emulated": self._emulated}[self.arch]
+            handler = {"generate": self._generate, "embed": self._embed, "emulated": self._emulated}[self.arch]
             answer = await handler(data, request_id, started)
         except BadRequest as exc:
             return Answer(exc.status, {"error": str(exc)})
@@ -132,12 +133,16 @@ class Entry:
     async def _embed(self, data: dict, request_id: str, started: float) -> dict:
         inputs = parse_embed(data, self.settings.limits.max_inputs)
         self.client.admit()
-        # Only the first EMBED_MAX_TOKENS tokens are embedded: the rest of a long input is not read.
-        inputs = [text[:EMBED_MAX_TOKENS * self.chars_per_token] for text in inputs]
-        enc = await self._tokenized(self.tokenizer, inputs, padding=True, truncation=True,
-                                    max_length=EMBED_MAX_TOKENS, return_tensors="pt")
+        enc = await self._embedding_inputs(inputs)
         header, out = await self.client.round_trip(f"{request_id}.0", dict(enc), started + self.settings.data.request_timeout_s)
         return {"embeddings": out["embeddings"].tolist(), "stages": _sum_timings([header.timings])}
+
+    async def _embedding_inputs(self, inputs: list[str]) -> dict:
+        # Only the first EMBED_MAX_TOKENS tokens are embedded: the rest of a long input is not read.
+        longest = min(EMBED_MAX_TOKENS, self.context_length)
+        inputs = [text[:longest * self.chars_per_token] for text in inputs]
+        return await self._tokenized(self.tokenizer, inputs, padding=True, truncation=True, max_length=longest,
+                                     return_tensors="pt")
 
     async def _emulated(self, data: dict, request_id: str, started: float) -> dict:
         tokens = parse_emulated(data, self.settings.limits.max_prompt_tokens)
@@ -149,18 +154,26 @@ class Entry:
     # -- OpenAI's surface --------------------------------------------------------------------
 
     async def _openai(self, method: str, path: str, body: bytes) -> Answer:
-        routes = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
+        routes = {"/v1/models": "GET", **({"/v1/completions": "POST", "/v1/chat/completions": "POST"}
+                                          if self.arch == "generate" else {"/v1/embeddings": "POST"})}
         if path not in routes:
-            return Answer(404, oa.error_body(f"no such path {path!r}; this server has {sorted(routes)}", 404))
+            what = "generates text" if self.arch == "generate" else "embeds text"
+            return Answer(404, oa.error_body(f"{self.model} {what}: it serves {sorted(routes)}, not {path!r}", 404))
         if method != routes[path]:
             return Answer(405, oa.error_body(f"{path} takes {routes[path]}, not {method}", 405))
         if path == "/v1/models":
-            return Answer(200, oa.models_body(self.model, self.created))
+            return Answer(200, oa.models_body([oa.model_card(self.model, self.created, self.context_length)]))
+        if path == "/v1/embeddings":
+            return await self._openai_embeddings(body)
         started = time.time()
         try:
             data = parse_json(body)
-            req = oa.parse_openai(data, path.endswith("chat/completions"), self.model,
-                                  self.settings.limits.max_new_tokens, random.getrandbits(31))
+            chat = path.endswith("chat/completions")
+            req = oa.parse_openai(data, chat, self.model, self.context_length, self.settings.limits.max_new_tokens,
+                                  random.getrandbits(31))
+            ignored = oa.ignored_fields(data, chat)
+            if ignored:  # vLLM's behaviour: a client's extra fields are not an error
+                log.warning("%s: ignoring unknown request fields %s", path, ignored)
             ids = await self._prompt_ids(req.prompt, req.messages, req.max_tokens)
             self.client.admit()
         except oa.OpenAIError as exc:
@@ -181,6 +194,27 @@ class Entry:
             return Answer(504, oa.error_body(f"not finished within {self.settings.data.request_timeout_s:g} s", 504))
         return Answer(200, oa.response_body(req, rid, self.model, done.text, done.finish,
                                             oa.usage(len(ids), len(done.tokens)), done.timing))
+
+    async def _openai_embeddings(self, body: bytes) -> Answer:
+        started = time.time()
+        request_id = uuid.uuid4().hex[:16]
+        try:
+            data = parse_json(body)
+            req = oa.parse_embeddings(data, self.model, self.settings.limits.max_inputs)
+            self.client.admit()
+            enc = await self._embedding_inputs(req.inputs)
+            _, out = await self.client.round_trip(f"{request_id}.0", dict(enc),
+                                                  started + self.settings.data.request_timeout_s)
+        except oa.OpenAIError as exc:
+            return Answer(exc.status, oa.error_body(str(exc), exc.status, exc.param, exc.code))
+        except BadRequest as exc:
+            return Answer(exc.status, oa.error_body(str(exc), exc.status))
+        except StageFailed as exc:
+            return Answer(exc.status, oa.error_body(str(exc), exc.status), _retry_after(exc))
+        except TimeoutError:
+            return Answer(504, oa.error_body(f"not finished within {self.settings.data.request_timeout_s:g} s", 504))
+        tokens = int(enc["attention_mask"].sum())
+        return Answer(200, oa.embeddings_body(self.model, out["embeddings"], req.encoding_format, tokens))
 
     async def _sse(self, req: oa.OpenAIRequest, rid: str, ids: list[int], started: float) -> AsyncIterator[bytes]:
         """The stream's events; an error after the stream began is sent as an error event."""
@@ -218,8 +252,11 @@ class Entry:
         if prompt is not None:
             ids = (await self._tokenized(self.tokenizer, prompt))["input_ids"]
         else:
-            ids = list((await self._tokenized(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                              tokenize=True, return_dict=True))["input_ids"])
+            try:
+                ids = list((await self._tokenized(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True))["input_ids"])
+            except Exception as exc:  # the model's own template refuses (a role it has no turn for, ...)
+                raise BadRequest(f"the model's chat template refused these messages: {exc}") from None
         check_prompt_length(len(ids), max_new, self.settings.limits.max_prompt_tokens,
                             self.config.max_position_embeddings)
         return ids

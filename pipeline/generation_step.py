@@ -11,7 +11,7 @@ import torch
 from contracts.config import Limits
 from contracts.wire import BadRequest, Header
 from pipeline.batch_policy import MIGRATE
-from pipeline.batched_llama import BatchedLlama, Step
+from pipeline.batched_decoder import BatchedDecoder, Step
 from pipeline.kv_cache import KVStore, NoRoom, split_cache
 from pipeline.sampling import Sampling, next_token
 from pipeline.stage_runner import StageRunner
@@ -65,7 +65,7 @@ class GenerationStage:
     def __init__(self, runner: StageRunner, replica_id: str, budget_bytes: int, kv_wait_s: float,
                  limits: Limits) -> None:
         self.runner, self.limits = runner, limits
-        self.engine = BatchedLlama(runner.modules)
+        self.engine = BatchedDecoder(runner.modules)
         self.store = KVStore(self.engine.kv_shape(), budget_bytes)
         self.replica_id = replica_id
         self.kv_wait_s = kv_wait_s

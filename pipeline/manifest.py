@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 MANIFEST_NAME = "manifest.json"
+# Raised when what the partitioner writes changes; a partition of another format is made again.
+FORMAT = 2
 
 
 @dataclass
@@ -35,9 +37,11 @@ class Manifest:
     dtype: str
     config: dict
     tokenizer: str                  # directory name inside the model directory
-    units: list[dict]               # [{"name", "params"}]
+    units: list[dict]               # [{"name", "bytes"}]
     stages: list[StageInfo]
     directory: Path = field(default=Path("."), compare=False)
+    pooling: dict | None = None     # an encoder's sentence pooling: {"mode": "mean"|"cls", "normalize"}
+    format: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -45,8 +49,17 @@ class Manifest:
 
     def config_object(self) -> PretrainedConfig:
         # Imported here: what only reads manifests (the provider's placer) starts without transformers.
+        from pipeline.architectures import config_from_dict
+        return config_from_dict(self.arch, self.config)
+
+    @property
+    def generative(self) -> bool:
         from pipeline.architectures import architecture
-        return architecture(self.arch).config_class.from_dict(self.config)
+        return architecture(self.arch).generative
+
+    @property
+    def context_length(self) -> int:
+        return int(self.config["max_position_embeddings"])
 
     def shard_path(self, stage: int) -> Path:
         return self.directory / self.stages[stage].shard

@@ -7,32 +7,31 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from contracts.openai_errors import error_body  # noqa: F401 (the entry's error answers)
 from contracts.wire import BadRequest
-from pipeline.entry_requests import ROLES, _is_int
+from pipeline.entry_requests import _is_int
 from pipeline.sampling import Sampling
 
-# Parameters OpenAI defines that this server accepts only at their neutral value.
+# Parameters OpenAI defines that this server accepts only at their neutral value; any falsy value
+# (None, False, 0, "", {}, []) is neutral, as clients and frameworks send whichever they like.
 _NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-            "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None,
-            "response_format": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None}
-# "user" is accepted and ignored, as it only labels the caller for OpenAI's own monitoring;
-# "ignore_eos" (generate past the end of text, for benchmarks) is vLLM's extension.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
-           "ignore_eos"}
-COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL)
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL)
+            "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "tools": None,
+            "parallel_tool_calls": None, "functions": None}
+# Parameters that change nothing here at these values.
+_HARMLESS = {"response_format": ({"type": "text"},), "tool_choice": ("none", "auto"), "function_call": ("none", "auto")}
+# "user" (and the like) only label the caller; "ignore_eos" (generate past the end of text, for
+# benchmarks) is vLLM's extension.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos"}
+COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | set(_HARMLESS)
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL) | set(_HARMLESS)
+# Chat roles a model's chat template is given: `developer` is OpenAI's new name for `system`.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class OpenAIError(BadRequest):
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message, status)
         self.param, self.code = param, code
-
-
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass
@@ -48,36 +47,42 @@ class OpenAIRequest:
     ignore_eos: bool = False
 
 
-def parse_openai(data: dict, chat: bool, model: str, cap: int, seed: int) -> OpenAIRequest:
-    """A validated request; OpenAIError naming the parameter otherwise. `seed` is used when the
-    request gives none (sampling is then still reproducible on a recomputation)."""
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise OpenAIError(f"unrecognized request argument(s): {unknown}", param=unknown[0])
+def parse_openai(data: dict, chat: bool, model: str, context: int, default_tokens: int, seed: int) -> OpenAIRequest:
+    """A validated request; OpenAIError naming the parameter otherwise. `context`: the model's
+    positions, the most `max_tokens` may ask for (less the prompt, checked once it is tokenized);
+    `default_tokens`: what a chat request that does not say generates at most. `seed` is used when
+    the request gives none (sampling is then still reproducible on a recomputation). Fields this
+    server does not know are ignored (`ignored_fields` names them, for the log), as vLLM does."""
     if data.get("model") != model:
         raise OpenAIError(f"the model {data.get('model')!r} does not exist here; this endpoint serves {model!r}",
                           404, "model", "model_not_found")
     for name, neutral in _NEUTRAL.items():
-        if name in data and data[name] not in (neutral, None) and not (name == "logit_bias" and data[name] == {}):
+        if data.get(name) and data[name] != neutral:
             raise OpenAIError(f"'{name}' is not supported (only {neutral!r})", param=name)
-    limit_name = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
-    max_tokens = data.get(limit_name, cap if chat else 16)
+    for name, allowed in _HARMLESS.items():
+        if data.get(name) and data[name] not in allowed:
+            raise OpenAIError(f"'{name}' is not supported (only {' or '.join(map(repr, allowed))})", param=name)
+    limit_name = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = data.get(limit_name)
     if max_tokens is None:
-        max_tokens = cap if chat else 16
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= cap:
-        raise OpenAIError(f"'{limit_name}' must be an integer in 1..{cap}, got {max_tokens!r}", param=limit_name)
+        max_tokens = min(default_tokens, context) if chat else 16
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= context:
+        raise OpenAIError(f"'{limit_name}' must be an integer in 1..{context}, got {max_tokens!r}", param=limit_name)
     stream = _flag(data, "stream")
     options = data.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise OpenAIError("'stream_options' takes only {\"include_usage\": bool}", param="stream_options")
+    if not isinstance(options, dict):
+        raise OpenAIError("'stream_options' must be an object", param="stream_options")
     request = OpenAIRequest(chat, None, None, max_tokens, _sampling(data, seed), _stop(data.get("stop")), stream,
-                            bool(options.get("include_usage", False)), _flag(data, "ignore_eos"))
+                            bool(options.get("include_usage")), _flag(data, "ignore_eos"))
     if chat:
         request.messages = _messages(data.get("messages"))
     else:
         request.prompt = _prompt(data.get("prompt"))
     return request
+
+
+def ignored_fields(data: dict, chat: bool) -> list[str]:
+    return sorted(set(data) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
 
 
 def _flag(data: dict, name: str) -> bool:
@@ -129,12 +134,15 @@ def _prompt(prompt: object) -> str:
 
 
 def _messages(messages: object) -> list[dict[str, str]]:
+    """Each message's role (mapped for the chat template) and its text; other fields (`name`,
+    `tool_calls`, `tool_call_id`) are not the template's business here. Empty contents are kept:
+    an empty system prompt, an assistant turn that only called a tool."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("'messages' must be a non-empty list", param="messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or set(m) - {"role", "content", "name"}:
-            raise OpenAIError(f"messages[{i}] must be an object with a 'role' in {list(ROLES)} and a 'content'",
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise OpenAIError(f"messages[{i}] must be an object with a 'role' in {list(CHAT_ROLES)}",
                               param=f"messages[{i}]")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text ones
@@ -142,9 +150,12 @@ def _messages(messages: object) -> list[dict[str, str]]:
                 raise OpenAIError(f"messages[{i}].content parts must all be {{\"type\": \"text\", \"text\": ...}}",
                                   param=f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
-        if not isinstance(content, str) or not content.strip():
-            raise OpenAIError(f"messages[{i}].content must be a non-empty string", param=f"messages[{i}].content")
-        out.append({"role": m["role"], "content": content})
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise OpenAIError(f"messages[{i}].content must be a string or a list of text parts",
+                              param=f"messages[{i}].content")
+        out.append({"role": CHAT_ROLES[m["role"]], "content": content})
     return out
 
 
@@ -194,5 +205,52 @@ def sse(body: dict) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-def models_body(model: str, created: float) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": int(created), "owned_by": "quart"}]}
+def model_card(model: str, created: float, context: int) -> dict:
+    """One model as `/v1/models` lists it; `max_model_len` (its context, in tokens) as vLLM names it."""
+    return {"id": model, "object": "model", "created": int(created), "owned_by": "quart", "max_model_len": context}
+
+
+def models_body(cards: list[dict]) -> dict:
+    return {"object": "list", "data": cards}
+
+
+# -- embeddings ---------------------------------------------------------------------------------
+
+@dataclass
+class EmbeddingsRequest:
+    inputs: list[str]
+    encoding_format: str
+
+
+def parse_embeddings(data: dict, model: str, max_inputs: int) -> EmbeddingsRequest:
+    """`input` a string or a list of strings; `encoding_format` float or base64 (OpenAI's client
+    asks for base64 unless told otherwise); `dimensions` only at the model's own."""
+    if data.get("model") != model:
+        raise OpenAIError(f"the model {data.get('model')!r} does not exist here; this endpoint serves {model!r}",
+                          404, "model", "model_not_found")
+    raw = data.get("input")
+    inputs = [raw] if isinstance(raw, str) else raw
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) for t in inputs):
+        raise OpenAIError("'input' must be a string or a non-empty list of strings (token arrays are not taken)",
+                          param="input")
+    if len(inputs) > max_inputs:
+        raise OpenAIError(f"'input' has {len(inputs)} texts; at most {max_inputs}", param="input")
+    fmt = data.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise OpenAIError("'encoding_format' must be float or base64", param="encoding_format")
+    if data.get("dimensions"):
+        raise OpenAIError("'dimensions' is not supported: the model's embeddings have their own width",
+                          param="dimensions")
+    return EmbeddingsRequest(inputs, fmt)
+
+
+def embeddings_body(model: str, embeddings, encoding_format: str, tokens: int) -> dict:
+    """OpenAI's embeddings list; base64 is the little-endian float32 bytes its client decodes."""
+    import base64
+
+    import numpy as np
+    rows = embeddings.float().numpy()
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode() if encoding_format == "base64"
+             else row.tolist()} for i, row in enumerate(np.asarray(rows))]
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

@@ -18,23 +18,36 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from contracts.config import add_arguments, exit_on_config_error, settings_from_args
-from pipeline.architectures import EMBED, HEAD, architecture, unit_names
-from pipeline.manifest import Manifest, StageInfo, sha256_file
-from pipeline.sources import Source, load_source
+from pipeline.architectures import EMBED, HEAD, unit_names, unit_of
+from pipeline.manifest import FORMAT, Manifest, StageInfo, sha256_file
+from pipeline.sources import Checkpoint, resolve
 
 
-def unit_params(source: Source) -> tuple[list[str], list[int], dict[str, dict]]:
-    """Unit names, their parameter counts, and each unit's tensors (full-model names)."""
-    arch = architecture(source.arch)
-    names = unit_names(source.model.config.num_hidden_layers)
-    tensors: dict[str, dict] = {name: {} for name in names}
-    for key, value in source.model.state_dict().items():
-        unit = arch.unit_of(key)
+def unit_tensors(ckpt: Checkpoint) -> tuple[list[str], dict[str, list[str]]]:
+    """Unit names and, per unit, the checkpoint tensors it holds (read from the files' headers)."""
+    names = unit_names(ckpt.num_layers)
+    keys: dict[str, list[str]] = {name: [] for name in names}
+    for key in ckpt.files:
+        unit = unit_of(ckpt.model_type, key)
         if unit is not None:
-            # Tied weights (SmolLM2's head) get their own copy: each stage owns its shard.
-            tensors[unit][key] = value.detach().clone().contiguous()
-    counts = [sum(t.numel() for t in tensors[n].values()) for n in names]
-    return names, counts, tensors
+            keys[unit].append(key)
+    return names, keys
+
+
+def unit_bytes(ckpt: Checkpoint, names: list[str], keys: dict[str, list[str]]) -> list[int]:
+    counts = [sum(ckpt.nbytes(k) for k in keys[n]) for n in names]
+    if _tied_head(ckpt, keys):
+        counts[-1] += ckpt.nbytes(TIED_SOURCE)
+    return counts
+
+
+TIED_SOURCE, TIED_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _tied_head(ckpt: Checkpoint, keys: dict[str, list[str]]) -> bool:
+    """A decoder whose head is its embedding (SmolLM2, Gemma, Qwen3's small models): the head's
+    stage gets its own copy, as each stage owns its shard."""
+    return ckpt.arch.generative and TIED_HEAD not in keys[HEAD]
 
 
 def balanced_bounds(counts: list[int], stages: int) -> list[int]:
@@ -58,30 +71,38 @@ def stage_bounds(counts: list[int], stages: int, method: str) -> list[int]:
     return bounds
 
 
-def partition(source: Source, stages: int, out: Path, method: str = "balanced") -> Manifest:
-    names, counts, tensors = unit_params(source)
+def partition(ckpt: Checkpoint, stages: int, out: Path, method: str = "balanced") -> Manifest:
+    """Writes one safetensors shard per stage, its byte size balanced (or its blocks uniform),
+    reading only that stage's tensors from the checkpoint: the model is never in memory whole."""
+    names, keys = unit_tensors(ckpt)
+    counts = unit_bytes(ckpt, names, keys)
     bounds = stage_bounds(counts, stages, method)
+    tied = _tied_head(ckpt, keys)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     infos = []
     for index, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        shard = f"stage-{index:02d}.safetensors"
         units = names[a:b]
-        state = {k: v for u in units for k, v in tensors[u].items()}
+        state = dict(ckpt.tensors([k for u in units for k in keys[u]]))
+        if tied and HEAD in units:
+            state[TIED_HEAD] = next(ckpt.tensors([TIED_SOURCE]))[1]
+        state = {k: v.contiguous() for k, v in state.items()}
+        shard = f"stage-{index:02d}.safetensors"
         save_file(state, str(tmp / shard))
         (tmp / shard).chmod(0o644)  # safetensors writes 0600; an image's replicas run as another user
         blocks = [int(u.split(".")[1]) for u in units if u.startswith("layer.")]
         first_block = blocks[0] if blocks else _blocks_before(names, a)
         infos.append(StageInfo(
             index=index, units=(a, b), layers=(first_block, first_block + len(blocks)),
-            has_embed=EMBED in units, has_head=HEAD in units, params=sum(counts[a:b]),
+            has_embed=EMBED in units, has_head=HEAD in units, params=sum(t.numel() for t in state.values()),
             shard=shard, sha256=sha256_file(tmp / shard), bytes=(tmp / shard).stat().st_size))
-    _copy_tokenizer(source.tokenizer_dir, tmp / "tokenizer")
+        del state
+    _copy_tokenizer(ckpt.folder, tmp / "tokenizer")
     manifest = Manifest(
-        model=out.name, arch=source.arch, source=source.name, method=method, dtype="float32",
-        config=source.model.config.to_dict(), tokenizer="tokenizer",
-        units=[{"name": n, "params": c} for n, c in zip(names, counts)], stages=infos, directory=tmp)
+        model=out.name, arch=ckpt.model_type, source=ckpt.name, method=method, dtype=ckpt.dtype,
+        config=ckpt.config, tokenizer="tokenizer", units=[{"name": n, "bytes": c} for n, c in zip(names, counts)],
+        stages=infos, directory=tmp, pooling=ckpt.pooling(), format=FORMAT)
     manifest.save()
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -92,16 +113,18 @@ def partition(source: Source, stages: int, out: Path, method: str = "balanced") 
 def ensure_partitioned(models_dir: Path, name: str, stages: int, source: str | None = None,
                        method: str = "balanced", random_config: dict | None = None) -> Manifest:
     """The partition <models_dir>/<name> of `source` (default: `name`) into `stages` stages by
-    `method`, made only if it is not there yet."""
+    `method`, made only if it is not there yet (or was made of another source)."""
     out = models_dir / name
+    source = source or name
     try:
         manifest = Manifest.load(out)
-        if manifest.num_stages == stages and manifest.method == method:
+        if (manifest.num_stages, manifest.method, manifest.source, manifest.format) == (stages, method, source, FORMAT):
             return manifest
     except FileNotFoundError:
         pass
-    print(f"partitioning {name} into {stages} stages ...", flush=True)
-    return partition(load_source(source or name, models_dir / "_sources", random_config), stages, out, method)
+    ckpt = resolve(source, models_dir / "_sources", random_config)
+    print(f"partitioning {name} ({ckpt.model_type}, {ckpt.folder}) into {stages} stages ...", flush=True)
+    return partition(ckpt, stages, out, method)
 
 
 def _blocks_before(names: list[str], unit: int) -> int:
@@ -127,9 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = exit_on_config_error(lambda: settings_from_args(args))
     out = args.out or settings.models_dir / (args.name or args.model)
     try:
-        source = load_source(args.model, settings.models_dir / "_sources",
-                             json.loads(args.random_config), args.seed)
-        manifest = partition(source, args.stages, out, "uniform" if args.uniform else "balanced")
+        ckpt = resolve(args.model, settings.models_dir / "_sources", json.loads(args.random_config), args.seed)
+        manifest = partition(ckpt, args.stages, out, "uniform" if args.uniform else "balanced")
     except (ValueError, FileNotFoundError) as exc:
         print(f"partition: {exc}", file=sys.stderr)
         return 2

@@ -104,7 +104,7 @@ class Replica:
         self.next_parts = {s: len(predecessors(graph, s)) for s in self.next_stages}
         self.joins = Joins(self.redis, self.model, int(settings.data.request_timeout_s * 2000))
         self.private = keys.replica_stream(self.replica_id)
-        generative = isinstance(runner, StageRunner) and runner.manifest.arch == "llama"
+        generative = isinstance(runner, StageRunner) and runner.manifest.generative
         self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
                                           settings.batching.kv_wait_s, settings.limits) if generative else None
         self._labels = {"model": self.model, "stage": str(first)}

@@ -14,13 +14,16 @@ from pipeline.manifest import Manifest, sha256_file
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+AUTO = "auto"  # the checkpoint's own dtype
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str, manifest: Manifest | None = None) -> torch.dtype:
+    if name == AUTO and manifest is not None:
+        name = manifest.dtype
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)} or {AUTO}") from None
 
 
 def load_stage_module(manifest: Manifest, stage: int, verify: bool = True,
@@ -30,11 +33,11 @@ def load_stage_module(manifest: Manifest, stage: int, verify: bool = True,
     `tensors` as they arrive (`pipeline/shard_stream.py`; each put in `place` on arrival) instead of
     the file when given."""
     info = manifest.stages[stage]
-    cls = architecture(manifest.arch).stage_class
+    arch = architecture(manifest.arch)
     # Parameters start empty (meta) and take the shard's tensors as they are: no random
     # initialisation to throw away, and no kernel runs (a KeysManager zygote must not compute).
     with init_empty_weights(include_buffers=False):
-        module = cls(manifest.config_object(), *info.layers, info.has_embed, info.has_head)
+        module = arch.stage(manifest.config_object(), info.layers, info.has_embed, info.has_head, manifest.pooling)
     if tensors is None:
         path = manifest.shard_path(stage)
         if verify and sha256_file(path) != info.sha256:
@@ -47,22 +50,30 @@ def load_stage_module(manifest: Manifest, stage: int, verify: bool = True,
 
 class StageRunner:
     def __init__(self, manifest: Manifest, first: int, last: int, device: str = "cpu",
-                 dtype: str = "float32", verify: bool = True,
+                 dtype: str = AUTO, verify: bool = True,
                  tensors: Callable[[int], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
         """`tensors(stage)`: that stage's tensors as they arrive (a cold start's shard readers);
         each goes to the device and dtype on arrival. Else the shards are read from disk."""
         if not 0 <= first < last <= manifest.num_stages:
             raise ValueError(f"stage range [{first}, {last}) outside 0..{manifest.num_stages}")
         self.manifest, self.first, self.last = manifest, first, last
-        place = lambda t: t.to(device, torch_dtype(dtype) if t.is_floating_point() else t.dtype)  # noqa: E731
+        want = torch_dtype(dtype, manifest)
+        place = lambda t: t.to(device, want if t.is_floating_point() else t.dtype)  # noqa: E731
         self.modules = [load_stage_module(manifest, i, verify, tensors(i) if tensors else None, place)
                         for i in range(first, last)]
         self.to(device, dtype)
 
     def to(self, device: str, dtype: str) -> None:
-        """Moves the parameters; a no-op (no copy) where they already are in that form."""
-        self.device, self.dtype = torch.device(device), torch_dtype(dtype)
-        self.modules = [m.to(self.device, self.dtype) for m in self.modules]
+        """Moves the parameters (`dtype` "auto": the checkpoint's); a no-op (no copy) where they
+        already are in that form. Buffers keep their dtype: rotary frequencies stay float32, as
+        transformers keeps them in a model loaded in low precision."""
+        self.device, self.dtype = torch.device(device), torch_dtype(dtype, self.manifest)
+        with torch.no_grad():
+            for module in self.modules:
+                module.to(self.device)
+                for p in module.parameters():
+                    if p.is_floating_point() and p.dtype != self.dtype:
+                        p.data = p.data.to(self.dtype)
 
     def clone_parameters(self) -> None:
         """Gives this process its own copy of every parameter (a non-COW fork's isolation)."""

@@ -32,12 +32,28 @@ PID_FILE = "runtime.pid"
 
 
 def ensure_partitioned(settings: Settings) -> None:
+    """Partitions every model of the stack that is not partitioned yet, and profiles the CPU law
+    of its stages where QUART's compensator needs it and no profile is there (a user's own model)."""
     from pipeline.partition import ensure_partitioned as ensure
-    stack = read_stack(Path(settings.stack_file))
-    emulated = {f.deployment["envVars"].get("QUART_MODEL") for f in stack if f.deployment["envVars"].get("QUART_EMULATE")}
-    for model, pipeline in pipelines(stack).items():
-        if model not in emulated:  # an emulated model has no weights to partition
-            ensure(settings.models_dir, model, pipeline.num_stages)
+    for model, pipeline in pipelines(read_stack(Path(settings.stack_file))).items():
+        if not pipeline.emulated:  # an emulated model has no weights to partition
+            ensure(settings.models_dir, model, pipeline.num_stages, pipeline.source)
+            _ensure_cpu_fits(settings, model)
+
+
+def _ensure_cpu_fits(settings: Settings, model: str) -> None:
+    from autoscaler.policy.controller import VARIANTS
+    from contracts import artefacts
+    policy = settings.autoscaler
+    if policy.policy not in VARIANTS or policy.ablated("compensator") or \
+            artefacts.find(settings.home, artefacts.cpu_fits_name(model)):
+        return
+    cpus = ",".join(str(c) for c in range(1, len(os.sched_getaffinity(0)) + 1))
+    print(f"profiling {model}'s stages at {cpus} CPUs for the compensator (once) ...", flush=True)
+    # The profiler is a tool (a layer above the runtime): run as the command a user would run.
+    if subprocess.run([sys.executable, "-m", "tools.profile_cpu", "--model", model, "--cpus", cpus, "--payloads",
+                       "16,64", "--repeats", "3", "--home", settings.home], cwd=REPO_ROOT).returncode != 0:
+        raise ValueError(f"profiling {model} failed: see above")
 
 
 def check_policy(settings: Settings) -> None:
@@ -65,11 +81,11 @@ def up(settings: Settings, timeout: float) -> int:
         return 0
     settings = settings.replace(stack_file=str(Path(settings.stack_file).resolve()))
     try:
+        ensure_partitioned(settings)
         check_policy(settings)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:  # a source missing, pickled or of an unsupported family
         print(f"up: {exc}", file=sys.stderr)
         return 2
-    ensure_partitioned(settings)
     home = Path(settings.home)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     env = child_environment(settings)

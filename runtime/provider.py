@@ -11,6 +11,7 @@ import platform
 import re
 import time
 from collections.abc import Mapping
+from datetime import datetime
 from pathlib import Path
 
 import aiohttp
@@ -23,9 +24,11 @@ from contracts import keys
 from contracts.config import Settings
 from contracts.http_errors import json_errors
 from contracts.loops import every
+from contracts.openai_errors import error_body
 from contracts.requests import BadRequest, load_json
 from contracts.stack import NAME_RE, StackFunction, identity, ttft_slo_s
 from keysmanager.client import KeysClient
+from pipeline.manifest import Manifest
 from pipeline.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager
 from runtime.idler import Idler
@@ -309,6 +312,8 @@ class LocalProvider:
         r.add_get("/system/function/{name}", self._get)
         r.add_post("/system/scale-function/{name}", self._scale)
         r.add_get("/system/namespaces", lambda _: web.json_response([self.settings.gateway.namespace]))
+        r.add_get("/v1/models", self._v1_models)
+        r.add_route("*", "/v1/{tail:.*}", self._v1_invoke)
         r.add_route("*", "/function/{name}", self._invoke)
         r.add_route("*", "/function/{name}/{tail:.*}", self._invoke)
         app.on_startup.append(lambda _: self.start())
@@ -416,13 +421,51 @@ class LocalProvider:
         fn = self.functions.get(name)
         if fn is None or namespace not in ("", self.settings.gateway.namespace):
             return error(404, f"function {request.match_info['name']!r} not found")
+        return await self._call(fn, request, request.match_info.get("tail", ""), await request.read())
+
+    # -- one OpenAI base URL for every model: /v1 routes on the body's `model` ------------------
+
+    def _entries(self) -> dict[str, FunctionState]:
+        """Each model's entry function (the one without stages)."""
+        return {model: fn for fn in self.functions.values() if fn.stage is None
+                and (model := identity(fn.deployment)[0])}
+
+    async def _v1_models(self, request: web.Request) -> web.Response:
+        cards = []
+        for model, fn in sorted(self._entries().items()):
+            try:
+                context = Manifest.load(self.settings.model_dir(model)).context_length
+            except (FileNotFoundError, KeyError, ValueError):
+                context = None  # an emulated model has no manifest
+            created = datetime.fromisoformat(fn.created_at).timestamp()
+            cards.append({"id": model, "object": "model", "created": int(created), "owned_by": "quart",
+                          "max_model_len": context})
+        return web.json_response({"object": "list", "data": cards})
+
+    async def _v1_invoke(self, request: web.Request) -> web.StreamResponse:
+        tail = request.match_info["tail"]
+        if request.method != "POST":
+            return web.json_response(error_body(f"/v1/{tail} takes POST, or is GET /v1/models", 405), status=405)
+        body = await request.read()
+        try:
+            model = load_json(body).get("model")
+        except (BadRequest, AttributeError) as exc:
+            return web.json_response(error_body(f"the body must be a JSON object: {exc}", 400), status=400)
+        entries = self._entries()
+        if not isinstance(model, str) or model not in entries:
+            return web.json_response(error_body(f"the model {model!r} does not exist; served here: {sorted(entries)}",
+                                                404, "model", "model_not_found"), status=404)
+        return await self._call(entries[model], request, f"v1/{tail}", body)
+
+    async def _call(self, fn: FunctionState, request: web.Request, tail: str, body: bytes) -> web.StreamResponse:
+        name = fn.name
         started = time.time()
         model = identity(fn.deployment)[0]
         self.idler.started(model)
         try:
             if fn.stage is None and self.idler.wake(list(self.functions.values()), model, started):
                 self.converge()  # the stages start now; the entry holds the request meanwhile
-            response = await self._forward(fn, request)
+            response = await self._forward(fn, request, tail, body)
         finally:
             self.idler.finished(model)
         fn.invocations += 1
@@ -431,10 +474,8 @@ class LocalProvider:
         self.seconds.labels(name, code).observe(time.time() - started)
         return response
 
-    async def _forward(self, fn: FunctionState, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+    async def _forward(self, fn: FunctionState, request: web.Request, tail: str, body: bytes) -> web.StreamResponse:
         headers = _forwarded(request.headers)
-        tail = request.match_info.get("tail", "")
         # A replica that refuses the connection or drops it before answering (it just died) is
         # skipped for the next one, waiting for a replacement if it was the only one: nothing was
         # answered yet, so the request is not answered twice.

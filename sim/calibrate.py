@@ -22,8 +22,8 @@ import torch
 
 from contracts.config import load_settings
 from loadgen.sharegpt import first_prompts
-from pipeline.batched_llama import BatchedLlama
-from pipeline.batched_llama import Step as EngineStep
+from pipeline.batched_decoder import BatchedDecoder
+from pipeline.batched_decoder import Step as EngineStep
 from pipeline.kv_cache import KVStore
 from pipeline.manifest import Manifest
 from sim.step_cost import CALIBRATIONS, Calibration, Step, StepCost
@@ -35,7 +35,7 @@ REPEATS = 5
 PROMPTS = 200
 
 
-def measure(engine: BatchedLlama, steps: list[Step], repeats: int = REPEATS) -> float:
+def measure(engine: BatchedDecoder, steps: list[Step], repeats: int = REPEATS) -> float:
     """Median seconds of one forward over `steps`, each request with its own cache at its position."""
     store = KVStore(engine.kv_shape(), 1 << 40)
     seqs = [store.admit(f"r{i}", start + tokens) for i, (tokens, start) in enumerate(steps)]
@@ -49,7 +49,7 @@ def measure(engine: BatchedLlama, steps: list[Step], repeats: int = REPEATS) -> 
     return float(np.median(times[1:]))   # the first warms the kernels up
 
 
-def _inputs(engine: BatchedLlama, tokens: int) -> torch.Tensor:
+def _inputs(engine: BatchedDecoder, tokens: int) -> torch.Tensor:
     if engine.embed is not None:
         return torch.randint(0, engine.embed.num_embeddings, (tokens,))
     return torch.randn(tokens, engine.width)
@@ -60,7 +60,7 @@ def calibrate(manifest: Manifest, progress: bool = True) -> Calibration:
     torch.set_num_threads(1)
     costs, kv, errors = [], [], []
     for i in range(manifest.num_stages):
-        engine = BatchedLlama(StageRunner(manifest, i, i + 1).modules)
+        engine = BatchedDecoder(StageRunner(manifest, i, i + 1).modules)
         samples = [(steps, measure(engine, steps)) for steps in DECODES + PREFILLS + MIXED]
         cost = StepCost.fit(samples)
         errors.append(float(np.median([abs(cost.batch_s(s) / t - 1) for s, t in samples])))

@@ -56,7 +56,7 @@ def make_fits(out: Path, models: list[str]) -> None:
     stack = pipelines(read_stack(Path(settings.stack_file)))
     cpus = ",".join(str(c) for c in range(1, len(os.sched_getaffinity(0)) + 1))
     for name in (m for m in models if m in REAL):
-        ensure_partitioned(settings.models_dir, name, stack[name].num_stages)
+        ensure_partitioned(settings.models_dir, name, stack[name].num_stages, stack[name].source)
         assert profile_cpu.main(["--model", name, "--cpus", cpus, "--payloads", "16,64,256", "--repeats", "5",
                                  "--out", str(out), "--home", settings.home]) == 0
     plot(out)

@@ -183,9 +183,9 @@ def test_a_crashed_zygote_is_noticed_and_cached_again(km):
 def test_a_changed_shard_is_never_served_from_the_stale_cache(km, sources, home_settings):
     settings, client, r, children = km
     out = home_settings.model_dir("minilm-swap")
-    partition(sources["minilm"], 3, out, "balanced")
+    partition(sources["minilm"].checkpoint, 3, out, "balanced")
     old = client.cache(StageRef.parse("minilm-swap", "1"))
-    partition(sources["minilm"], 3, out, "uniform")  # stage 1 now holds other layers
+    partition(sources["minilm"].checkpoint, 3, out, "uniform")  # stage 1 now holds other layers
     with pytest.raises(KeysManagerError) as info:
         client.fork(StageRef.parse("minilm-swap", "1"), "minilm-swap-s1")
     assert info.value.status == 409

@@ -18,7 +18,7 @@ def test_manifest_describes_its_shards(partitioned):
     for a, b in zip(stages, stages[1:]):
         assert a.units[1] == b.units[0] and a.layers[1] == b.layers[0]
     assert stages[-1].layers[1] == manifest.config["num_hidden_layers"] == 30
-    assert sum(s.params for s in stages) == sum(u["params"] for u in manifest.units)
+    assert sum(u["bytes"] for u in manifest.units) == 4 * sum(s.params for s in stages)  # float32
     for s in stages:
         path = manifest.shard_path(s.index)
         assert sha256_file(path) == s.sha256 and path.stat().st_size == s.bytes

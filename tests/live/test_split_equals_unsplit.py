@@ -99,7 +99,7 @@ def test_random_weight_models_of_any_size_split_exactly(name, home_settings, tmp
     from pipeline.sources import load_source
     source = load_source(name, home_settings.models_dir / "_sources", RANDOM_CONFIGS[name], seed=3)
     assert source.model.config.hidden_size == RANDOM_CONFIGS[name]["hidden_size"]
-    manifest = partition(source, 3, tmp_path / name)
+    manifest = partition(source.checkpoint, 3, tmp_path / name)
     ids = torch.tensor([[5, 17, 300, 42, 7, 99]])
     mask = torch.ones_like(ids)
     with torch.inference_mode():

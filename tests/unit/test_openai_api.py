@@ -10,7 +10,7 @@ from pipeline.sampling import Sampling
 
 
 def parse(data: dict, chat: bool = False) -> oa.OpenAIRequest:
-    return oa.parse_openai(data, chat, "smollm2", 64, seed=99)
+    return oa.parse_openai(data, chat, "smollm2", 8192, 64, seed=99)
 
 
 def test_defaults_follow_openai():
@@ -42,12 +42,48 @@ def test_parameters_are_read():
     ({"model": "smollm2", "prompt": "hi", "stop": ["a"] * 5}, 400, "stop"),
     ({"model": "smollm2", "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"model": "smollm2", "prompt": ["a", "b"]}, 400, "prompt"),
-    ({"model": "smollm2", "prompt": "hi", "what": 1}, 400, "what"),
+    ({"model": "smollm2", "prompt": "hi", "max_tokens": 8193}, 400, "max_tokens"),
+    ({"model": "smollm2", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "smollm2", "prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
 ])
 def test_bad_parameters_name_themselves(data, status, param):
     with pytest.raises(oa.OpenAIError) as err:
         parse(data)
     assert err.value.status == status and err.value.param == param
+
+
+def test_what_common_clients_send_is_accepted():
+    """Neutral values of any falsy kind, the developer and tool roles, empty contents, long
+    generations and fields this server does not know (ignored, named for the log)."""
+    data = {"model": "smollm2", "logprobs": False, "top_logprobs": 0, "n": 1, "tools": [], "tool_choice": "auto",
+            "response_format": {"type": "text"}, "frequency_penalty": 0.0, "presence_penalty": None, "max_tokens": 256,
+            "stream_options": None, "metadata": {"a": "b"}, "store": False,
+            "messages": [{"role": "developer", "content": "Be brief."}, {"role": "system", "content": ""},
+                         {"role": "user", "content": "hi", "name": "me"},
+                         {"role": "assistant", "content": None, "tool_calls": []},
+                         {"role": "tool", "content": "42", "tool_call_id": "c1"}]}
+    req = parse(data, chat=True)
+    assert req.max_tokens == 256
+    assert [m["role"] for m in req.messages] == ["system", "system", "user", "assistant", "tool"]
+    assert [m["content"] for m in req.messages] == ["Be brief.", "", "hi", "", "42"]
+    assert oa.ignored_fields(data, chat=True) == ["metadata", "store"]
+    assert parse({"model": "smollm2", "prompt": "hi", "what": 1}).prompt == "hi"
+
+
+def test_embeddings_requests():
+    req = oa.parse_embeddings({"model": "m", "input": "a", "encoding_format": "base64"}, "m", 8)
+    assert req.inputs == ["a"] and req.encoding_format == "base64"
+    for bad in ({"model": "m", "input": []}, {"model": "m", "input": [1, 2]}, {"model": "m", "input": ["a"] * 9},
+                {"model": "m", "input": "a", "encoding_format": "int8"}, {"model": "m", "input": "a", "dimensions": 8}):
+        with pytest.raises(oa.OpenAIError):
+            oa.parse_embeddings(bad, "m", 8)
+    import base64
+
+    import numpy as np
+    import torch
+    body = oa.embeddings_body("m", torch.tensor([[0.5, -1.0]]), "base64", 3)
+    assert np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), "<f4").tolist() == [0.5, -1.0]
+    assert oa.embeddings_body("m", torch.tensor([[0.5, -1.0]]), "float", 3)["data"][0]["embedding"] == [0.5, -1.0]
 
 
 def test_error_body_has_openai_shape():

@@ -1,0 +1,78 @@
+"""Attention against this server's KV cache, registered with transformers' AttentionInterface so
+every decoder family's own attention module (its projections, q/k norms, rotary embedding, bias)
+runs unchanged and calls this for the one part that differs: a step holds several requests
+flattened into one row, and each attends only to its own cache.
+
+Written here rather than taken from transformers: its attention functions read keys and values
+from its own `Cache` object, one batch row per sequence, which is the padding and copying that
+Orca's selective batching avoids."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from transformers import AttentionInterface
+
+ATTENTION = "quart"
+
+
+@dataclass
+class LayerCall:
+    """What one layer's attention needs to know of the step: which cache layer it writes, and
+    each sequence's slice of the flattened tokens (Step objects of `pipeline/batched_decoder.py`)."""
+    layer: int
+    steps: list
+    spans: list[tuple[int, int]]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scaling: float,
+           window: int | None, softcap: float | None) -> torch.Tensor:
+    """Queries at positions start.. (q: [1, heads, T, d]) over keys at 0.. (k, v: [1, kv, L, d]),
+    causal, within a sliding window where the layer has one, logits soft-capped where the family
+    caps them; [1, heads, T, d]."""
+    tokens, length = q.shape[2], k.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    if window is not None and tokens == 1 and length > window:
+        k, v = k[:, :, length - window:], v[:, :, length - window:]
+        window = None
+    mask = None
+    if tokens > 1 and start == 0 and length == tokens and window is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+    if tokens > 1 or window is not None:
+        qpos = torch.arange(start, start + tokens, device=q.device).unsqueeze(1)
+        kpos = torch.arange(k.shape[2], device=q.device).unsqueeze(0)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scaling / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None,
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     quart: LayerCall | None = None, **_: object) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [1, heads, T, d], key and value
+    [1, kv_heads, T, d] for the step's new tokens; returns [1, T, heads, d]."""
+    if quart is None:
+        raise RuntimeError("this model's layers run through pipeline.batched_decoder.BatchedDecoder")
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    outs = []
+    for s, (a, b) in zip(quart.steps, quart.spans):
+        end = s.start + s.tokens
+        keys, values = s.seq.keys[quart.layer], s.seq.values[quart.layer]
+        keys[:, :, s.start:end] = key[:, :, a:b]
+        values[:, :, s.start:end] = value[:, :, a:b]
+        outs.append(attend(query[:, :, a:b], keys[:, :, :end], values[:, :, :end], s.start, scaling,
+                           sliding_window, softcap))
+    return torch.cat(outs, dim=2).transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, cached_attention)
