@@ -3,6 +3,8 @@ transformers model in this process, on the same ShareGPT prompts, in one run.
 
     python -m benchmarks generation                  # SmolLM2 (real weights)
     python -m benchmarks generation --model llama1b  # a random-weights LLaMA of about 1 B parameters
+    python -m benchmarks generation --model qwen2    # random weights in each family's shape (qwen2,
+                                                     # qwen3, mistral, gemma2, gemma3, phi3), ~0.5 B
 
 One at a time, interleaved: the pipeline's time to first token (TTFT) and time per output token
 (TPOT) as its responses report them, against unsplit `generate(use_cache=True)` (TTFT: its prefill,
@@ -37,8 +39,30 @@ from runtime.ports import free_port
 STAGES = 4
 LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 20, "intermediate_size": 5632, "num_attention_heads": 32,
             "num_key_value_heads": 4, "head_dim": 64}
+# Each family at a size this machine serves in minutes (random weights, the tokenizer and
+# vocabulary of SmolLM2): Qwen2.5-0.5B's and Qwen3-0.6B's own shapes, Gemma 3 1B's, and Mistral,
+# Gemma 2 and Phi-3 scaled down to about 0.5 B with their own proportions and quirks.
+FAMILY_SHAPES = {
+    "qwen2": ("qwen2", {"hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864,
+                        "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072,
+                        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}),
+    "mistral": ("mistral", {"hidden_size": 1024, "num_hidden_layers": 16, "intermediate_size": 3584,
+                            "num_attention_heads": 16, "num_key_value_heads": 4, "sliding_window": 4096}),
+    "gemma2": ("gemma2", {"hidden_size": 1024, "num_hidden_layers": 16, "intermediate_size": 4096,
+                          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+                          "sliding_window": 4096, "query_pre_attn_scalar": 128}),
+    "gemma3": ("gemma3_text", {"hidden_size": 1152, "num_hidden_layers": 26, "intermediate_size": 6912,
+                               "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                               "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256}),
+    "phi3": ("phi3", {"hidden_size": 1024, "num_hidden_layers": 16, "intermediate_size": 4096,
+                      "num_attention_heads": 16, "num_key_value_heads": 16}),
+}
+SOURCES = {"smollm2": ("smollm2", None), "llama1b": ("random-llama", LLAMA_1B),
+           **{name: (f"random-{t}", shape) for name, (t, shape) in FAMILY_SHAPES.items()}}
 MODELS = {"smollm2": {"prompts": 10, "levels": (1, 4, 8, 16)},
-          "llama1b": {"prompts": 3, "levels": (1, 4, 8, 16)}}
+          "llama1b": {"prompts": 3, "levels": (1, 4, 8, 16)},
+          **{name: {"prompts": 3, "levels": (1, 4, 8)} for name in FAMILY_SHAPES}}
 
 
 class Unsplit:
@@ -46,8 +70,8 @@ class Unsplit:
 
     def __init__(self, settings: Settings, model: str) -> None:
         from pipeline.sources import load_source
-        cache = settings.models_dir / "_sources"
-        self.source = load_source("random-llama", cache, LLAMA_1B) if model == "llama1b" else load_source(model, cache)
+        source, config = SOURCES[model]
+        self.source = load_source(source, settings.models_dir / "_sources", config)
         self.model = self.source.model
         # End of text ignored, as the pipeline's requests ask: generate() always makes `new` tokens.
         self.model.generation_config.eos_token_id = None
@@ -78,7 +102,7 @@ class Unsplit:
 
 
 def _stack(home: Path, model: str) -> str:
-    """The stack file: the repository's for SmolLM2; for llama1b, an entry and four stages of it."""
+    """The stack file: the repository's for SmolLM2; for the others, an entry and four stages."""
     if model == "smollm2":
         return str(REPO_ROOT / "stack.yml")
     functions = {model: {"lang": "python3-http", "handler": str(REPO_ROOT / "functions/entry"), "image": "quart/entry:0.1.0",
@@ -108,9 +132,10 @@ def running(model: str, new: int) -> Iterator[Settings]:
                             redis_port=free_port(), keysmanager_port=free_port(), policy="none",
                             stack_file=_stack(run_home, model), max_new_tokens=max(new, base.limits.max_new_tokens),
                             request_timeout_s=600.0, cache_stages="none", admit_wait_s=0.0)
-    if model == "llama1b":
+    if model != "smollm2":
         from pipeline.partition import ensure_partitioned
-        ensure_partitioned(settings.models_dir, "llama1b", STAGES, "random-llama", random_config=LLAMA_1B)
+        source, config = SOURCES[model]
+        ensure_partitioned(settings.models_dir, model, STAGES, source, random_config=config)
     try:
         if control.up(settings, timeout=900) != 0:
             raise SystemExit(f"the embedded runtime did not come up; see {run_home}/logs")
@@ -209,8 +234,10 @@ def _report(model: str, alone: dict, rows: list[dict], new: int, levels) -> dict
             {"name": f"pipeline TTFT p50 at {c}", "value": round(r["pipeline_ttft_p50"], 3), "unit": "ms"},
         ]
     name = "generation" if model == "smollm2" else f"generation_{model}"
-    write(name, figures, conditions(model=model, stages=STAGES, new_tokens=new, prompts=pipe_tpot["n"],
-                                    levels=list(levels), threads_per_replica=1, unsplit_threads=1, dtype="float32",
+    source, config = SOURCES[model]
+    write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,
+                                    prompts=pipe_tpot["n"], levels=list(levels), threads_per_replica=1,
+                                    unsplit_threads=1, dtype="float32",
                                     decoding="greedy, end of text ignored", max_batch=load_settings().batching.max_batch))
     _plot(name, model, rows, sequential, ref_tpot["p50"])
     return {"figures": figures}

@@ -19,26 +19,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 from contracts.config import Limits
 from contracts.wire import BadRequest, check_size
 from pipeline.decoder_attention import ATTENTION
+from pipeline.families import DECODER, family
 
 EMBED, HEAD = "embed", "head"
-DECODER, ENCODER = "decoder", "encoder"
-# model_type (config.json) -> kind. Decoders split into embedding, `model.layers.N` and norm plus
-# head; encoders into embeddings and `encoder.layer.N`, their head being the sentence pooling.
-FAMILIES = {"llama": DECODER, "mistral": DECODER, "qwen2": DECODER, "qwen3": DECODER, "gemma2": DECODER,
-            "gemma3_text": DECODER, "phi3": DECODER, "bert": ENCODER, "roberta": ENCODER, "xlm-roberta": ENCODER}
-
-
-class Unsupported(ValueError):
-    """A checkpoint of a family this server does not split."""
-
-
-def family(model_type: str) -> str:
-    """The kind of a model_type; Unsupported naming the supported ones otherwise."""
-    try:
-        return FAMILIES[model_type]
-    except KeyError:
-        hint = " (a multimodal Gemma 3: serve its text model, model_type gemma3_text)" if model_type == "gemma3" else ""
-        raise Unsupported(f"unsupported model_type {model_type!r}{hint}; supported: {sorted(FAMILIES)}") from None
 
 
 def config_from_dict(model_type: str, data: dict) -> PretrainedConfig:

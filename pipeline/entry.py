@@ -167,13 +167,11 @@ class Entry:
             return await self._openai_embeddings(body)
         started = time.time()
         try:
-            data = parse_json(body)
-            chat = path.endswith("chat/completions")
-            req = oa.parse_openai(data, chat, self.model, self.context_length, self.settings.limits.max_new_tokens,
-                                  random.getrandbits(31))
-            ignored = oa.ignored_fields(data, chat)
-            if ignored:  # vLLM's behaviour: a client's extra fields are not an error
-                log.warning("%s: ignoring unknown request fields %s", path, ignored)
+            parse_json(body)  # its checks first: text that is not UTF-8, nesting too deep
+            req = oa.parse_openai(body, path.endswith("chat/completions"), self.model, self.context_length,
+                                  self.settings.limits.max_new_tokens, random.getrandbits(31))
+            if req.ignored:  # vLLM's behaviour: a client's extra fields are not an error
+                log.warning("%s: ignoring fields this server does not know: %s", path, req.ignored)
             ids = await self._prompt_ids(req.prompt, req.messages, req.max_tokens)
             self.client.admit()
         except oa.OpenAIError as exc:
@@ -187,20 +185,26 @@ class Entry:
             return Answer(200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
                           stream=self._sse(req, rid, ids, started))
         try:
-            done = await self._run(rid, ids, req.max_tokens, req.sampling, req.stop, started, req.ignore_eos)
+            done = await _all([self._run(cid, ids, req.max_tokens, sampling, req.stop, started, req.ignore_eos)
+                               for cid, sampling in _choices(req, rid)])
         except StageFailed as exc:
             return Answer(exc.status, oa.error_body(str(exc), exc.status), _retry_after(exc))
         except TimeoutError:
             return Answer(504, oa.error_body(f"not finished within {self.settings.data.request_timeout_s:g} s", 504))
-        return Answer(200, oa.response_body(req, rid, self.model, done.text, done.finish,
-                                            oa.usage(len(ids), len(done.tokens)), done.timing))
+        choices = [oa.choice_body(req, i, d.text, d.finish, oa.logprobs_body(req, d.progress.logprobs, self._token_text))
+                   for i, d in enumerate(done)]
+        return Answer(200, oa.response_body(req, rid, self.model, choices,
+                                            oa.usage(len(ids), sum(len(d.tokens) for d in done)), done[0].timing))
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     async def _openai_embeddings(self, body: bytes) -> Answer:
         started = time.time()
         request_id = uuid.uuid4().hex[:16]
         try:
-            data = parse_json(body)
-            req = oa.parse_embeddings(data, self.model, self.settings.limits.max_inputs)
+            parse_json(body)
+            req = oa.parse_embeddings(body, self.model, self.settings.limits.max_inputs)
             self.client.admit()
             enc = await self._embedding_inputs(req.inputs)
             _, out = await self.client.round_trip(f"{request_id}.0", dict(enc),
@@ -217,26 +221,53 @@ class Entry:
         return Answer(200, oa.embeddings_body(self.model, out["embeddings"], req.encoding_format, tokens))
 
     async def _sse(self, req: oa.OpenAIRequest, rid: str, ids: list[int], started: float) -> AsyncIterator[bytes]:
-        """The stream's events; an error after the stream began is sent as an error event."""
-        first = True
-        texts = self._texts(rid, ids, req.max_tokens, req.sampling, req.stop, started, req.ignore_eos)
+        """The stream's events, every choice's interleaved as they come; an error after the stream
+        began is sent as an error event and ends it."""
+        events: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._choice_events(req, rid, cid, i, sampling, ids, started, events))
+                 for i, (cid, sampling) in enumerate(_choices(req, rid))]
         try:
-            # aclosing: a client gone mid-stream closes the generation now, which frees its caches.
+            finished: list[Generated] = []
+            while len(finished) < len(tasks):
+                event = await events.get()
+                if isinstance(event, Generated):
+                    finished.append(event)
+                elif isinstance(event, Exception):
+                    status = getattr(event, "status", 504)
+                    message = str(event) or f"not finished within {self.settings.data.request_timeout_s:g} s"
+                    yield oa.sse(oa.error_body(message, status))
+                    break
+                else:
+                    yield event
+            else:
+                if req.include_usage:
+                    yield oa.usage_chunk(req, rid, self.model, oa.usage(len(ids), sum(len(d.tokens) for d in finished)),
+                                         finished[0].timing)
+            yield oa.DONE
+        finally:
+            # A client gone mid-stream ends the generations now, which frees their caches.
+            for task in tasks:
+                task.cancel()
+
+    async def _choice_events(self, req: oa.OpenAIRequest, rid: str, cid: str, index: int, sampling: Sampling,
+                             ids: list[int], started: float, events: asyncio.Queue) -> None:
+        """One choice's chunks onto `events`, then its summary (or the exception that ended it)."""
+        progress, first, sent = Progress(), True, 0
+        texts = self._texts(cid, ids, req.max_tokens, sampling, req.stop, started, req.ignore_eos, progress)
+        try:
             async with aclosing(texts):
                 async for text, done in texts:
-                    if done is None:
-                        if text or first:
-                            yield oa.chunk(req, rid, self.model, text, None, first)
-                            first = False
-                        continue
-                    yield oa.chunk(req, rid, self.model, text or None, done.finish, first)
-                    if req.include_usage:
-                        yield oa.usage_chunk(req, rid, self.model, oa.usage(len(ids), len(done.tokens)), done.timing)
-        except StageFailed as exc:
-            yield oa.sse(oa.error_body(str(exc), exc.status))
-        except TimeoutError:
-            yield oa.sse(oa.error_body(f"not finished within {self.settings.data.request_timeout_s:g} s", 504))
-        yield oa.DONE
+                    if done is None and not (text or first):
+                        continue  # held back (a possible stop sequence, a partial character)
+                    logprobs = oa.logprobs_body(req, progress.logprobs[sent:], self._token_text)
+                    sent = len(progress.logprobs)
+                    events.put_nowait(oa.chunk(req, rid, self.model, text if done is None else text or None,
+                                               done.finish if done else None, first, index, logprobs))
+                    first = False
+                    if done is not None:
+                        events.put_nowait(done)
+        except (StageFailed, TimeoutError) as exc:
+            events.put_nowait(exc)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -264,7 +295,7 @@ class Entry:
     async def _run(self, rid: str, ids: list[int], max_new: int, sampling: Sampling, stop: list[str],
                    started: float, ignore_eos: bool = False) -> Generated:
         text = []
-        async with aclosing(self._texts(rid, ids, max_new, sampling, stop, started, ignore_eos)) as texts:
+        async with aclosing(self._texts(rid, ids, max_new, sampling, stop, started, ignore_eos, Progress())) as texts:
             async for piece, done in texts:
                 text.append(piece)
                 if done is not None:
@@ -273,9 +304,9 @@ class Entry:
         raise AssertionError("a generation always ends with its summary")
 
     async def _texts(self, rid: str, ids: list[int], max_new: int, sampling: Sampling, stop: list[str],
-                     started: float, ignore_eos: bool = False) -> AsyncIterator[tuple[str, Generated | None]]:
+                     started: float, ignore_eos: bool, progress: Progress) -> AsyncIterator[tuple[str, Generated | None]]:
         """(text released, None) per token, then (the rest, the summary)."""
-        progress, tokens, stream = Progress(), [], TextStream(self.tokenizer, stop)
+        tokens, stream = [], TextStream(self.tokenizer, stop)
         first_at = None
         finish = "length"
         tokens_iter = self.client.generate(rid, ids, max_new, sampling, started + self.settings.data.request_timeout_s,
@@ -304,6 +335,24 @@ class Entry:
         if len(tokens) > 1:
             TPOT.labels(self.model).observe(tpot)
         yield stream.finish(), Generated(tokens, "", finish, ttft, tpot, progress)
+
+
+def _choices(req: oa.OpenAIRequest, rid: str) -> list[tuple[str, Sampling]]:
+    """Each of the request's `n` choices: its sequence id and its sampling (seeds apart, so that
+    sampled choices differ and each is reproducible)."""
+    if req.n == 1:
+        return [(rid, req.sampling)]
+    return [(f"{rid}-{i}", req.sampling.replace(seed=req.sampling.seed + i)) for i in range(req.n)]
+
+
+async def _all(coros: list) -> list:
+    """Every result, or the first exception with the rest cancelled (their caches freed)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _retry_after(exc: StageFailed) -> dict[str, str]:

@@ -13,7 +13,7 @@ from contracts.wire import BadRequest, Header
 from pipeline.batch_policy import MIGRATE
 from pipeline.batched_decoder import BatchedDecoder, Step
 from pipeline.kv_cache import KVStore, NoRoom, split_cache
-from pipeline.sampling import Sampling, next_token
+from pipeline.sampling import Sampling, logprob_tensors, next_token
 from pipeline.stage_runner import StageRunner
 
 
@@ -238,8 +238,12 @@ class GenerationStage:
             return [Outcome(w, to, h, {"hidden": out.unsqueeze(0), **w.carried})]
         if not bool(torch.isfinite(out).all()):
             return [_error(w, BadRequest("the stage produced NaN or infinity", status=422))]
-        token = next_token(out, Sampling.from_dict(h.sampling), s.start + s.tokens)
-        reply = Outcome(w, REPLY, h, {"token": torch.tensor([token])})
+        sampling = Sampling.from_dict(h.sampling)
+        token = next_token(out, sampling, s.start + s.tokens)
+        answer = {"token": torch.tensor([token])}
+        if sampling.logprobs >= 0:
+            answer.update(logprob_tensors(out, token, sampling.logprobs))
+        reply = Outcome(w, REPLY, h, answer)
         if not h.gather:
             return [reply]
         # The gathered cache first (one transaction, in order): the entry's next step finds it.

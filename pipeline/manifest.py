@@ -54,8 +54,8 @@ class Manifest:
 
     @property
     def generative(self) -> bool:
-        from pipeline.architectures import architecture
-        return architecture(self.arch).generative
+        from pipeline.families import DECODER, family
+        return family(self.arch) == DECODER
 
     @property
     def context_length(self) -> int:

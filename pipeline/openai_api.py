@@ -1,29 +1,19 @@
-"""The OpenAI-compatible surface of a generative model's entry function: request validation
-(`/v1/completions`, `/v1/chat/completions`), response bodies, stream chunks and error bodies in
-OpenAI's shapes. Pure: no I/O, no model."""
+"""The OpenAI-compatible surface of a model's entry function: requests validated by the typed
+models of `pipeline/openai_protocol.py` and made into what the entry runs, and response bodies,
+stream chunks, log-probabilities and error bodies in OpenAI's shapes. Pure: no I/O, no model."""
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
 from contracts.openai_errors import error_body  # noqa: F401 (the entry's error answers)
 from contracts.wire import BadRequest
-from pipeline.entry_requests import _is_int
-from pipeline.sampling import Sampling
+from pipeline.openai_protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, OpenAIBody
+from pipeline.sampling import Sampling, TokenLogprob
 
-# Parameters OpenAI defines that this server accepts only at their neutral value; any falsy value
-# (None, False, 0, "", {}, []) is neutral, as clients and frameworks send whichever they like.
-_NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-            "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "tools": None,
-            "parallel_tool_calls": None, "functions": None}
-# Parameters that change nothing here at these values.
-_HARMLESS = {"response_format": ({"type": "text"},), "tool_choice": ("none", "auto"), "function_call": ("none", "auto")}
-# "user" (and the like) only label the caller; "ignore_eos" (generate past the end of text, for
-# benchmarks) is vLLM's extension.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "ignore_eos"}
-COMPLETION_FIELDS = _COMMON | {"prompt"} | set(_NEUTRAL) | set(_HARMLESS)
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"} | set(_NEUTRAL) | set(_HARMLESS)
 # Chat roles a model's chat template is given: `developer` is OpenAI's new name for `system`.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -45,118 +35,60 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: bool = False          # each token's log-probability in the answer
+    top_logprobs: int = 0           # and that many likeliest tokens at each position
+    ignored: list[str] = field(default_factory=list)
 
 
-def parse_openai(data: dict, chat: bool, model: str, context: int, default_tokens: int, seed: int) -> OpenAIRequest:
+def validated(model_class: type[OpenAIBody], body: bytes) -> OpenAIBody:
+    """The body as `model_class`; OpenAIError naming the first field that is wrong."""
+    try:
+        return model_class.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        raise OpenAIError(f"{param}: {message}" if param else message, param=param) from None
+
+
+def _check_model(requested: str, model: str) -> None:
+    if requested != model:
+        raise OpenAIError(f"the model {requested!r} does not exist here; this endpoint serves {model!r}",
+                          404, "model", "model_not_found")
+
+
+def parse_openai(body: bytes, chat: bool, model: str, context: int, default_tokens: int, seed: int) -> OpenAIRequest:
     """A validated request; OpenAIError naming the parameter otherwise. `context`: the model's
     positions, the most `max_tokens` may ask for (less the prompt, checked once it is tokenized);
     `default_tokens`: what a chat request that does not say generates at most. `seed` is used when
-    the request gives none (sampling is then still reproducible on a recomputation). Fields this
-    server does not know are ignored (`ignored_fields` names them, for the log), as vLLM does."""
-    if data.get("model") != model:
-        raise OpenAIError(f"the model {data.get('model')!r} does not exist here; this endpoint serves {model!r}",
-                          404, "model", "model_not_found")
-    for name, neutral in _NEUTRAL.items():
-        if data.get(name) and data[name] != neutral:
-            raise OpenAIError(f"'{name}' is not supported (only {neutral!r})", param=name)
-    for name, allowed in _HARMLESS.items():
-        if data.get(name) and data[name] not in allowed:
-            raise OpenAIError(f"'{name}' is not supported (only {' or '.join(map(repr, allowed))})", param=name)
-    limit_name = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = data.get(limit_name)
+    the request gives none (sampling is then still reproducible on a recomputation)."""
+    req = validated(ChatCompletionRequest if chat else CompletionRequest, body)
+    _check_model(req.model, model)
+    limit_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(req, limit_name)
     if max_tokens is None:
         max_tokens = min(default_tokens, context) if chat else 16
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= context:
-        raise OpenAIError(f"'{limit_name}' must be an integer in 1..{context}, got {max_tokens!r}", param=limit_name)
-    stream = _flag(data, "stream")
-    options = data.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise OpenAIError("'stream_options' must be an object", param="stream_options")
-    request = OpenAIRequest(chat, None, None, max_tokens, _sampling(data, seed), _stop(data.get("stop")), stream,
-                            bool(options.get("include_usage")), _flag(data, "ignore_eos"))
+    if max_tokens > context:
+        raise OpenAIError(f"'{limit_name}' must be an integer in 1..{context} (the model's context), got {max_tokens}",
+                          param=limit_name)
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
     if chat:
-        request.messages = _messages(data.get("messages"))
+        logprobs, top = bool(req.logprobs), req.top_logprobs or 0
+        if top and not logprobs:
+            raise OpenAIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
-        request.prompt = _prompt(data.get("prompt"))
-    return request
-
-
-def ignored_fields(data: dict, chat: bool) -> list[str]:
-    return sorted(set(data) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
-
-
-def _flag(data: dict, name: str) -> bool:
-    value = data.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise OpenAIError(f"'{name}' must be a boolean", param=name)
-    return value
-
-
-def _number(data: dict, name: str, default: float, low: float, high: float) -> float:
-    value = data.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise OpenAIError(f"'{name}' must be a number in [{low:g}, {high:g}], got {value!r}", param=name)
-    return float(value)
-
-
-def _sampling(data: dict, seed: int) -> Sampling:
-    temperature = _number(data, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(data, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        raise OpenAIError("'top_p' must be greater than 0", param="top_p")
-    given = data.get("seed")
-    if given is not None and (not _is_int(given) or given < 0):
-        raise OpenAIError("'seed' must be a non-negative integer", param="seed")
-    return Sampling(temperature, top_p, seed if given is None else given)
-
-
-def _stop(stop: object) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise OpenAIError("'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
-    return stops
-
-
-def _prompt(prompt: object) -> str:
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise OpenAIError("'prompt' must be a string (or a list of exactly one)", param="prompt")
-    if not prompt.strip():
-        raise OpenAIError("'prompt' is empty", param="prompt")
-    return prompt
-
-
-def _messages(messages: object) -> list[dict[str, str]]:
-    """Each message's role (mapped for the chat template) and its text; other fields (`name`,
-    `tool_calls`, `tool_call_id`) are not the template's business here. Empty contents are kept:
-    an empty system prompt, an assistant turn that only called a tool."""
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
-            raise OpenAIError(f"messages[{i}] must be an object with a 'role' in {list(CHAT_ROLES)}",
-                              param=f"messages[{i}]")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise OpenAIError(f"messages[{i}].content parts must all be {{\"type\": \"text\", \"text\": ...}}",
-                                  param=f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise OpenAIError(f"messages[{i}].content must be a string or a list of text parts",
-                              param=f"messages[{i}].content")
-        out.append({"role": CHAT_ROLES[m["role"]], "content": content})
-    return out
+        logprobs, top = req.logprobs is not None, req.logprobs or 0
+    sampling = Sampling(temperature, top_p, seed if req.seed is None else req.seed, top if logprobs else -1)
+    ignored = req.ignored + [f"messages[{i}].{k}" for i, m in enumerate(req.messages) for k in m.ignored] \
+        if chat else req.ignored
+    return OpenAIRequest(
+        chat, None if chat else req.prompt,
+        [{"role": CHAT_ROLES[m.role], "content": m.text()} for m in req.messages] if chat else None,
+        max_tokens, sampling, req.stop or [], bool(req.stream),
+        bool(req.stream_options and req.stream_options.include_usage), bool(req.ignore_eos), req.n or 1,
+        logprobs, top, ignored)
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -166,26 +98,46 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response_body(req: OpenAIRequest, rid: str, model: str, text: str, finish: str, use: dict, timing: dict) -> dict:
+def logprobs_body(req: OpenAIRequest, entries: list[TokenLogprob], decode, offset: int = 0) -> dict | None:
+    """A choice's `logprobs` in OpenAI's shape: chat's `content` list, or completions' parallel
+    lists (`text_offset` counting from `offset`, the text's start). None when not asked."""
+    if not req.logprobs:
+        return None
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        def item(token: int, logprob: float) -> dict:
+            text = decode(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+    texts = [decode(e.token) for e in entries]
+    offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode(t): lp for t, lp in e.top} for e in entries] if req.top_logprobs else None,
+            "text_offset": offsets}
+
+
+def choice_body(req: OpenAIRequest, index: int, text: str, finish: str, logprobs: dict | None) -> dict:
+    if req.chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def response_body(req: OpenAIRequest, rid: str, model: str, choices: list[dict], use: dict, timing: dict) -> dict:
     return {"id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": use, "timing": timing}
+            "model": model, "choices": choices, "usage": use, "timing": timing}
 
 
 def chunk(req: OpenAIRequest, rid: str, model: str, text: str | None, finish: str | None,
-          first: bool = False) -> bytes:
-    """One server-sent event of a stream: a piece of text, or (with `finish`) the last choice; the
-    first chat chunk carries the role."""
+          first: bool = False, index: int = 0, logprobs: dict | None = None) -> bytes:
+    """One server-sent event of a stream: a piece of choice `index`'s text, or (with `finish`)
+    its last; the first chat chunk of a choice carries the role."""
     if req.chat:
         delta: dict = {"role": "assistant", "content": text or ""} if first else \
             ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
     body = {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
     if req.include_usage:
@@ -222,26 +174,13 @@ class EmbeddingsRequest:
     encoding_format: str
 
 
-def parse_embeddings(data: dict, model: str, max_inputs: int) -> EmbeddingsRequest:
-    """`input` a string or a list of strings; `encoding_format` float or base64 (OpenAI's client
-    asks for base64 unless told otherwise); `dimensions` only at the model's own."""
-    if data.get("model") != model:
-        raise OpenAIError(f"the model {data.get('model')!r} does not exist here; this endpoint serves {model!r}",
-                          404, "model", "model_not_found")
-    raw = data.get("input")
-    inputs = [raw] if isinstance(raw, str) else raw
-    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) for t in inputs):
-        raise OpenAIError("'input' must be a string or a non-empty list of strings (token arrays are not taken)",
-                          param="input")
-    if len(inputs) > max_inputs:
-        raise OpenAIError(f"'input' has {len(inputs)} texts; at most {max_inputs}", param="input")
-    fmt = data.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
-        raise OpenAIError("'encoding_format' must be float or base64", param="encoding_format")
-    if data.get("dimensions"):
-        raise OpenAIError("'dimensions' is not supported: the model's embeddings have their own width",
-                          param="dimensions")
-    return EmbeddingsRequest(inputs, fmt)
+def parse_embeddings(body: bytes, model: str, max_inputs: int) -> EmbeddingsRequest:
+    req = validated(EmbeddingRequest, body)
+    _check_model(req.model, model)
+    inputs = [req.input] if isinstance(req.input, str) else req.input
+    if not 1 <= len(inputs) <= max_inputs:
+        raise OpenAIError(f"'input' has {len(inputs)} texts; 1 to {max_inputs} are taken", param="input")
+    return EmbeddingsRequest(inputs, req.encoding_format or "float")
 
 
 def embeddings_body(model: str, embeddings, encoding_format: str, tokens: int) -> dict:

@@ -1,11 +1,14 @@
 """Partition a model into S pipeline stages: one safetensors shard per stage plus a manifest.
 
     python -m pipeline.partition --model smollm2 --stages 4
-    python -m pipeline.partition --model random-llama --stages 8 \
+    python -m pipeline.partition --model ~/models/Qwen2.5-0.5B-Instruct --name qwen --stages 4
+    python -m pipeline.partition --model random-qwen2 --stages 8 \
         --random-config '{"hidden_size": 2048, "num_hidden_layers": 24, "intermediate_size": 5632}'
 
-Stage boundaries come from DeepSpeed's `partition_balanced` over per-unit parameter counts
-(units: the embedding, each transformer block, the head), or are uniform over blocks on request.
+`--model` is a source (pipeline/sources.py): a folder, a hub id, a bundled model or
+random-<model_type>. Stage boundaries come from DeepSpeed's `partition_balanced` over the units'
+byte sizes (units: the embedding, each transformer block, the head), or are uniform over blocks
+on request.
 """
 from __future__ import annotations
 
@@ -138,17 +141,18 @@ def _copy_tokenizer(source_dir: Path, target: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="smollm2, minilm, random-llama or random-bert")
+    parser.add_argument("--model", required=True,
+                        help="a checkpoint folder, a hub id, smollm2, minilm or random-<model_type>")
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--uniform", action="store_true", help="split blocks evenly instead of by parameters")
-    parser.add_argument("--name", help="name of the partitioned model (default: --model)")
+    parser.add_argument("--name", help="name of the partitioned model (default: the source's last part)")
     parser.add_argument("--out", type=Path, help="output directory (default: <home>/models/<name>)")
-    parser.add_argument("--random-config", default="{}", help="JSON config overrides for random-<arch>")
+    parser.add_argument("--random-config", default="{}", help="JSON config overrides for random-<model_type>")
     parser.add_argument("--seed", type=int, default=0)
     add_arguments(parser, "home")
     args = parser.parse_args(argv)
     settings = exit_on_config_error(lambda: settings_from_args(args))
-    out = args.out or settings.models_dir / (args.name or args.model)
+    out = args.out or settings.models_dir / (args.name or Path(args.model).name.lower())
     try:
         ckpt = resolve(args.model, settings.models_dir / "_sources", json.loads(args.random_config), args.seed)
         manifest = partition(ckpt, args.stages, out, "uniform" if args.uniform else "balanced")

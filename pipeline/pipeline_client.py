@@ -24,7 +24,7 @@ from contracts import keys
 from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
 from pipeline.admission import Admission
-from pipeline.sampling import Sampling
+from pipeline.sampling import Sampling, TokenLogprob
 
 log = logging.getLogger("quart.entry")
 # A request whose caches are lost this many times in a row fails rather than loop.
@@ -47,6 +47,7 @@ class Progress:
     steps: int = 0
     recomputes: int = 0
     timings: list[list[StageTiming]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, where the sampling asks
 
 
 class PipelineClient:
@@ -128,6 +129,9 @@ class PipelineClient:
                 progress.steps += 1
                 progress.timings.append(header.timings)
                 new.append(int(out["token"][0]))
+                if "logprob" in out:
+                    progress.logprobs.append(TokenLogprob(new[-1], float(out["logprob"][0]),
+                                                          list(zip(out["top_ids"].tolist(), out["top_logprobs"].tolist()))))
                 yield new[-1]
         finally:
             if route:

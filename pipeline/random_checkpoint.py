@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.architectures import DECODER, config_from_dict, family
+from pipeline.architectures import config_from_dict
+from pipeline.families import DECODER, family
 
 # Small by default (a test writes one in a second); every size can be overridden.
 DECODER_SIZES = {"hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 256, "num_attention_heads": 4,

@@ -4,7 +4,7 @@ token's position, so a step computed again (on another replica, after a failure)
 token, and a request with a seed is reproducible."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -14,13 +14,18 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    logprobs: int = -1     # the chosen token's log-probability and this many likeliest tokens' (-1: none)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> Sampling:
-        return cls(float(data.get("temperature", 0.0)), float(data.get("top_p", 1.0)), int(data.get("seed", 0)))
+        return cls(float(data.get("temperature", 0.0)), float(data.get("top_p", 1.0)), int(data.get("seed", 0)),
+                   int(data.get("logprobs", -1)))
+
+    def replace(self, **changes) -> Sampling:
+        return Sampling(**{**asdict(self), **changes})
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, position: int) -> int:
@@ -36,3 +41,20 @@ def next_token(logits: torch.Tensor, sampling: Sampling, position: int) -> int:
         probs = torch.zeros_like(probs).scatter_(0, order, ordered)
     generator = torch.Generator().manual_seed((sampling.seed * 1_000_003 + position) % (2 ** 63))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability and, when asked, the likeliest tokens at its position
+    with theirs (the last stage computes them; the entry reports them)."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def logprob_tensors(logits: torch.Tensor, token: int, top: int) -> dict[str, torch.Tensor]:
+    """The chosen token's log-probability and the `top` likeliest tokens with theirs, from the
+    model's own distribution (the logits before temperature, as vLLM reports them)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logprobs.topk(top) if top > 0 else (logprobs[:0], torch.zeros(0, dtype=torch.long))
+    return {"logprob": logprobs[token].reshape(1), "top_ids": ids, "top_logprobs": values}

@@ -26,8 +26,9 @@ from contracts.http_errors import json_errors
 from contracts.loops import every
 from contracts.openai_errors import error_body
 from contracts.requests import BadRequest, load_json
-from contracts.stack import NAME_RE, StackFunction, identity, ttft_slo_s
+from contracts.stack import NAME_RE, SOURCE_VAR, StackFunction, identity, ttft_slo_s
 from keysmanager.client import KeysClient
+from pipeline.families import Unsupported, check_folder
 from pipeline.manifest import Manifest
 from pipeline.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager
@@ -167,6 +168,12 @@ class LocalProvider:
             raise BadDeployment("envVars must name the function's model (QUART_MODEL)")
         if stage is None and Path(self.handlers[d["image"]]).name == "stage":
             raise BadDeployment(f"image {d['image']!r} is a stage: envVars must name its stages (QUART_STAGES)")
+        source = Path(d["envVars"].get(SOURCE_VAR, "")).expanduser()
+        if source.is_absolute() and source.is_dir():
+            try:
+                check_folder(source)
+            except Unsupported as exc:
+                raise BadDeployment(f"envVars: {SOURCE_VAR}: {exc}") from None
         if stage is not None:
             try:  # a stage of a model this runtime cannot serve would only fail to start, again and again
                 stage_bytes(self.settings.models_dir, model, stage.first, stage.last)

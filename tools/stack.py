@@ -10,21 +10,26 @@ keeps its comments, the functions being appended as text and the result read bac
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
 from contracts.config import exit_on_config_error, load_settings
+from contracts.paths import REPO_ROOT
 from contracts.stack import NAME_RE, read_stack
 
 
-def function_entries(name: str, source: str, stages: int) -> str:
-    """The YAML of a model's entry and stage functions, as stack.yml writes the bundled ones."""
+def function_entries(name: str, source: str, stages: int, stack_dir: Path = REPO_ROOT) -> str:
+    """The YAML of a model's entry and stage functions, as stack.yml writes the bundled ones; the
+    handlers relative to the stack file's folder, as faas-cli reads them."""
     def function(fn: str, handler: str, image: str, extra_env: str, skip_build: bool) -> str:
-        return (f"  {fn}:\n    lang: quart-python\n    handler: ./functions/{handler}\n"
+        path = os.path.relpath(REPO_ROOT / "functions" / handler, stack_dir)
+        return (f"  {fn}:\n    lang: quart-python\n    handler: {'./' + path if not path.startswith('.') else path}\n"
                 f"    image: ${{QUART_IMAGE_PREFIX:-quart}}/{image}:0.1.0\n"
                 + ("    skip_build: true\n" if skip_build else "")
-                + f"    secrets:\n      - quart-secrets\n    environment:\n      QUART_MODEL: \"{name}\"\n"
-                f"      QUART_MODEL_SOURCE: \"{source}\"\n{extra_env}"
+                + f"    secrets:\n      - quart-secrets\n    environment:\n      QUART_MODEL: {json.dumps(name)}\n"
+                f"      QUART_MODEL_SOURCE: {json.dumps(source)}\n{extra_env}"
                 f"    labels:\n      com.openfaas.scale.min: \"1\"\n")
     out = [function(name, "entry", "entry", "", True)]
     out += [function(f"{name}-s{i}", "stage", "stage", f"      QUART_STAGES: \"{i}\"\n", True) for i in range(stages)]
@@ -47,7 +52,7 @@ def add(stack_file: Path, name: str, source: str, stages: int, cache: Path) -> N
     if stages > ckpt.num_layers + 2:
         raise ValueError(f"{source} has {ckpt.num_layers} blocks: at most {ckpt.num_layers + 2} stages")
     before = stack_file.read_text()
-    stack_file.write_text(before.rstrip("\n") + "\n" + function_entries(name, source, stages))
+    stack_file.write_text(before.rstrip("\n") + "\n" + function_entries(name, source, stages, stack_file.resolve().parent))
     try:
         read_stack(stack_file)
     except (ValueError, KeyError):

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from pipeline.architectures import DECODER, FAMILIES, architecture
+from pipeline.architectures import architecture
 from pipeline.batched_decoder import BatchedDecoder, Step
+from pipeline.families import DECODER, FAMILIES
 from pipeline.kv_cache import KVStore
 from pipeline.partition import partition
 from pipeline.random_checkpoint import write_random_checkpoint
@@ -170,3 +171,38 @@ def test_a_split_encoder_embeds_what_the_unsplit_one_does(model_type, stages, ca
         for i in range(manifest.num_stages):
             tensors = StageRunner(manifest, i, i + 1).run(tensors)
     assert (tensors["embeddings"] - pool(hidden, mask)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3"])
+def test_caches_move_between_layouts_mid_generation(model_type, cache, tmp_path):
+    """Consolidation and split for a non-LLaMA family: the caches of a sequence prefilled by two
+    stage replicas are gathered into one replica of the whole range, which decodes on; and its
+    cache is split back over two stage replicas, which decode on. The tokens are those of the
+    sequence that never moved."""
+    manifest = partition(resolve(f"random-{model_type}", cache, seed=6), 2, tmp_path / model_type)
+    stages = engines(manifest)
+    whole = BatchedDecoder(StageRunner(manifest, 0, 2).modules)
+    expected, _ = greedy_cached(stages, PROMPT, 10)
+    stores = [KVStore(e.kv_shape(), 1 << 30) for e in stages]
+    seqs = [store.admit("s", len(PROMPT) + 10) for store in stores]
+    x = torch.tensor(PROMPT)
+    for engine, seq in zip(stages, seqs):
+        x = engine.forward([Step(seq, x, 0)])[0]
+    tokens = [int(x.argmax())]
+    first_layers = [manifest.stages[i].layers[0] for i in range(2)]
+    gathered = {k: v for store, first in zip(stores, first_layers) for k, v in store.export("s", first).items()}
+    whole_store = KVStore(whole.kv_shape(), 1 << 30)
+    seq = whole_store.adopt("s", len(PROMPT) + 10, gathered, first_layers[0])
+    for _ in range(4):  # consolidated: one replica decodes
+        out = whole.forward([Step(seq, torch.tensor([tokens[-1]]), seq.length)])[0]
+        tokens.append(int(out.argmax()))
+    exported = whole_store.export("s", first_layers[0])
+    split = [KVStore(e.kv_shape(), 1 << 30).adopt("s", len(PROMPT) + 10, exported, first)
+             for e, first in zip(stages, first_layers)]
+    for _ in range(5):  # split again: two replicas decode
+        x = torch.tensor([tokens[-1]])
+        start = split[0].length
+        for engine, s in zip(stages, split):
+            x = engine.forward([Step(s, x, start)])[0]
+        tokens.append(int(x.argmax()))
+    assert tokens == expected

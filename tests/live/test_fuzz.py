@@ -1,5 +1,5 @@
 """Malformed input, generated: every public endpoint of the runtime (a generative model's native
-and OpenAI paths, an embedding model, the gateway's admin API with its credentials, a stage's
+and OpenAI paths, an embedding model, the gateway's one OpenAI base URL, the gateway's admin API with its credentials, a stage's
 direct invoke with the internal token, the KeysManager's API with it) gets hundreds of bodies made
 by breaking valid ones, seeded. None may get a 5xx; every error is a JSON object with "error"."""
 from __future__ import annotations
@@ -89,6 +89,10 @@ def _cases(runtime) -> Iterator[tuple[str, str, str, dict, bytes]]:
         ("/function/smollm2/v1/chat/completions", {"model": "smollm2", "max_tokens": 1, "stream": False,
                                                    "messages": [{"role": "user", "content": "Hi"}]}),
         ("/function/minilm", {"inputs": ["one sentence", "another"]}),
+        # The gateway's one OpenAI base URL, routing on the body's model.
+        ("/v1/chat/completions", {"model": "smollm2", "max_tokens": 1, "logprobs": False, "n": 1,
+                                  "messages": [{"role": "developer", "content": ""}, {"role": "user", "content": "Hi"}]}),
+        ("/v1/embeddings", {"model": "minilm", "input": ["one sentence", "another"], "encoding_format": "base64"}),
     ]
     for path, valid in public:
         for body in broken(valid, rng, extra=4):
@@ -102,6 +106,8 @@ def _cases(runtime) -> Iterator[tuple[str, str, str, dict, bytes]]:
             yield "admin", "POST", "/system/scale-function/minilm-s2", {}, body
     for method in ("GET", "PUT", "DELETE", "PATCH"):
         yield "public", method, "/function/smollm2/v1/completions", {}, b"{}"
+        yield "public", method, "/v1/chat/completions", {}, b"{}"
+        yield "public", method, "/v1/no-such-route", {}, b"{}"
         yield "public", method, "/system/no-such-route", {}, b""
     for tensors in ({"hidden": torch.zeros(1, 2, 3)}, {"hidden": torch.zeros(0, 2, 576)},
                     {"input_ids": torch.tensor([[-5]])}, {"hidden": torch.zeros(1, 0, 576)}):

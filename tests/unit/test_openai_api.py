@@ -6,11 +6,11 @@ import json
 import pytest
 
 from pipeline import openai_api as oa
-from pipeline.sampling import Sampling
+from pipeline.sampling import Sampling, TokenLogprob
 
 
 def parse(data: dict, chat: bool = False) -> oa.OpenAIRequest:
-    return oa.parse_openai(data, chat, "smollm2", 8192, 64, seed=99)
+    return oa.parse_openai(json.dumps(data).encode(), chat, "smollm2", 8192, 64, seed=99)
 
 
 def test_defaults_follow_openai():
@@ -33,7 +33,8 @@ def test_parameters_are_read():
 
 @pytest.mark.parametrize("data,status,param", [
     ({"model": "x", "prompt": "hi"}, 404, "model"),
-    ({"model": "smollm2", "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": "smollm2", "prompt": "hi", "n": 9}, 400, "n"),
+    ({"model": "smollm2", "prompt": "hi", "n": 0}, 400, "n"),
     ({"model": "smollm2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "smollm2", "prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
     ({"model": "smollm2", "prompt": "hi", "temperature": 3}, 400, "temperature"),
@@ -43,7 +44,8 @@ def test_parameters_are_read():
     ({"model": "smollm2", "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"model": "smollm2", "prompt": ["a", "b"]}, 400, "prompt"),
     ({"model": "smollm2", "prompt": "hi", "max_tokens": 8193}, 400, "max_tokens"),
-    ({"model": "smollm2", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": "smollm2", "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ({"model": "smollm2", "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"model": "smollm2", "prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
 ])
 def test_bad_parameters_name_themselves(data, status, param):
@@ -66,17 +68,43 @@ def test_what_common_clients_send_is_accepted():
     assert req.max_tokens == 256
     assert [m["role"] for m in req.messages] == ["system", "system", "user", "assistant", "tool"]
     assert [m["content"] for m in req.messages] == ["Be brief.", "", "hi", "", "42"]
-    assert oa.ignored_fields(data, chat=True) == ["metadata", "store"]
+    assert req.ignored == ["metadata", "store", "messages[3].tool_calls", "messages[4].tool_call_id"]
     assert parse({"model": "smollm2", "prompt": "hi", "what": 1}).prompt == "hi"
 
 
+def test_logprobs_and_choices_are_read():
+    chat = parse({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                  "top_logprobs": 3, "n": 2}, chat=True)
+    assert (chat.logprobs, chat.top_logprobs, chat.n, chat.sampling.logprobs) == (True, 3, 2, 3)
+    done = parse({"model": "smollm2", "prompt": "hi", "logprobs": 0})
+    assert (done.logprobs, done.top_logprobs, done.sampling.logprobs) == (True, 0, 0)
+    assert parse({"model": "smollm2", "prompt": "hi"}).sampling.logprobs == -1
+    with pytest.raises(oa.OpenAIError, match="top_logprobs"):
+        parse({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, chat=True)
+
+
+def test_logprobs_bodies_have_openai_shapes():
+    entries = [TokenLogprob(7, -0.5, [(7, -0.5), (8, -1.5)]), TokenLogprob(9, -0.25, [(9, -0.25), (7, -2.0)])]
+    decode = {7: "Hel", 8: "He", 9: "lo"}.__getitem__
+    chat = parse({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                  "top_logprobs": 2}, chat=True)
+    body = oa.logprobs_body(chat, entries, decode)
+    assert body["content"][1] == {"token": "lo", "logprob": -0.25, "bytes": [108, 111],
+                                  "top_logprobs": [{"token": "lo", "logprob": -0.25, "bytes": [108, 111]},
+                                                   {"token": "Hel", "logprob": -2.0, "bytes": [72, 101, 108]}]}
+    done = oa.logprobs_body(parse({"model": "smollm2", "prompt": "hi", "logprobs": 2}), entries, decode)
+    assert done == {"tokens": ["Hel", "lo"], "token_logprobs": [-0.5, -0.25], "text_offset": [0, 3],
+                    "top_logprobs": [{"Hel": -0.5, "He": -1.5}, {"lo": -0.25, "Hel": -2.0}]}
+    assert oa.logprobs_body(parse({"model": "smollm2", "prompt": "hi"}), entries, decode) is None
+
+
 def test_embeddings_requests():
-    req = oa.parse_embeddings({"model": "m", "input": "a", "encoding_format": "base64"}, "m", 8)
+    req = oa.parse_embeddings(b'{"model": "m", "input": "a", "encoding_format": "base64"}', "m", 8)
     assert req.inputs == ["a"] and req.encoding_format == "base64"
     for bad in ({"model": "m", "input": []}, {"model": "m", "input": [1, 2]}, {"model": "m", "input": ["a"] * 9},
                 {"model": "m", "input": "a", "encoding_format": "int8"}, {"model": "m", "input": "a", "dimensions": 8}):
         with pytest.raises(oa.OpenAIError):
-            oa.parse_embeddings(bad, "m", 8)
+            oa.parse_embeddings(json.dumps(bad).encode(), "m", 8)
     import base64
 
     import numpy as np
