@@ -1,4 +1,9 @@
-"""`make bench`: every benchmark in turn; each prints its table and writes benchmarks/results/<name>.json."""
+"""`make bench`: every benchmark in turn; each prints its table and writes benchmarks/results/<name>.json.
+
+    python -m benchmarks                            every benchmark
+    python -m benchmarks hop generation             those named
+    python -m benchmarks generation --model qwen2   one, with its own options (`--help` lists them)
+"""
 from __future__ import annotations
 
 import sys
@@ -41,10 +46,25 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "simulator_coldstart": lambda: simulator_coldstart.main([]),
               "simulator_policies": lambda: simulator_policies.main([]),
               "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([]),
-              "data_plane_cpu": lambda: data_plane_cpu.main([])}
+              "data_plane_cpu": lambda: data_plane_cpu.main([]),
+              **{f"generation_{m}": lambda m=m: generation.main(["--model", m]) for m in generation.FAMILY_SHAPES}}
+# Those that take options of their own: `python -m benchmarks NAME --option ...`.
+WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "coldstart": coldstart.main,
+                "scale_to_zero": scale_to_zero.main, "consolidation": consolidation.main,
+                "simulator_coldstart": simulator_coldstart.main, "simulator_policies": simulator_policies.main,
+                "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main}
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) > 1 and argv[1].startswith("-"):
+        if argv[0] not in WITH_OPTIONS:
+            print(f"{argv[0]!r} takes no options; these do: {sorted(WITH_OPTIONS)}", file=sys.stderr)
+            return 2
+        WITH_OPTIONS[argv[0]](argv[1:])
+        return 0
+    if argv in (["--help"], ["-h"]):
+        print(__doc__ + "\nbenchmarks: " + ", ".join(BENCHMARKS))
+        return 0
     chosen = argv or list(BENCHMARKS)
     unknown = [name for name in chosen if name not in BENCHMARKS]
     if unknown:
