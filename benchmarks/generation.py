@@ -105,11 +105,12 @@ def _stack(home: Path, model: str) -> str:
     """The stack file: the repository's for SmolLM2; for the others, an entry and four stages."""
     if model == "smollm2":
         return str(REPO_ROOT / "stack.yml")
+    identity = {"QUART_MODEL": model, "QUART_MODEL_SOURCE": SOURCES[model][0]}  # partitioned by `running`
     functions = {model: {"lang": "python3-http", "handler": str(REPO_ROOT / "functions/entry"), "image": "quart/entry:0.1.0",
-                         "environment": {"QUART_MODEL": model}}}
+                         "environment": identity}}
     for i in range(STAGES):
         functions[f"{model}-s{i}"] = {"lang": "python3-http", "handler": str(REPO_ROOT / "functions/stage"), "image": "quart/stage:0.1.0",
-                                      "environment": {"QUART_MODEL": model, "QUART_STAGES": str(i)}}
+                                      "environment": {**identity, "QUART_STAGES": str(i)}}
     path = home / "stack.yml"
     path.write_text(yaml.safe_dump({"version": 1.0, "provider": {"name": "openfaas", "gateway": "http://127.0.0.1:8080"},
                                     "functions": functions}))
