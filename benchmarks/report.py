@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from contracts.paths import REPO_ROOT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -31,8 +34,16 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), float(t * a.std(ddof=1) / np.sqrt(len(a)))
 
 
+def commit() -> str:
+    """The commit measured, `-dirty` when the working tree differs from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def conditions(**extra: object) -> dict:
-    return {"machine": platform.node(), "cpu": platform.processor() or platform.machine(),
+    return {"machine": platform.node(), "commit": commit(), "cpu": platform.processor() or platform.machine(),
             "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **extra}

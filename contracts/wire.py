@@ -39,7 +39,7 @@ class StageTiming:
 # answers "lost" when the cache a step needs is gone (its replica died or expired it): the entry
 # then prefills again. "install" hands a replica of a wider stage range the cache that the
 # narrower holders gathered on a decode step's way through them (pipeline consolidation).
-KINDS = ("pass", "prefill", "decode", "free", "adopt", "install", "lost")
+KINDS = ("pass", "prefill", "decode", "free", "adopt", "install", "fork", "lost")
 
 
 @dataclass
@@ -65,6 +65,8 @@ class Header:
     # The replica of a wider stage range that this decode step's holders hand their caches to
     # (each runs the step, then sends its cache on with it): set by a draining holder.
     gather: str = ""
+    # A fork's source: the sequence whose first `start` positions (the shared prompt) it copies.
+    parent: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

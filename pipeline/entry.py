@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from prometheus_client import Histogram
@@ -36,7 +36,7 @@ from pipeline.entry_requests import (
 )
 from pipeline.manifest import Manifest
 from pipeline.model_fetch import ensure_model
-from pipeline.pipeline_client import PipelineClient, Progress, StageFailed
+from pipeline.pipeline_client import PipelineClient, Progress, SharedPrompt, StageFailed
 from pipeline.profiles import WIDTH as EMULATED_WIDTH
 from pipeline.profiles import profile as emulation_profile
 from pipeline.sampling import Sampling
@@ -126,7 +126,7 @@ class Entry:
         req = parse_generate(data, self.settings.limits.max_new_tokens)
         ids = await self._prompt_ids(req.prompt, req.messages, req.max_new_tokens)
         self.client.admit()
-        done = await self._run(request_id, ids, req.max_new_tokens, Sampling(), [], started, req.ignore_eos)
+        done = await self._run(Choice(request_id, Sampling()), ids, req.max_new_tokens, [], started, req.ignore_eos)
         return {"text": done.text, "token_ids": done.tokens, "passes": done.progress.steps,
                 "finish_reason": done.finish, **done.timing, "stages": _sum_timings(done.progress.timings)}
 
@@ -174,27 +174,30 @@ class Entry:
                 log.warning("%s: ignoring fields this server does not know: %s", path, req.ignored)
             ids = await self._prompt_ids(req.prompt, req.messages, req.max_tokens)
             self.client.admit()
-        except oa.OpenAIError as exc:
-            return Answer(exc.status, oa.error_body(str(exc), exc.status, exc.param, exc.code))
-        except BadRequest as exc:
-            return Answer(exc.status, oa.error_body(str(exc), exc.status))
-        except StageFailed as exc:
-            return Answer(exc.status, oa.error_body(str(exc), exc.status), _retry_after(exc))
+        except (BadRequest, StageFailed) as exc:
+            return self._openai_failure(exc)
         rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
         if req.stream:
             return Answer(200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
                           stream=self._sse(req, rid, ids, started))
         try:
-            done = await _all([self._run(cid, ids, req.max_tokens, sampling, req.stop, started, req.ignore_eos)
-                               for cid, sampling in _choices(req, rid)])
-        except StageFailed as exc:
-            return Answer(exc.status, oa.error_body(str(exc), exc.status), _retry_after(exc))
-        except TimeoutError:
-            return Answer(504, oa.error_body(f"not finished within {self.settings.data.request_timeout_s:g} s", 504))
+            done = await _all([self._run(c, ids, req.max_tokens, req.stop, started, req.ignore_eos)
+                               for c in _choices(req, rid)])
+        except (StageFailed, TimeoutError) as exc:
+            return self._openai_failure(exc)
         choices = [oa.choice_body(req, i, d.text, d.finish, oa.logprobs_body(req, d.progress.logprobs, self._token_text))
                    for i, d in enumerate(done)]
         return Answer(200, oa.response_body(req, rid, self.model, choices,
                                             oa.usage(len(ids), sum(len(d.tokens) for d in done)), done[0].timing))
+
+    def _openai_failure(self, exc: BadRequest | StageFailed | TimeoutError) -> Answer:
+        """A request that failed, in OpenAI's error shape (the parameter named where one was wrong)."""
+        if isinstance(exc, TimeoutError):
+            return Answer(504, oa.error_body(f"not finished within {self.settings.data.request_timeout_s:g} s", 504))
+        if isinstance(exc, oa.OpenAIError):
+            return Answer(exc.status, oa.error_body(str(exc), exc.status, exc.param, exc.code))
+        headers = _retry_after(exc) if isinstance(exc, StageFailed) else {}
+        return Answer(exc.status, oa.error_body(str(exc), exc.status), headers)
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -209,14 +212,8 @@ class Entry:
             enc = await self._embedding_inputs(req.inputs)
             _, out = await self.client.round_trip(f"{request_id}.0", dict(enc),
                                                   started + self.settings.data.request_timeout_s)
-        except oa.OpenAIError as exc:
-            return Answer(exc.status, oa.error_body(str(exc), exc.status, exc.param, exc.code))
-        except BadRequest as exc:
-            return Answer(exc.status, oa.error_body(str(exc), exc.status))
-        except StageFailed as exc:
-            return Answer(exc.status, oa.error_body(str(exc), exc.status), _retry_after(exc))
-        except TimeoutError:
-            return Answer(504, oa.error_body(f"not finished within {self.settings.data.request_timeout_s:g} s", 504))
+        except (BadRequest, StageFailed, TimeoutError) as exc:
+            return self._openai_failure(exc)
         tokens = int(enc["attention_mask"].sum())
         return Answer(200, oa.embeddings_body(self.model, out["embeddings"], req.encoding_format, tokens))
 
@@ -224,8 +221,8 @@ class Entry:
         """The stream's events, every choice's interleaved as they come; an error after the stream
         began is sent as an error event and ends it."""
         events: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._choice_events(req, rid, cid, i, sampling, ids, started, events))
-                 for i, (cid, sampling) in enumerate(_choices(req, rid))]
+        tasks = [asyncio.ensure_future(self._choice_events(req, rid, c, ids, started, events))
+                 for c in _choices(req, rid)]
         try:
             finished: list[Generated] = []
             while len(finished) < len(tasks):
@@ -249,11 +246,11 @@ class Entry:
             for task in tasks:
                 task.cancel()
 
-    async def _choice_events(self, req: oa.OpenAIRequest, rid: str, cid: str, index: int, sampling: Sampling,
-                             ids: list[int], started: float, events: asyncio.Queue) -> None:
+    async def _choice_events(self, req: oa.OpenAIRequest, rid: str, choice: Choice, ids: list[int], started: float,
+                             events: asyncio.Queue) -> None:
         """One choice's chunks onto `events`, then its summary (or the exception that ended it)."""
         progress, first, sent = Progress(), True, 0
-        texts = self._texts(cid, ids, req.max_tokens, sampling, req.stop, started, req.ignore_eos, progress)
+        texts = self._texts(choice, ids, req.max_tokens, req.stop, started, req.ignore_eos, progress)
         try:
             async with aclosing(texts):
                 async for text, done in texts:
@@ -262,7 +259,7 @@ class Entry:
                     logprobs = oa.logprobs_body(req, progress.logprobs[sent:], self._token_text)
                     sent = len(progress.logprobs)
                     events.put_nowait(oa.chunk(req, rid, self.model, text if done is None else text or None,
-                                               done.finish if done else None, first, index, logprobs))
+                                               done.finish if done else None, first, choice.index, logprobs))
                     first = False
                     if done is not None:
                         events.put_nowait(done)
@@ -292,10 +289,10 @@ class Entry:
                             self.config.max_position_embeddings)
         return ids
 
-    async def _run(self, rid: str, ids: list[int], max_new: int, sampling: Sampling, stop: list[str],
-                   started: float, ignore_eos: bool = False) -> Generated:
+    async def _run(self, choice: Choice, ids: list[int], max_new: int, stop: list[str], started: float,
+                   ignore_eos: bool = False) -> Generated:
         text = []
-        async with aclosing(self._texts(rid, ids, max_new, sampling, stop, started, ignore_eos, Progress())) as texts:
+        async with aclosing(self._texts(choice, ids, max_new, stop, started, ignore_eos, Progress())) as texts:
             async for piece, done in texts:
                 text.append(piece)
                 if done is not None:
@@ -303,14 +300,15 @@ class Entry:
                     return done
         raise AssertionError("a generation always ends with its summary")
 
-    async def _texts(self, rid: str, ids: list[int], max_new: int, sampling: Sampling, stop: list[str],
-                     started: float, ignore_eos: bool, progress: Progress) -> AsyncIterator[tuple[str, Generated | None]]:
+    async def _texts(self, choice: Choice, ids: list[int], max_new: int, stop: list[str], started: float,
+                     ignore_eos: bool, progress: Progress) -> AsyncIterator[tuple[str, Generated | None]]:
         """(text released, None) per token, then (the rest, the summary)."""
         tokens, stream = [], TextStream(self.tokenizer, stop)
         first_at = None
         finish = "length"
-        tokens_iter = self.client.generate(rid, ids, max_new, sampling, started + self.settings.data.request_timeout_s,
-                                           progress)
+        tokens_iter = self.client.generate(choice.rid, ids, max_new, choice.sampling,
+                                           started + self.settings.data.request_timeout_s, progress, choice.share,
+                                           choice.index)
         try:
             async for token in tokens_iter:
                 tokens.append(token)
@@ -337,12 +335,23 @@ class Entry:
         yield stream.finish(), Generated(tokens, "", finish, ttft, tpot, progress)
 
 
-def _choices(req: oa.OpenAIRequest, rid: str) -> list[tuple[str, Sampling]]:
-    """Each of the request's `n` choices: its sequence id and its sampling (seeds apart, so that
-    sampled choices differ and each is reproducible)."""
+@dataclass
+class Choice:
+    """One sequence a request generates: its id, its sampling, and (n > 1) its index and the
+    prefill it shares with the request's other choices."""
+    rid: str
+    sampling: Sampling
+    index: int = 0
+    share: SharedPrompt | None = None
+
+
+def _choices(req: oa.OpenAIRequest, rid: str) -> list[Choice]:
+    """The request's `n` choices: seeds apart, so that sampled choices differ and each is
+    reproducible, sharing one prefill."""
     if req.n == 1:
-        return [(rid, req.sampling)]
-    return [(f"{rid}-{i}", req.sampling.replace(seed=req.sampling.seed + i)) for i in range(req.n)]
+        return [Choice(rid, req.sampling)]
+    share = SharedPrompt(req.n)
+    return [Choice(f"{rid}-{i}", replace(req.sampling, seed=req.sampling.seed + i), i, share) for i in range(req.n)]
 
 
 async def _all(coros: list) -> list:

@@ -13,7 +13,7 @@ from contracts.wire import BadRequest, Header
 from pipeline.batch_policy import MIGRATE
 from pipeline.batched_decoder import BatchedDecoder, Step
 from pipeline.kv_cache import KVStore, NoRoom, split_cache
-from pipeline.sampling import Sampling, logprob_tensors, next_token
+from pipeline.sampling import Sampling, sample
 from pipeline.stage_runner import StageRunner
 
 
@@ -99,9 +99,11 @@ class GenerationStage:
                 self._install(w)
             elif kind == "prefill":
                 self._prefill(w, steps, outcomes)
+            elif kind == "fork":
+                outcomes.append(self._fork(w))
             else:
-                outcomes.append(_error(w, BadRequest("a generative stage takes prefill, decode, adopt, install or "
-                                                     f"free, not {kind!r}")))
+                outcomes.append(_error(w, BadRequest("a generative stage takes prefill, decode, adopt, install, "
+                                                     f"fork or free, not {kind!r}")))
         done = [w for w in works if w not in self.waiting]
         if not steps:
             return BatchResult(outcomes, done)
@@ -169,6 +171,18 @@ class GenerationStage:
             self.store.free(h.seq)
             return
         steps.append((w, Step(seq, step, h.start)))
+
+    def _fork(self, w: Work) -> Outcome:
+        """Another choice of a request whose prompt a sequence here holds: a copy of the prompt's
+        cache, no step run; on to the next stage's holder, or (the last stage) back to the entry.
+        Lost when the parent is gone or the copy does not fit: the choice prefills itself."""
+        h = w.header
+        try:
+            self.store.fork(h.parent, h.seq, h.capacity, h.start)
+        except (KeyError, NoRoom):
+            return _lost(w)
+        h.stage, h.enqueued_at = self.last, time.time()
+        return Outcome(w, REPLY if self.is_last else HOLDER, h, {})
 
     def _install(self, w: Work) -> None:
         """Takes a gathered sequence's cache (every layer of this replica's range). One that does
@@ -239,11 +253,9 @@ class GenerationStage:
         if not bool(torch.isfinite(out).all()):
             return [_error(w, BadRequest("the stage produced NaN or infinity", status=422))]
         sampling = Sampling.from_dict(h.sampling)
-        token = next_token(out, sampling, s.start + s.tokens)
-        answer = {"token": torch.tensor([token])}
-        if sampling.logprobs >= 0:
-            answer.update(logprob_tensors(out, token, sampling.logprobs))
-        reply = Outcome(w, REPLY, h, answer)
+        # A prefill that several choices share samples each one's first token.
+        reply = Outcome(w, REPLY, h, sample(out, sampling, s.start + s.tokens,
+                                            sampling.choices if h.kind == "prefill" else 1))
         if not h.gather:
             return [reply]
         # The gathered cache first (one transaction, in order): the entry's next step finds it.

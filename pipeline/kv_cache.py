@@ -74,6 +74,19 @@ class KVStore:
             seq.touched = time.monotonic()
         return seq
 
+    def fork(self, parent_id: str, seq_id: str, capacity: int, length: int) -> Sequence:
+        """A new sequence holding a copy of the first `length` positions of another (the prompt
+        that several choices of one request share). KeyError if the parent is gone or shorter;
+        NoRoom if the copy does not fit."""
+        parent = self.sequences.get(parent_id)
+        if parent is None or parent.length < length or length > capacity:
+            raise KeyError(f"no sequence {parent_id} of {length} positions to fork")
+        seq = self.admit(seq_id, capacity)
+        for mine, theirs in zip(seq.keys + seq.values, parent.keys + parent.values):
+            mine[:, :, :length] = theirs[:, :, :length]
+        seq.length = length
+        return seq
+
     def free(self, seq_id: str) -> bool:
         seq = self.sequences.pop(seq_id, None)
         if seq is None:

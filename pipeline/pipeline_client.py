@@ -24,7 +24,7 @@ from contracts import keys
 from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
 from pipeline.admission import Admission
-from pipeline.sampling import Sampling, TokenLogprob
+from pipeline.sampling import Sampling, TokenLogprob, answers
 
 log = logging.getLogger("quart.entry")
 # A request whose caches are lost this many times in a row fails rather than loop.
@@ -48,6 +48,23 @@ class Progress:
     recomputes: int = 0
     timings: list[list[StageTiming]] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, where the sampling asks
+
+
+@dataclass
+class Shared:
+    """A prefill that several choices share: its sequence, the replicas holding it, and each
+    choice's first token with its log-probabilities."""
+    seq: str
+    route: dict[str, str]
+    answers: list[tuple[int, TokenLogprob | None]]
+
+
+@dataclass
+class SharedPrompt:
+    """How a request's choices share one prefill: choice 0 sets `done` to the Shared prefill, or
+    to None when it could not (each choice then prefills itself)."""
+    choices: int
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class PipelineClient:
@@ -97,18 +114,31 @@ class PipelineClient:
     # -- a generation ------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: list[int], max_new: int, sampling: Sampling,
-                       deadline: float, progress: Progress) -> AsyncIterator[int]:
+                       deadline: float, progress: Progress, share: SharedPrompt | None = None,
+                       choice: int = 0) -> AsyncIterator[int]:
         """The request's new tokens as they come. Closing the iterator early (end of text, a
-        stop sequence, a client that went away) frees the request's caches."""
+        stop sequence, a client that went away) frees the request's caches. With `share`, this
+        is choice `choice` of several that share the prompt's prefill: choice 0 runs it, sampling
+        every choice's first token; the others copy its cache (a fork) and decode on their own."""
         new: list[int] = []
         route: dict[str, str] = {}
         seq = ""
+        lead = share is not None and choice == 0
         try:
+            if share is not None and choice > 0 and (shared := await share.done) is not None:
+                token, logprob = shared.answers[choice]
+                new.append(token)
+                progress.logprobs += [logprob] if logprob else []
+                yield token
+                if len(new) < max_new:
+                    seq = f"{request_id}.{progress.recomputes}"
+                    route = await self._fork(seq, shared, len(prompt), len(prompt) + max_new, deadline)
             while len(new) < max_new:
                 if not route:
                     seq = f"{request_id}.{progress.recomputes}"
+                    choices = share.choices if lead and not new else 1
                     header = self._header(seq, len(new), deadline, kind="prefill", capacity=len(prompt) + max_new,
-                                          sampling=sampling.to_dict())
+                                          sampling={**sampling.to_dict(), "choices": choices})
                     reply = await self._send_and_wait(header, {"input_ids": torch.tensor([prompt + new])},
                                                       self.first_stream, {}, deadline)
                 else:
@@ -117,6 +147,8 @@ class PipelineClient:
                     reply = await self._send_and_wait(header, {"input_ids": torch.tensor([[new[-1]]])},
                                                       keys.replica_stream(route["0"]), route, deadline)
                 if reply is None:
+                    if lead and not share.done.done():
+                        share.done.set_result(None)  # the others prefill for themselves
                     progress.recomputes += 1
                     log.info("%s: a stage lost its cache; prefilling again (%d)", request_id, progress.recomputes)
                     if progress.recomputes > MAX_RECOMPUTES:
@@ -128,14 +160,29 @@ class PipelineClient:
                 route = header.route
                 progress.steps += 1
                 progress.timings.append(header.timings)
-                new.append(int(out["token"][0]))
-                if "logprob" in out:
-                    progress.logprobs.append(TokenLogprob(new[-1], float(out["logprob"][0]),
-                                                          list(zip(out["top_ids"].tolist(), out["top_logprobs"].tolist()))))
-                yield new[-1]
+                chosen = answers(out)
+                if lead and not share.done.done():
+                    share.done.set_result(Shared(seq, dict(route), chosen))
+                token, logprob = chosen[0]
+                new.append(token)
+                progress.logprobs += [logprob] if logprob else []
+                yield token
         finally:
+            if lead and not share.done.done():
+                share.done.set_result(None)
             if route:
                 self._free_later(seq, route)
+
+    async def _fork(self, seq: str, shared: Shared, length: int, capacity: int, deadline: float) -> dict[str, str]:
+        """Copies the shared prompt's cache into `seq` at every holder of the prefill: the route
+        `seq` decodes through, or {} when the copy was lost (the parent gone, no room)."""
+        header = self._header(seq, "fork", deadline, kind="fork", parent=shared.seq, start=length, capacity=capacity,
+                              route=shared.route)
+        reply = await self._send_and_wait(header, {}, keys.replica_stream(shared.route["0"]), shared.route, deadline)
+        if reply is None:
+            self._free_later(seq, shared.route)  # the holders before the one that lost it made their copy
+            return {}
+        return _checked(reply)[0].route
 
     def _header(self, seq: str, step: int | str, deadline: float, **fields) -> Header:
         return Header(request_id=f"{seq}.{step}", model=self.model, stage=0, reply_to=self.reply_key,

@@ -377,7 +377,7 @@ class Replica:
         for o in result.outcomes:
             if o.to in (PEER, INSTALL):  # a migration (the step runs at the peer, which records it), a gather
                 MIGRATIONS.labels(**self._labels, direction="out").inc()
-            else:
+            elif o.header.kind != "fork":  # a cache copied, no step run: nothing for the stage's records
                 REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
                 self._record(pipe, o.work, per_item_ms, result.batch)
             replica = {PEER: o.peer, INSTALL: o.peer, HOLDER: o.header.route.get(str(self.last))}.get(o.to)

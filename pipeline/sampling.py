@@ -4,7 +4,7 @@ token's position, so a step computed again (on another replica, after a failure)
 token, and a request with a seed is reproducible."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -15,6 +15,7 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
     logprobs: int = -1     # the chosen token's log-probability and this many likeliest tokens' (-1: none)
+    choices: int = 1       # a prefill samples this many first tokens, choice i with seed + i
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -22,10 +23,8 @@ class Sampling:
     @classmethod
     def from_dict(cls, data: dict) -> Sampling:
         return cls(float(data.get("temperature", 0.0)), float(data.get("top_p", 1.0)), int(data.get("seed", 0)),
-                   int(data.get("logprobs", -1)))
+                   int(data.get("logprobs", -1)), int(data.get("choices", 1)))
 
-    def replace(self, **changes) -> Sampling:
-        return Sampling(**{**asdict(self), **changes})
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, position: int) -> int:
@@ -52,9 +51,27 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-def logprob_tensors(logits: torch.Tensor, token: int, top: int) -> dict[str, torch.Tensor]:
-    """The chosen token's log-probability and the `top` likeliest tokens with theirs, from the
-    model's own distribution (the logits before temperature, as vLLM reports them)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logprobs.topk(top) if top > 0 else (logprobs[:0], torch.zeros(0, dtype=torch.long))
-    return {"logprob": logprobs[token].reshape(1), "top_ids": ids, "top_logprobs": values}
+def sample(logits: torch.Tensor, sampling: Sampling, position: int, choices: int = 1) -> dict[str, torch.Tensor]:
+    """The last stage's answer to a step: `token` [choices] (choice i sampled with seed + i) and,
+    when the sampling asks, each one's log-probability [choices] with the `logprobs` likeliest
+    tokens and theirs [choices, k], from the model's own distribution (the logits before
+    temperature, as vLLM reports them)."""
+    tokens = [next_token(logits, replace(sampling, seed=sampling.seed + i), position) for i in range(choices)]
+    out = {"token": torch.tensor(tokens)}
+    if sampling.logprobs >= 0:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        values, ids = logprobs.topk(sampling.logprobs)
+        out.update({"logprob": logprobs[tokens], "top_ids": ids.expand(choices, -1).contiguous(),
+                    "top_logprobs": values.expand(choices, -1).contiguous()})
+    return out
+
+
+def answers(out: dict[str, torch.Tensor]) -> list[tuple[int, TokenLogprob | None]]:
+    """Each choice's token and its log-probabilities (None where none were asked for), from a
+    last stage's answer."""
+    tokens = out["token"].tolist()
+    if "logprob" not in out:
+        return [(t, None) for t in tokens]
+    return [(t, TokenLogprob(t, float(lp), list(zip(ids, values))))
+            for t, lp, ids, values in zip(tokens, out["logprob"].tolist(), out["top_ids"].tolist(),
+                                          out["top_logprobs"].tolist())]

@@ -53,7 +53,7 @@ def run(client: GatewayClient, prompts: list[str], max_new_tokens: int) -> int:
 def stream_one(client: GatewayClient, prompt: str, max_new_tokens: int) -> int:
     """The same pipeline through OpenAI's client, streamed as it is generated."""
     import openai
-    oai = openai.OpenAI(base_url=f"{client.url}/function/smollm2/v1", api_key="unused", max_retries=0)
+    oai = openai.OpenAI(base_url=f"{client.url}/v1", api_key="unused", max_retries=0)  # every model, one base URL
     print(f"\n== smollm2 through the openai client, streamed ==\nuser: {prompt}\nsmollm2: ", end="", flush=True)
     try:
         for chunk in oai.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": prompt}],

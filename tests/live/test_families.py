@@ -206,3 +206,32 @@ def test_caches_move_between_layouts_mid_generation(model_type, cache, tmp_path)
             x = engine.forward([Step(s, x, start)])[0]
         tokens.append(int(x.argmax()))
     assert tokens == expected
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3"])
+def test_a_forked_prompt_cache_decodes_as_its_own_prefill(model_type, cache, tmp_path):
+    """The choices of one request share its prompt's prefill: a sequence forked from another's
+    first positions (at every stage) decodes what a sequence that prefilled itself does, whatever
+    the parent decoded meanwhile."""
+    manifest = partition(resolve(f"random-{model_type}", cache, seed=8), 2, tmp_path / model_type)
+    chain = engines(manifest)
+    stores = [KVStore(e.kv_shape(), 1 << 30) for e in chain]
+    parents = [store.admit("p", len(PROMPT) + 6) for store in stores]
+    x = torch.tensor(PROMPT)
+    for engine, seq in zip(chain, parents):
+        x = engine.forward([Step(seq, x, 0)])[0]
+    first = int(x.argmax())
+    y = torch.tensor([first])
+    for engine, seq in zip(chain, parents):  # the parent moves on before the fork
+        y = engine.forward([Step(seq, y, len(PROMPT))])[0]
+    children = [store.fork("p", "c", len(PROMPT) + 6, len(PROMPT)) for store in stores]
+    tokens, start = [first], len(PROMPT)
+    for _ in range(5):
+        y = torch.tensor([tokens[-1]])
+        for engine, seq in zip(chain, children):
+            y = engine.forward([Step(seq, y, start)])[0]
+        tokens.append(int(y.argmax()))
+        start += 1
+    assert tokens == greedy_cached(chain, PROMPT, 6)[0]
+    with pytest.raises(KeyError):
+        stores[0].fork("p", "d", len(PROMPT) + 6, len(PROMPT) + 5)  # longer than the parent holds

@@ -413,9 +413,10 @@ def test_openai_client_gets_clear_errors(oai):
     assert "n:" in str(bad.value)
 
 
-def test_openai_logprobs_and_several_choices(oai, sources, tokenizer):
+def test_openai_logprobs_and_several_choices(oai, r, sources, tokenizer):
     """Log-probabilities from the last stage's logits equal the unsplit model's; n choices are n
-    sequences, each sampled with its own seed, streamed interleaved."""
+    sequences sharing one prefill (the others fork its cache), each sampled with its own seed,
+    streamed interleaved."""
     messages = [{"role": "user", "content": "What is the capital of Italy?"}]
     chat = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0,
                                        logprobs=True, top_logprobs=3)
@@ -433,6 +434,13 @@ def test_openai_logprobs_and_several_choices(oai, sources, tokenizer):
                                           seed=3, n=3)
     assert [c.index for c in several.choices] == [0, 1, 2]
     assert len({c.message.content for c in several.choices}) > 1  # three seeds, three samples
+    prefills = [f for _, f in r.xrange(keys.records_stream("smollm2", 0))
+                if f[b"id"].decode().startswith(several.id + "-") and f[b"k"] == b"prefill"]
+    assert len(prefills) == 1
+    greedy = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0, n=3)
+    assert len({c.message.content for c in greedy.choices}) == 1  # forked caches decode as the prefill's own
+    assert greedy.choices[0].message.content == tokenizer.decode(reference_greedy(sources, ids, 8),
+                                                                 skip_special_tokens=True)
     streamed: dict[int, str] = {}
     for part in oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=1.0,
                                             seed=3, n=3, stream=True):
