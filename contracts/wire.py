@@ -38,7 +38,9 @@ class StageTiming:
 # sequence's cache to another replica of the stage (a draining replica migrates it). A stage
 # answers "lost" when the cache a step needs is gone (its replica died or expired it): the entry
 # then prefills again. "install" hands a replica of a wider stage range the cache that the
-# narrower holders gathered on a decode step's way through them (pipeline consolidation).
+# narrower holders gathered on a decode step's way through them (pipeline consolidation). "fork"
+# copies the prompt's cache of one sequence into another at every holder (a request's choices
+# share one prefill).
 KINDS = ("pass", "prefill", "decode", "free", "adopt", "install", "fork", "lost")
 
 
