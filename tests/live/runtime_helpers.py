@@ -21,6 +21,26 @@ def reference_greedy(sources, ids: list[int], max_new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def greedy_reference(model, prompt: list[int], new: int) -> tuple[list[int], torch.Tensor]:
+    """The unsplit model's greedy tokens, each from a full forward pass (no cache to share bugs with)."""
+    ids, first = list(prompt), None
+    with torch.inference_mode():
+        for _ in range(new):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            first = logits if first is None else first
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], first
+
+
+# A stack file's head: a test appends a model's functions (tools.stack.add).
+STACK_HEAD = """version: 1.0
+provider:
+  name: openfaas
+  gateway: http://127.0.0.1:8080
+functions:
+"""
+
+
 def wait_until(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,80 +1,107 @@
-"""The layout controller on a runtime of its own (real SmolLM2, the QUART autoscaler running, a
-whole-model function beside the four stage functions): warm and quiet, the model consolidates
+"""The layout controller on a runtime of its own (real SmolLM2, and a Gemma 2 model from a folder;
+the QUART autoscaler running, a whole-model function beside the four stage functions): warm and quiet, the model consolidates
 into one whole replica and its stage functions go to zero; a burst splits it back into the stage
 functions and the whole replica goes. Every request is answered, with the unsplit model's tokens."""
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import redis
+from transformers import AutoTokenizer
 
 from autoscaler.policy.layout import PIPELINED, WHOLE
 from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stack import consolidating_stack, scale_to_zero_stack
+from pipeline.architectures import architecture
+from pipeline.random_checkpoint import write_random_checkpoint
+from pipeline.sources import bundled_dir
 from runtime import __main__ as control
 from runtime.ports import free_port
-from tests.live.runtime_helpers import reference_greedy, wait_until
+from tests.live.runtime_helpers import STACK_HEAD, greedy_reference, wait_until
+from tools import stack as stack_tool
 
 PROMPT = "The capital of France is"
-NARROW = [f"smollm2-s{i}" for i in range(4)]
+# SmolLM2 (real weights, LLaMA), and a Gemma-2-shaped model of SmolLM2's size with random weights
+# from a folder, as a user's own model is served: consolidation and split move its caches too.
+GEMMA = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536, "num_attention_heads": 9,
+         "num_key_value_heads": 3, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 4}
 
 
-@pytest.fixture(scope="module")
-def consolidating(home_settings, partitioned, tmp_path_factory):
-    partitioned("smollm2", 4)
+@pytest.fixture(scope="module", params=["smollm2", "my-gemma2"])
+def consolidating(request, home_settings, partitioned, tmp_path_factory):
+    """(settings, model, the unsplit model's checkpoint folder)."""
+    model, cache = request.param, home_settings.models_dir / "_sources"
     home = tmp_path_factory.mktemp("layout")
+    if model == "smollm2":
+        partitioned("smollm2", 4)
+        source, reference = REPO_ROOT / "stack.yml", bundled_dir("smollm2", cache)
+    else:
+        reference = write_random_checkpoint("gemma2", cache, GEMMA, seed=9)
+        source = home / "own.yml"
+        source.write_text(STACK_HEAD)
+        stack_tool.add(source, model, str(reference), 4, cache)
     # The stage functions also scale to zero when idle (15 m): at zero for the layout, they stay there.
-    stack = scale_to_zero_stack(consolidating_stack(REPO_ROOT / "stack.yml", home / "whole.yml", "smollm2"),
-                                home / "stack.yml", "smollm2", "15m")
+    stack = scale_to_zero_stack(consolidating_stack(source, home / "whole.yml", model), home / "stack.yml", model, "15m")
     settings = home_settings.replace(
         home=str(home), models=str(home_settings.models_dir), stack_file=str(stack),
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(), cache_stages="none",
         request_timeout_s=120.0, admit_wait_s=0.0, r_min=1, max_batch=4, layout_window_s=2.0, layout_windows=3)
     try:
         assert control.up(settings, timeout=600) == 0
-        yield settings
+        yield settings, model, reference
     finally:
         control.down(settings)
 
 
-def replicas(client: GatewayClient) -> dict[str, int]:
-    return {f["name"]: f["availableReplicas"] for f in client.functions() if f["name"].startswith("smollm2-")}
+def model_type(folder: Path) -> str:
+    return json.loads((Path(folder) / "config.json").read_text())["model_type"]
 
 
-def layout(r: redis.Redis) -> str:
-    return (r.get(keys.layout("smollm2")) or PIPELINED.encode()).decode()
+def replicas(client: GatewayClient, model: str) -> dict[str, int]:
+    return {f["name"]: f["availableReplicas"] for f in client.functions() if f["name"].startswith(model + "-")}
 
 
-def test_a_quiet_model_consolidates_and_a_burst_splits_it(consolidating, sources, tokenizer):
-    client = GatewayClient.for_settings(consolidating)
-    r = redis.Redis.from_url(consolidating.redis_url)
-    expected = tokenizer.decode(reference_greedy(sources, tokenizer(PROMPT)["input_ids"], 8), skip_special_tokens=True)
+def layout(r: redis.Redis, model: str) -> str:
+    return (r.get(keys.layout(model)) or PIPELINED.encode()).decode()
+
+
+def test_a_quiet_model_consolidates_and_a_burst_splits_it(consolidating):
+    settings, model, reference = consolidating
+    narrow = [f"{model}-s{i}" for i in range(4)]
+    client = GatewayClient.for_settings(settings)
+    r = redis.Redis.from_url(settings.redis_url)
+    tokenizer = AutoTokenizer.from_pretrained(reference)
+    ids = tokenizer(PROMPT)["input_ids"]
+    expected = tokenizer.decode(greedy_reference(architecture(model_type(reference)).reference(reference), ids, 8)[0],
+                                skip_special_tokens=True)
 
     def ask(_: int = 0) -> str:
-        reply = client.invoke("smollm2", {"prompt": PROMPT, "max_new_tokens": 8})
+        reply = client.invoke(model, {"prompt": PROMPT, "max_new_tokens": 8, "ignore_eos": True})
         assert reply.status == 200, reply.body
         return reply.json()["text"]
 
     # One request at a time: the model is warm and quiet, and ends on one whole replica.
     deadline = time.monotonic() + 180
-    while not (layout(r) == WHOLE and all(replicas(client)[n] == 0 for n in NARROW)):
-        assert time.monotonic() < deadline, f"no consolidation: {layout(r)}, {replicas(client)}"
+    while not (layout(r, model) == WHOLE and all(replicas(client, model)[n] == 0 for n in narrow)):
+        assert time.monotonic() < deadline, f"no consolidation: {layout(r, model)}, {replicas(client, model)}"
         assert ask() == expected
-    assert replicas(client)["smollm2-whole"] == 1
+    assert replicas(client, model)[f"{model}-whole"] == 1
     time.sleep(3)  # autoscaler ticks: the consolidated model stays so under the same load
-    assert ask() == expected and layout(r) == WHOLE
+    assert ask() == expected and layout(r, model) == WHOLE
 
     # A burst needs more than one whole replica: the stage functions come back, the whole replica goes.
     with ThreadPoolExecutor(12) as pool:
         texts = list(pool.map(ask, range(24)))
     assert set(texts) == {expected}
-    wait_until(lambda: layout(r) == PIPELINED and replicas(client)["smollm2-whole"] == 0, 120, "the split")
-    assert all(replicas(client)[n] >= 1 for n in NARROW)
+    wait_until(lambda: layout(r, model) == PIPELINED and replicas(client, model)[f"{model}-whole"] == 0, 120, "the split")
+    assert all(replicas(client, model)[n] >= 1 for n in narrow)
     assert ask() == expected
-    changes = [f[b"layout"].decode() for _, f in r.xrange(keys.layout_decisions("smollm2"))]
+    changes = [f[b"layout"].decode() for _, f in r.xrange(keys.layout_decisions(model))]
     cycle = ["consolidating", "whole", "splitting", "pipelined"]
     assert any(changes[i:i + 4] == cycle for i in range(len(changes))), changes

@@ -17,6 +17,7 @@ from pipeline.partition import partition
 from pipeline.random_checkpoint import write_random_checkpoint
 from pipeline.sources import SourceError, open_checkpoint, resolve
 from pipeline.stage_runner import StageRunner
+from tests.live.runtime_helpers import greedy_reference
 
 DECODERS = sorted(t for t, kind in FAMILIES.items() if kind == DECODER)
 ENCODERS = sorted(t for t, kind in FAMILIES.items() if kind != DECODER)
@@ -48,17 +49,6 @@ def greedy_cached(chain: list[BatchedDecoder], prompt: list[int], new: int) -> t
         start += inputs.shape[0]
         inputs = torch.tensor([tokens[-1]])
     return tokens, first
-
-
-def greedy_reference(model, prompt: list[int], new: int) -> tuple[list[int], torch.Tensor]:
-    """The unsplit model's greedy tokens, each from a full forward pass (no cache to share bugs with)."""
-    ids, first = list(prompt), None
-    with torch.inference_mode():
-        for _ in range(new):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-            first = logits if first is None else first
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], first
 
 
 @pytest.mark.parametrize("model_type", DECODERS)

@@ -15,15 +15,8 @@ import torch
 from pipeline.architectures import architecture, pool
 from pipeline.random_checkpoint import write_random_checkpoint
 from runtime.ports import free_port
-from tests.live.test_families import greedy_reference
+from tests.live.runtime_helpers import STACK_HEAD, greedy_reference
 from tools import stack as stack_tool
-
-STACK_HEAD = """version: 1.0
-provider:
-  name: openfaas
-  gateway: http://127.0.0.1:8080
-functions:
-"""
 
 
 @pytest.fixture(scope="module")
