@@ -52,7 +52,7 @@ def _ensure_cpu_fits(settings: Settings, model: str) -> None:
     print(f"profiling {model}'s stages at {cpus} CPUs for the compensator (once) ...", flush=True)
     # The profiler is a tool (a layer above the runtime): run as the command a user would run.
     if subprocess.run([sys.executable, "-m", "tools.profile_cpu", "--model", model, "--cpus", cpus, "--payloads",
-                       "16,64", "--repeats", "3", "--home", settings.home], cwd=REPO_ROOT).returncode != 0:
+                       "16,64", "--repeats", "3"], cwd=REPO_ROOT, env=child_environment(settings)).returncode != 0:
         raise ValueError(f"profiling {model} failed: see above")
 
 
