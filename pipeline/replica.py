@@ -113,6 +113,7 @@ class Replica:
         self._holding: dict[bytes, str] = {}  # taken and not yet acknowledged: message id -> stream
         self._redeliver = False  # Redis went away mid-turn: take this replica's unacknowledged items again
         self._draining = False
+        self._handed_over_at = float("-inf")  # when this replica last handed a sequence to a peer
         self._steps_without_new = 0
         self._peer: tuple[str, str] | None = None
         self._peer_checked = 0.0
@@ -179,6 +180,12 @@ class Replica:
             if self.generation.store.sequences:
                 log.warning("%s stops holding %d sequences; their requests will prefill again elsewhere",
                             self.replica_id, len(self.generation.store.sequences))
+            # An entry waiting on a step this replica handed over still names it in the step's
+            # route, and takes it for lost (a prefill again) if it is gone at the entry's next
+            # liveness check: stay registered until then, holding nothing.
+            linger = self._handed_over_at + 2 * self.settings.data.reclaim_idle_ms / 1000.0
+            while time.monotonic() < min(linger, deadline) and self.alive():
+                time.sleep(0.05)
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
@@ -377,6 +384,7 @@ class Replica:
         for o in result.outcomes:
             if o.to in (PEER, INSTALL):  # a migration (the step runs at the peer, which records it), a gather
                 MIGRATIONS.labels(**self._labels, direction="out").inc()
+                self._handed_over_at = time.monotonic()
             elif o.header.kind != "fork":  # a cache copied, no step run: nothing for the stage's records
                 REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
                 self._record(pipe, o.work, per_item_ms, result.batch)
