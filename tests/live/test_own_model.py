@@ -111,3 +111,19 @@ def test_a_deployment_of_an_unsupported_family_is_a_400_naming_the_supported(own
                   "envVars": {"QUART_MODEL": "my-gpt2", "QUART_STAGES": "0", "QUART_MODEL_SOURCE": str(tmp_path)}}
     reply = GatewayClient.for_settings(own[0]).request("POST", "/system/functions", json.dumps(deployment).encode())
     assert reply.status == 400 and "gpt2" in reply.json()["error"] and "qwen2" in reply.json()["error"]
+
+
+def test_streams_completions_logprobs_and_choices_through_the_one_base_url(oai):
+    """The gateway relays server-sent events as they come, for any model behind /v1."""
+    pieces, usage = {}, None
+    for part in oai.chat.completions.create(model="my-gemma", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=6, temperature=0.9, seed=5, n=2, stream=True,
+                                            logprobs=True, top_logprobs=2, stream_options={"include_usage": True}):
+        for c in part.choices:
+            pieces.setdefault(c.index, []).extend(c.logprobs.content if c.logprobs else [])
+        usage = part.usage or usage
+    assert sorted(pieces) == [0, 1] and usage.completion_tokens == sum(len(v) for v in pieces.values())
+    assert all(len(t.top_logprobs) == 2 for v in pieces.values() for t in v)
+    done = oai.completions.create(model="my-gemma", prompt="One, two,", max_tokens=4, temperature=0, logprobs=1,
+                                  extra_body={"ignore_eos": True})
+    assert len(done.choices[0].logprobs.token_logprobs) == 4 and done.usage.completion_tokens == 4
