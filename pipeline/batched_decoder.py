@@ -30,9 +30,11 @@ class BatchedDecoder:
         """`modules`: consecutive DecoderStage modules (one replica's range of stages)."""
         first, last = modules[0], modules[-1]
         self.embed = first.model.embed_tokens if first.has_embed else None
-        # Per module: its rotary embedding and its layers with their kind (sliding or full).
-        self.blocks = [(m.model.rotary_emb, list(m.model.layers), _layer_types(m)) for m in modules]
-        self.layers = [layer for _, layers, _ in self.blocks for layer in layers]
+        # Per module: its rotary embedding (and whether it rotates per kind of layer, read once
+        # here rather than on every step), and its layers with their kind (sliding or full).
+        self.blocks = [(m.model.rotary_emb, _per_kind(m.model.rotary_emb), list(m.model.layers), _layer_types(m))
+                       for m in modules]
+        self.layers = [layer for _, _, layers, _ in self.blocks for layer in layers]
         self.norm = last.model.norm if last.has_head else None
         self.head = last.lm_head if last.has_head else None
         self.softcap = getattr(first.config, "final_logit_softcapping", None)
@@ -40,14 +42,15 @@ class BatchedDecoder:
         self.kv_heads = first.config.num_key_value_heads
         # A stage may hold no blocks (a large vocabulary's embedding alone): its cache is empty.
         self.head_dim = self.layers[0].self_attn.head_dim if self.layers else 0
-        self._parameters = [p for m in modules for p in m.parameters()]
+        # Held, not copied: a replica's runner may change its parameters' dtype after this is built.
+        self._weight = next(first.parameters())
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._parameters[0].dtype
+        return self._weight.dtype
 
     def kv_shape(self) -> KVShape:
-        p = self._parameters[0]
+        p = self._weight
         return KVShape(len(self.layers), self.kv_heads, self.head_dim, p.dtype, p.device)
 
     @torch.inference_mode()
@@ -64,8 +67,8 @@ class BatchedDecoder:
         positions = torch.cat([torch.arange(s.start, s.start + s.tokens) for s in steps]).unsqueeze(0).to(x.device)
         spans = _spans(steps)
         index = 0
-        for rotary, layers, kinds in self.blocks:
-            embeddings = _position_embeddings(rotary, x, positions, kinds)
+        for rotary, per_kind, layers, kinds in self.blocks:
+            embeddings = _position_embeddings(rotary, per_kind, x, positions, kinds)
             for layer, kind in zip(layers, kinds):
                 out = layer(x, position_embeddings=embeddings[kind], attention_mask=None, position_ids=positions,
                             quart=LayerCall(index, steps, spans))
@@ -96,10 +99,16 @@ def _layer_types(module) -> list[str | None]:
     return list(types) if types else [None] * len(module.model.layers)
 
 
-def _position_embeddings(rotary, x: torch.Tensor, positions: torch.Tensor,
+def _per_kind(rotary) -> bool:
+    """Whether a rotary embedding takes the kind of layer: Gemma 3 rotates local and global layers
+    at different bases."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters
+
+
+def _position_embeddings(rotary, per_kind: bool, x: torch.Tensor, positions: torch.Tensor,
                          kinds: list[str | None]) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
-    """cos and sin per kind of layer: Gemma 3 rotates local and global layers at different bases."""
-    if "layer_type" in inspect.signature(rotary.forward).parameters:
+    """cos and sin per kind of layer."""
+    if per_kind:
         return {kind: rotary(x, positions, kind) for kind in set(kinds)}
     shared = rotary(x, positions)
     return {kind: shared for kind in set(kinds)}
