@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
@@ -19,10 +18,10 @@ import redis
 
 from autoscaler.backends import Backend, GatewayBackend, LocalBackend
 from autoscaler.loop import ControlLoop
-from contracts import keys
 from contracts.config import Settings, add_arguments, exit_on_config_error, settings_from_args
 from contracts.http_client import GatewayClient
 from contracts.stack import Pipeline, pipelines, read_stack
+from state.store import RedisStore
 
 
 def run(settings: Settings) -> int:
@@ -45,7 +44,7 @@ def backend(settings: Settings, models: dict[str, Pipeline], r: redis.Redis) -> 
     Kubernetes cluster's (credentials in the pod, else ~/.kube/config)."""
     gateway = GatewayClient.for_settings(settings)
     if settings.autoscaler.backend == "local":
-        return LocalBackend(gateway, models, r)
+        return LocalBackend(gateway, models, RedisStore(r))
     if settings.autoscaler.backend == "gateway":
         return GatewayBackend(gateway, models)
     import kubernetes
@@ -64,15 +63,14 @@ def status(settings: Settings, watch: bool) -> int:
     while True:
         lines = []
         for model in models:
-            last = r.xrevrange(keys.decisions(model), count=1)
+            last = RedisStore(r).decisions(model, count=1)
             if not last:
                 lines.append(f"{model}: no decision yet")
                 continue
-            fields = last[0][1]
-            lines.append(f"{model} ({fields[b'policy'].decode()}, {time.time() - float(fields[b't']):.1f} s ago)")
+            lines.append(f"{model} ({last[0].policy}, {time.time() - last[0].t:.1f} s ago)")
             lines.append(f"  {'stage':>5} {'λ/s':>7} {'μ/s':>7} {'queue':>6} {'repl':>5} {'→':>3} {'cpus':>5} "
                          f"{'delay s':>8} {'target s':>8} {'cv':>5} {'busy':>5} key")
-            for s in json.loads(fields[b"stages"]):
+            for s in last[0].stages:
                 lines.append(f"  {s['stage']:>5} {s.get('lambda', 0):>7.2f} {s.get('mu', 0):>7.2f} {s['queue']:>6} "
                              f"{s.get('observed_replicas', ''):>5} {s['replicas']:>3} {s['cpus']:>5.1f} "
                              f"{str(s.get('predicted_delay_s', '')):>8.8} {s.get('target_s', 0):>8.3f} "

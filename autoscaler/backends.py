@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-import redis
-
-from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.stack import Pipeline
 from contracts.stage import StageRef
+from state.store import Store
 
 log = logging.getLogger("quart.backend")
 
@@ -67,9 +65,9 @@ class GatewayBackend(GatewayFunctions):
 
 
 class LocalBackend(GatewayBackend):
-    def __init__(self, client: GatewayClient, pipelines: dict[str, Pipeline], r: redis.Redis) -> None:
+    def __init__(self, client: GatewayClient, pipelines: dict[str, Pipeline], store: Store) -> None:
         super().__init__(client, pipelines)
-        self.redis = r
+        self.store = store
 
     def set_cpus(self, stage: StageRef, cpus: int) -> None:
-        self.redis.set(keys.stage_cpus(stage), str(cpus))
+        self.store.set_stage_cpus(stage, cpus)

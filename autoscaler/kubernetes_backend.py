@@ -28,17 +28,17 @@ from dataclasses import dataclass
 import redis
 
 from autoscaler.backends import GatewayFunctions
-from contracts import keys
 from contracts.config import REPLICAS_PER_CORE, Settings
 from contracts.http_client import GatewayClient
 from contracts.stack import Pipeline
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 from pipeline.model_fetch import FetchError, ensure_model
-from pipeline.registry import cached_stages, key_stage_ranges
 from pipeline.sizes import stage_bytes
 from scheduler.placement import Scheduler, SchedulerParams
-from scheduler.state import Change, ClusterState, Replica, Schedule, Server, fetches_under_way
+from scheduler.state import Change, ClusterState, Replica, Schedule, ServerView, cluster_state, fetches_under_way
+from state.records import Placement
+from state.store import RedisStore
 
 log = logging.getLogger("quart.kubernetes")
 KEYSMANAGER_SELECTOR = "app.kubernetes.io/name=quart-keysmanager"
@@ -55,6 +55,7 @@ class Pod:
     node: str
     ready: bool
     started: float
+    terminating: bool = False       # deleted, still running: it holds its node's slot until it is gone
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class KubernetesBackend(GatewayFunctions):
         self.core = core
         self.pipelines = pipelines
         self.redis = r
+        self.store = RedisStore(r)
         self.namespace = settings.gateway.namespace
         self.scheduler = scheduler or Scheduler(SchedulerParams.from_settings(settings))
         self.stage_of = {fn: stage for p in pipelines.values() for stage, fn in zip(p.stages, p.functions)}
@@ -116,10 +118,10 @@ class KubernetesBackend(GatewayFunctions):
 
     def set_cpus(self, stage: StageRef, cpus: int) -> None:
         function = self.pipelines[stage.model].function(stage)
-        self.redis.set(keys.stage_cpus(stage), str(cpus))  # the forked replicas apply it themselves
+        self.store.set_stage_cpus(stage, cpus)  # the forked replicas apply it themselves
         body = {"spec": {"containers": [{"name": function, "resources": {"requests": {"cpu": str(cpus)},
                                                                          "limits": {"cpu": str(cpus)}}}]}}
-        for pod in self.pods(function):
+        for pod in (p for p in self.pods(function) if not p.terminating):
             self.core.patch_namespaced_pod_resize(pod.name, self.namespace, body, _content_type=STRATEGIC_MERGE)
 
     # -- what the cluster holds ------------------------------------------------------------------
@@ -144,26 +146,28 @@ class KubernetesBackend(GatewayFunctions):
         out = []
         for p in self.core.list_namespaced_pod(self.namespace, label_selector=selector).items:
             fn = (p.metadata.labels or {}).get(FUNCTION_LABEL, "")
-            if fn in self.stage_of and p.metadata.deletion_timestamp is None and p.status.phase in ("Pending", "Running"):
+            if fn in self.stage_of and p.status.phase in ("Pending", "Running"):
                 started = p.status.start_time.timestamp() if p.status.start_time else time.time()
-                out.append(Pod(p.metadata.name, fn, p.spec.node_name or "", _running(p), started))
+                out.append(Pod(p.metadata.name, fn, p.spec.node_name or "", _running(p), started,
+                               p.metadata.deletion_timestamp is not None))
         return out
 
     def state(self, view: View) -> ClusterState:
         """The scheduler's picture: nodes (slots, cached stages), every stage replica, key stages."""
         servers, now = [], time.time()
         for node, slots in sorted(view.nodes.items()):
-            cached = cached_stages(self.redis, node)[0] if node in view.keysmanagers else frozenset()
+            cached, held = self.store.cached_stages(node) if node in view.keysmanagers else (frozenset(), 0)
             starting = [(self.shard_bytes(self.stage_of[p.function]), p.started) for p in view.pods
-                        if p.node == node and not p.ready]
+                        if p.node == node and not p.ready and not p.terminating]
             fetches = fetches_under_way(starting, self.settings.servers.bandwidth, self.settings.servers.cold_deadline_s,
                                         now)
-            servers.append(Server(node, slots, self.settings.servers.bandwidth, cached, fetches=fetches))
-        replicas = [Replica(f"pod/{p.name}", self.stage_of[p.function].key, p.node, "cold", p.ready, p.started)
-                    for p in view.pods if p.node]
-        replicas += [Replica(f.id, self.stage_of[f.function].key, f.node, "fork-cow", True, f.since)
+            servers.append(ServerView(node, slots, self.settings.servers.bandwidth, cached, held, fetches))
+        replicas = [(Replica(f"pod/{p.name}", self.stage_of[p.function].key, p.node, "cold", p.ready, p.started),
+                     p.terminating) for p in view.pods if p.node]
+        replicas += [(Replica(f.id, self.stage_of[f.function].key, f.node, "fork-cow", True, f.since), False)
                      for f in view.forks]
-        return ClusterState(tuple(servers), tuple(replicas), frozenset(s.key for s in key_stage_ranges(self.redis)), now)
+        return cluster_state(servers, replicas, (s.key for s in self.store.key_stages()), now,
+                             self.settings.servers.cache_bytes)
 
     def shard_bytes(self, stage: StageRef) -> float:
         """Bytes a cold start of the stage reads (from the manifest, fetched once if need be)."""
@@ -208,10 +212,9 @@ class KubernetesBackend(GatewayFunctions):
                 raise RuntimeError(f"scaling {function} to {wanted}: {reply.status} {reply.body[:200]!r}")
 
     def _record(self, op: str, stage: str, server: str, path: str, reason: str) -> None:
-        record = {"op": op, "stage": stage, "server": server, "path": path, "reason": reason}
+        record = Placement(op, stage, reason, server, path, t=time.time())
         log.info("%s", record)
-        self.redis.xadd(keys.placements(), {"t": f"{time.time():.6f}", **record},
-                        maxlen=self.settings.data.records_maxlen, approximate=True)
+        self.store.add_placement(record, self.settings.data.records_maxlen)
 
     def _slots(self, node) -> int:
         return max(1, REPLICAS_PER_CORE * _cores(node.status.allocatable.get("cpu", "1")) // self.settings.compute.threads)

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 import redis
 
 from autoscaler.backends import Backend
-from autoscaler.policy.layout import PIPELINED, LayoutDecision, LayoutRule, LayoutState, decide
-from contracts import keys
+from autoscaler.policy.layout import LayoutDecision, LayoutRule, LayoutState, decide
 from contracts.stack import Pipeline
-from pipeline.registry import live_replicas, stream_backlog
+from state import keys
+from state.records import LayoutChange, StageSample
+from state.store import RedisStore
 
 log = logging.getLogger("quart.layout")
 
@@ -26,6 +27,7 @@ class LayoutController:
     pipeline: Pipeline
     rule: LayoutRule
     window_s: float
+    records_maxlen: int = 10_000
     counts: list[int] = field(default_factory=list)
     current: int = 0
     window_started: float = 0.0
@@ -38,13 +40,12 @@ class LayoutController:
         state = self.observe()
         decision = decide(state, self.rule)
         if decision is not None:
-            self.apply(decision)
+            self.apply(decision, now)
             log.info("%s: %s -> %s (%s)", self.pipeline.model, state.layout, decision.layout, decision.reason)
         return decision
 
     def layout(self) -> str:
-        raw = self.r.get(keys.layout(self.pipeline.model))
-        return raw.decode() if raw else PIPELINED
+        return RedisStore(self.r).layout(self.pipeline.model)
 
     def _count_arrivals(self, now: float) -> None:
         """New requests (prefills and passes entering stage 0) since the last look, into windows;
@@ -59,27 +60,25 @@ class LayoutController:
             self.current, self.window_started = 0, self.window_started + self.window_s
         for entry_id, f in self.r.xrange(stream, min=b"(" + self._last_id):
             self._last_id = entry_id
-            self.current += f.get(b"k") in (b"prefill", b"pass")
+            self.current += StageSample.decode(entry_id, f).starts_request
 
     def observe(self) -> LayoutState:
         p = self.pipeline
-        live = {s.first: live_replicas(self.r, p.model, s.first) for s in p.stages}
-        at_first = live[0]
-        waiting, _ = stream_backlog(self.r, p.model, 0)
-        serving = [[x for x in live[s.first] if not x.get("draining")
-                    and (x.get("stage_start"), x.get("stage_end")) == (str(s.first), str(s.last))]
-                   for s in p.stages]
-        whole = [x for x in at_first if x.get("stage_end") == str(p.num_stages) and not x.get("draining")]
+        store = RedisStore(self.r)
+        live = store.live_among((p.model, s.first) for s in p.stages)
+        at_first = live[(p.model, 0)]
+        serving = [[x for x in live[(p.model, s.first)] if not x.draining and x.serves(s)] for s in p.stages]
+        whole = [x for x in at_first if x.stage_end == p.num_stages and not x.draining]
         desired = self.backend.function_replicas(p.whole)
         return LayoutState(self.layout(), tuple(self.counts), self.current,
-                           waiting + sum(int(x.get("sequences", "0")) for x in at_first),
+                           store.backlog(p.model, 0).waiting + sum(x.sequences for x in at_first),
                            desired, len(whole), tuple(len(s) for s in serving))
 
-    def apply(self, decision: LayoutDecision) -> None:
+    def apply(self, decision: LayoutDecision, now: float) -> None:
         p = self.pipeline
         if decision.whole is not None:
             self.backend.scale_function(p.whole, decision.whole)
         if decision.stages is not None:
             for stage in p.stages:
                 self.backend.set_replicas(stage, decision.stages)
-        self.r.set(keys.layout(p.model), decision.layout)
+        RedisStore(self.r).set_layout(p.model, LayoutChange(now, decision.layout, decision.reason), self.records_maxlen)

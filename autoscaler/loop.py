@@ -18,12 +18,12 @@ from autoscaler.layout import LayoutController
 from autoscaler.observe import Observer
 from autoscaler.policy.controller import Actions, Controller, enact
 from autoscaler.policy.layout import CONSOLIDATING, PIPELINED, LayoutRule
-from contracts import keys
 from contracts.config import Settings
 from contracts.loops import every_in_thread
 from contracts.stack import Pipeline
 from contracts.stage import StageRef
 from pipeline.profiles import profile
+from state.store import RedisStore
 
 log = logging.getLogger("quart.autoscaler")
 
@@ -46,7 +46,8 @@ class ControlLoop:
         self.observer = Observer(self.r, stages, self.settings.autoscaler.window_s, graphs)
         a = self.settings.autoscaler
         self.layouts = {m: LayoutController(self.r, self.backend, p, LayoutRule(
-            a.layout_windows, self.settings.batching.max_batch, p.whole_max), a.layout_window_s)
+            a.layout_windows, self.settings.batching.max_batch, p.whole_max), a.layout_window_s,
+            self.settings.data.records_maxlen)
             for m, p in self.pipelines.items() if p.whole}
         # What exists now (torch, the policies, the models) lives as long as the loop: keep it out
         # of the collector's full passes, which would otherwise stall ticks that allocate a lot.
@@ -57,10 +58,7 @@ class ControlLoop:
         now = time.time() if now is None else now
         observations = self.observer.observe(now, self.backend.desired_replicas(), self.settings.autoscaler.slo_s)
         # A model the gateway put to sleep (scale to zero) is left alone until a request wakes it.
-        pipe = self.r.pipeline(transaction=False)
-        for model in observations:
-            pipe.exists(keys.asleep(model))
-        asleep = {m for m, found in zip(list(observations), pipe.execute()) if found}
+        asleep = RedisStore(self.r).asleep(list(observations))
         # A model served by whole-model replicas (or on its way to or from them) is the layout's.
         whole = {m for m, layout in self.layouts.items()
                  if m not in asleep and self._layout_step(layout, now) not in (PIPELINED, CONSOLIDATING)}
@@ -77,23 +75,14 @@ class ControlLoop:
         return steps
 
     def _layout_step(self, layout: LayoutController, now: float) -> str:
-        """The model's layout after this tick's step (a change recorded with its reason)."""
+        """The model's layout after this tick's step (a change is recorded with its reason)."""
         decision = layout.step(now)
-        if decision is None:
-            return layout.layout()
-        self.r.xadd(keys.layout_decisions(layout.pipeline.model),
-                    {"t": f"{now:.3f}", "layout": decision.layout, "reason": decision.reason},
-                    maxlen=self.settings.data.records_maxlen, approximate=True)
-        return decision.layout
+        return layout.layout() if decision is None else decision.layout
 
     # -- the Mechanism the controller's actions go through ---------------------------------------
 
     def publish_key_stages(self, model: str, stages: tuple[StageRef, ...]) -> None:
-        pipe = self.r.pipeline()
-        pipe.delete(keys.key_stages(model))
-        if stages:
-            pipe.sadd(keys.key_stages(model), *[s.stages for s in stages])
-        pipe.execute()
+        RedisStore(self.r).publish_key_stages(model, stages)
 
     def set_replicas(self, stage: StageRef, replicas: int) -> None:
         self.backend.set_replicas(stage, replicas)
@@ -102,8 +91,7 @@ class ControlLoop:
         self.backend.set_cpus(stage, cpus)
 
     def _record(self, actions: Actions) -> None:
-        self.r.xadd(keys.decisions(actions.model), actions.record(),
-                    maxlen=self.settings.data.records_maxlen, approximate=True)
+        RedisStore(self.r).add_decision(actions.model, actions.record(), self.settings.data.records_maxlen)
         log.log(*actions.log_line())
 
     def run(self, stop: Callable[[], bool]) -> None:

@@ -13,25 +13,26 @@ import redis
 
 from autoscaler.policy.state import PipelineState
 from autoscaler.policy.window import Window, stage_state
-from contracts import keys
 from contracts.stage import StageRef
 from contracts.stage_graph import Edges
-from pipeline.registry import live_among
+from state import keys
+from state.records import StageSample
+from state.store import RedisStore
 
 
 @dataclass
 class _Records:
-    """The records of one stage seen so far in the window: (stream-id ms, arrival t, service ms, wait ms)."""
+    """The records of one stage seen so far in the window."""
     last_id: bytes | None = None
-    rows: deque = field(default_factory=deque)
+    rows: deque[StageSample] = field(default_factory=deque)
 
     def add(self, entries: list, since_ms: int) -> None:
         for entry_id, f in entries:
             if entry_id == self.last_id:
                 continue  # the range starts at the last id read, inclusive
-            self.rows.append((int(entry_id.split(b"-")[0]), float(f[b"t"]), float(f[b"s"]), float(f[b"q"])))
+            self.rows.append(StageSample.decode(entry_id, f))
             self.last_id = entry_id
-        while self.rows and self.rows[0][0] < since_ms:
+        while self.rows and self.rows[0].at_ms < since_ms:
             self.rows.popleft()
 
 
@@ -61,8 +62,8 @@ class Observer:
             pipe.smembers(keys.stage_replicas(ref.model, ref.first))
         raw = pipe.execute(raise_on_error=False)
         per_ref = {ref: raw[5 * i:5 * i + 5] for i, ref in enumerate(refs)}
-        live = live_among(self.r, {(ref.model, ref.first): per_ref[ref][4] for ref in refs})
-        cpus = {ref: [float(x.get("cpus", 1)) for x in live[(ref.model, ref.first)]] for ref in refs}
+        live = RedisStore(self.r).live_of({(ref.model, ref.first): per_ref[ref][4] for ref in refs})
+        cpus = {ref: [float(x.cpus) for x in live[(ref.model, ref.first)]] for ref in refs}
         out = {}
         for model, stages in self.pipelines.items():
             states = tuple(self._stage(i, ref, now, since_ms, desired[model][i], per_ref[ref], cpus[ref])
@@ -81,10 +82,10 @@ class Observer:
         in_flight = 0 if isinstance(pending, Exception) else int(pending["pending"])
         queued = max(0, (0 if isinstance(length, Exception) else length) - in_flight)
         rows = seen.rows
-        arrivals = [t for _, t, _, _ in rows if t >= now - self.window_s]
-        arrivals += [int(i.split(b"-")[0]) / 1000.0 for i, _ in waiting]
-        service = np.array([s for _, _, s, _ in rows]) / 1000.0
-        wait = np.array([q for _, _, _, q in rows]) / 1000.0
+        arrivals = [x.arrived_at for x in rows if x.arrived_at >= now - self.window_s]
+        arrivals += [int(i.split(b"-")[0]) / 1000.0 for i, _ in waiting]  # stream IDs are arrival times
+        service = np.array([x.service_ms for x in rows]) / 1000.0
+        wait = np.array([x.wait_ms for x in rows]) / 1000.0
         if len(service):
             self.service_s[ref] = float(service.mean())
         return stage_state(index, self.window_s, Window.of(np.array(arrivals), service, wait),

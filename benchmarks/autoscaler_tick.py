@@ -21,8 +21,10 @@ from autoscaler.policy.quart import Quart
 from autoscaler.policy.smoother import Smoother
 from autoscaler.policy.state import PipelineState, StageState
 from benchmarks.report import conditions, table, write
-from contracts import keys
 from contracts.stage import StageRef
+from state import keys
+from state.records import ReplicaRecord, StageSample
+from state.store import RedisStore
 from tools.cv_traces import synthetic
 from tools.train_smoother import evaluate, split, train
 
@@ -91,8 +93,8 @@ def _add_records(pipe, refs: dict[str, tuple[StageRef, ...]], times: list[float]
     for stages in refs.values():
         for ref in stages:
             for t_k in times:
-                pipe.xadd(keys.records_stream(ref.model, ref.first), {"t": f"{t_k:.6f}", "q": "3.0", "s": "40.0"},
-                          id=f"{int(t_k * 1000)}-0")
+                pipe.xadd(keys.records_stream(ref.model, ref.first),
+                          StageSample("bench.0", t_k, 3.0, 40.0, "bench", "pass").encode(), id=f"{int(t_k * 1000)}-0")
 
 
 def live_tick(controller: Controller, refs: dict[str, tuple[StageRef, ...]], repeats: int,
@@ -112,13 +114,13 @@ def live_tick(controller: Controller, refs: dict[str, tuple[StageRef, ...]], rep
         proc = start_redis("127.0.0.1", port, Path(tmp), Path(tmp) / "redis.log")
         try:
             r = redis.Redis(port=port)
+            store = RedisStore(r)
             pipe = r.pipeline(transaction=False)
             _add_records(pipe, refs, [start - window_s + k / per_tick for k in range(int(window_s * per_tick))])
             for stages in refs.values():
                 for ref in stages:
-                    rid = f"{ref.model}-s{ref.stages}.bench.1"
-                    pipe.hset(keys.replica(rid), mapping={"cpus": "1"})
-                    pipe.sadd(keys.stage_replicas(ref.model, ref.first), rid)
+                    store.register(ReplicaRecord(f"{ref.model}-s{ref.stages}.bench.1", ref.model, ref.first, ref.last,
+                                                 "bench", 1), ttl_s=3600)
             pipe.execute()
             observer = Observer(r, refs, window_s=window_s)
             desired = {m: [1] * len(s) for m, s in refs.items()}

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -44,7 +43,6 @@ import redis
 import torch
 
 from benchmarks.report import RESULTS, conditions, table, write
-from contracts import keys
 from contracts.config import Settings, child_environment, load_settings
 from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from contracts.proc_stat import started_at
@@ -56,6 +54,8 @@ from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 from scheduler.coldstart import ColdServer, ColdStartCosts, stage_ranges, ttft_overlapped, ttft_sequential
+from state import keys
+from state.store import RedisStore
 
 MODEL = "coldstart-2g"
 CONFIG = {"hidden_size": 2048, "num_hidden_layers": 8, "intermediate_size": 5632, "num_attention_heads": 16,
@@ -199,11 +199,11 @@ class Bench:
 
     def _steps(self, first: int, t0: float) -> dict:
         for rid in self.r.smembers(keys.stage_replicas(MODEL, first)):
-            info = self.r.hget(keys.replica(rid.decode()), "coldstart")
-            if info:
-                c = json.loads(info)
-                return {"imported_s": c["imported_at"] - t0, "fetch_started_s": c["fetch_started_at"] - t0,
-                        "fetched_s": c["fetched_at"] - t0, "loaded_s": c["loaded_at"] - t0, "bytes": c["bytes"]}
+            rec = RedisStore(self.r).replica(rid.decode())
+            c = rec.coldstart if rec else None
+            if c:
+                return {"imported_s": c.imported_at - t0, "fetch_started_s": c.fetch_started_at - t0,
+                        "fetched_s": c.fetched_at - t0, "loaded_s": c.loaded_at - t0, "bytes": c.bytes}
         raise RuntimeError(f"the replica of stage {first} published no cold-start steps")
 
     def close(self) -> None:

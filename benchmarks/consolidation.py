@@ -33,15 +33,14 @@ from pathlib import Path
 import redis
 
 from benchmarks.report import RESULTS, conditions, table, write
-from contracts import keys
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stack import consolidating_stack
 from loadgen.sharegpt import first_prompts
-from pipeline.registry import live_replicas
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state.store import RedisStore
 
 MODEL, STAGES = "smollm2", 4
 WHOLE, NARROW = f"{MODEL}-whole", [f"{MODEL}-s{i}" for i in range(STAGES)]
@@ -78,16 +77,16 @@ class Bench:
         return time.time()
 
     def serving(self, stage: int, end: int) -> int:
-        return sum(1 for x in live_replicas(self.r, MODEL, stage)
-                   if x.get("stage_end") == str(end) and x.get("stage_start") == str(stage) and not x.get("draining"))
+        return sum(1 for x in RedisStore(self.r).live_replicas(MODEL, stage)
+                   if x.stage_end == end and x.stage_start == stage and not x.draining)
 
     def gone(self, name: str) -> bool:
         return self.client.request("GET", f"/system/function/{name}").json()["availableReplicas"] == 0
 
     def holding(self, end: int, count: int, since: float) -> bool:
-        found = [x for x in live_replicas(self.r, MODEL, 0) if x.get("stage_end") == str(end)]
-        return bool(found) and all(float(x.get("last_seen", 0)) > since for x in found) and \
-            sum(int(x.get("sequences", "0")) for x in found) >= count
+        found = [x for x in RedisStore(self.r).live_replicas(MODEL, 0) if x.stage_end == end]
+        return bool(found) and all(x.last_seen > since for x in found) and \
+            sum(x.sequences for x in found) >= count
 
     def change(self, whole: bool, events: dict[str, float]) -> None:
         """To the whole replica (or back to the stage replicas): the new side started and serving,
@@ -148,12 +147,11 @@ class Bench:
         from the records of the last stage and of the whole replica."""
         steps: dict[str, dict[int, tuple[float, str]]] = {}
         for stage in (STAGES - 1, 0):
-            for _, f in self.r.xrange(keys.records_stream(MODEL, stage)):
-                rid, _, step = f[b"id"].decode().split(".")
-                replica = f[b"r"].decode()
-                whole_replica = replica.startswith(f"{MODEL}-s0-{STAGES}.")
+            for x in RedisStore(self.r).samples(MODEL, stage):
+                rid, _, step = x.request_id.split(".")
+                whole_replica = x.replica_id.startswith(f"{MODEL}-s0-{STAGES}.")
                 if rid in request_ids and (stage == STAGES - 1 or whole_replica):
-                    finished = float(f[b"t"]) + (float(f[b"q"]) + float(f[b"s"])) / 1000.0
+                    finished = x.arrived_at + (x.wait_ms + x.service_ms) / 1000.0
                     steps.setdefault(rid, {})[int(step)] = (finished, "whole" if whole_replica else "stages")
         return {rid: [s[i] for i in sorted(s)] for rid, s in steps.items()}
 

@@ -35,9 +35,9 @@ from contracts.wire import encode_tensors
 from keysmanager.client import KeysClient
 from pipeline.manifest import Manifest
 from pipeline.partition import ensure_partitioned
-from pipeline.registry import live_replicas
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
+from state.store import RedisStore
 
 REPO = Path(__file__).resolve().parent.parent
 STAGE = StageRef.parse("smollm2", "1")
@@ -64,7 +64,7 @@ def start_container(settings: Settings, serial: int, out, cpus: float, **env: st
 def one_start(settings: Settings, km: KeysClient, r: redis.Redis, manifest: Manifest, mode: str, serial: int,
               out) -> float:
     enqueue_work(r, manifest, STAGE.first)
-    known = {x["replica_id"] for x in live_replicas(r, STAGE.model, STAGE.first)}
+    known = {x.replica_id for x in RedisStore(r).live_replicas(STAGE.model, STAGE.first)}
     t0 = time.time()
     if mode == MODES[0]:
         pid = start_cold(settings, STAGE.model, STAGE.stages, Path(settings.home) / "logs" / "replicas.log")

@@ -25,9 +25,9 @@ from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from loadgen.closed_loop import ClosedLoop
-from pipeline.registry import live_replicas
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state.store import RedisStore
 
 MODEL, REPEATS, GIVE_UP_S = "llama-7b", 5, 120.0
 FAULTS = ("stage replica", "entry replica", "redis", "keysmanager", "autoscaler", "provider")
@@ -84,7 +84,7 @@ def _one(settings: Settings, load: ClosedLoop, fault: str) -> dict:
 
 def _target(settings: Settings, fault: str) -> int:
     if fault == "stage replica":
-        return int(live_replicas(redis.Redis.from_url(settings.redis_url), MODEL, 3)[0]["pid"])
+        return RedisStore(redis.Redis.from_url(settings.redis_url)).live_replicas(MODEL, 3)[0].pid
     fragment = {"entry replica": "functions/entry", "redis": "redis-server", "keysmanager": "-m keysmanager ",
                 "autoscaler": "-m autoscaler run", "provider": "-m runtime.server"}[fault]
     (pid,) = [pid for pid, cmd in control.processes(settings).items() if fragment in cmd]

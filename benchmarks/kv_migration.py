@@ -17,7 +17,6 @@ import redis
 import torch
 
 from benchmarks.report import conditions, table, write
-from contracts import keys
 from contracts.config import load_settings
 from contracts.wire import MESSAGE_FIELD, Header, pack, unpack
 from pipeline.batched_decoder import BatchedDecoder, Step
@@ -26,6 +25,7 @@ from pipeline.partition import ensure_partitioned
 from pipeline.stage_runner import StageRunner
 from runtime.ports import free_port
 from runtime.redis_server import start_redis, wait_for_redis
+from state import keys
 
 STAGES = 4
 LENGTHS = (64, 256, 1024)

@@ -22,9 +22,9 @@ from autoscaler.policy.controller import POLICIES
 from benchmarks.report import conditions, table, write
 from contracts.config import load_settings
 from loadgen.arrivals import gamma_gaps
-from pipeline.registry import live_replicas
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state.store import RedisStore
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL, STAGES = "llama-7b", 8
@@ -70,7 +70,7 @@ def one_policy(policy: str, send_at: np.ndarray, tail_s: float) -> dict:
 
     def sample() -> None:
         while not stop.wait(0.5):
-            samples.append((time.time(), sum(len(live_replicas(r, MODEL, i)) for i in range(STAGES))))
+            samples.append((time.time(), sum(len(RedisStore(r).live_replicas(MODEL, i)) for i in range(STAGES))))
     sampler = threading.Thread(target=sample, daemon=True)
     try:
         sampler.start()

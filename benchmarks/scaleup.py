@@ -22,17 +22,17 @@ import redis
 import torch
 
 from benchmarks.report import conditions, table, write
-from contracts import keys
 from contracts.config import Settings, child_environment, load_settings
 from contracts.paths import STAGE_HANDLER
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, Header, pack
 from keysmanager.client import KeysClient
 from pipeline.manifest import Manifest
-from pipeline.registry import live_replicas
 from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
+from state import keys
+from state.store import RedisStore
 
 REPO = Path(__file__).resolve().parent.parent
 RANDOM_1G = {"hidden_size": 2048, "num_hidden_layers": 15, "intermediate_size": 5632,
@@ -63,9 +63,9 @@ def start_cold(settings: Settings, model: str, stages: str, log: Path) -> int:
 def first_work_latency(r: redis.Redis, model: str, stage: int, known: set[str], t0: float) -> tuple[str, float]:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        for rep in live_replicas(r, model, stage):
-            if rep["replica_id"] not in known and "first_work_at" in rep:
-                return rep["replica_id"], float(rep["first_work_at"]) - t0
+        for rep in RedisStore(r).live_replicas(model, stage):
+            if rep.replica_id not in known and rep.first_work_at is not None:
+                return rep.replica_id, rep.first_work_at - t0
         time.sleep(0.002)
     raise TimeoutError(f"no new replica of {model} stage {stage} took work")
 
@@ -73,7 +73,7 @@ def first_work_latency(r: redis.Redis, model: str, stage: int, known: set[str], 
 def stop(r: redis.Redis, model: str, stage: int, pid: int) -> None:
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(int(x["pid"]) == pid for x in live_replicas(r, model, stage)):
+    while time.monotonic() < deadline and any(x.pid == pid for x in RedisStore(r).live_replicas(model, stage)):
         time.sleep(0.05)
     try:
         os.waitpid(pid, 0)
@@ -85,7 +85,7 @@ def one_start(settings: Settings, client: KeysClient, r: redis.Redis, manifest: 
               mode: str, log: Path) -> float:
     stage = int(stages)
     enqueue_work(r, manifest, stage)
-    known = {x["replica_id"] for x in live_replicas(r, manifest.model, stage)}
+    known = {x.replica_id for x in RedisStore(r).live_replicas(manifest.model, stage)}
     t0 = time.time()
     if mode == "cold":
         pid = start_cold(settings, manifest.model, stages, log)
@@ -125,7 +125,7 @@ def measure_pss(settings: Settings, client: KeysClient, r: redis.Redis, model: s
 
 def wait_registered(r: redis.Redis, model: str, stage: int, n: int) -> None:
     deadline = time.monotonic() + 300
-    while len(live_replicas(r, model, stage)) < n:
+    while len(RedisStore(r).live_replicas(model, stage)) < n:
         if time.monotonic() > deadline:
             raise TimeoutError("replicas did not register")
         time.sleep(0.05)

@@ -26,9 +26,9 @@ from benchmarks.report import RESULTS, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.paths import REPO_ROOT
 from loadgen.closed_loop import ClosedLoop
-from pipeline.registry import live_replicas
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state.store import RedisStore
 
 SAMPLE_S, WARMUP_S, GOAL = 30.0, 120.0, 0.05
 PROMPT = "Explain in a few sentences why the sky is blue and why sunsets are red."
@@ -70,8 +70,8 @@ def _rss_by_role(settings: Settings) -> dict[str, int]:
     replicas = {}
     for model, stages in (("smollm2", 4), ("minilm", 3)):
         for stage in range(stages):
-            for x in live_replicas(r, model, stage):
-                replicas[int(x["pid"])] = f"{model}-s{stage} replica {x['pid']}"
+            for x in RedisStore(r).live_replicas(model, stage):
+                replicas[x.pid] = f"{model}-s{stage} replica {x.pid}"
     out = {}
     for pid, cmd in control.processes(settings).items():
         role = replicas.get(pid) or _role(cmd, pid)

@@ -5,12 +5,12 @@ import argparse
 import logging
 import sys
 
-import redis
 from aiohttp import web
 
 from contracts.config import add_arguments, exit_on_config_error, settings_from_args
 from keysmanager.api import build_app
 from keysmanager.manager import KeysManager
+from state.store import RedisStore
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = exit_on_config_error(lambda: settings_from_args(args))
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    manager = KeysManager(settings, redis.Redis.from_url(settings.redis_url))
+    manager = KeysManager(settings, RedisStore.from_url(settings.redis_url))
     web.run_app(build_app(manager, settings.internal_api_token()), host=settings.cache.host, port=settings.cache.port,
                 print=None, access_log=None)
     return 0

@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-import redis
 
-from contracts import keys
 from contracts.config import Settings, child_environment, settings_environment
 from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from contracts.proc_stat import start_time
@@ -27,7 +25,8 @@ from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from pipeline.manifest import Manifest
 from pipeline.profiles import PROFILES as EMULATION_PROFILES
-from pipeline.registry import key_stage_ranges, live_among
+from state.records import CacheEvent, ZygoteRecord
+from state.store import Store
 
 log = logging.getLogger("quart.keysmanager")
 ZYGOTE_START_TIMEOUT_S = 300.0
@@ -101,9 +100,9 @@ def zygote_call(path: Path, request: dict, timeout: float = 30.0) -> dict:
 
 
 class KeysManager:
-    def __init__(self, settings: Settings, r: redis.Redis) -> None:
+    def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
-        self.redis = r
+        self.store = store
         self.server = settings.server
         self.threshold = settings.cache.memory_threshold
         self.run_dir = Path(settings.home) / "run" / f"keysmanager-{self.server}"
@@ -215,7 +214,7 @@ class KeysManager:
             z.forking += 1
         out = self._fork_from(z, stage, function, env, cow, "fork-cow" if cow else "fork-copy")
         self._publish(z)
-        self._event("fork", z, pid=out["pid"], cow=cow)
+        self._event("fork", z, child=out["pid"], cow=cow)
         return out
 
     def _fork_from(self, z: Zygote, stage: StageRef, function: str, env: dict[str, str], cow: bool,
@@ -277,8 +276,7 @@ class KeysManager:
     def _evict_locked(self, z: Zygote, reason: str) -> None:
         self.zygotes.pop(z.stage, None)
         # Out of what the scheduler reads first, so that no new fork is sent to it while it ends.
-        self.redis.srem(keys.zygotes(self.server), z.key)
-        self.redis.delete(keys.zygote(self.server, z.stage))
+        self.store.withdraw_zygote(self.server, z.stage)
         if z.alive():
             z.proc.terminate()
             try:
@@ -296,7 +294,7 @@ class KeysManager:
 
     def key_stages(self) -> list[StageRef]:
         """Stage ranges the autoscaler marked as key stages, in every model."""
-        return key_stage_ranges(self.redis)
+        return self.store.key_stages()
 
     def scheduled_here(self, stages: list[StageRef]) -> list[StageRef]:
         """Of `stages`, those with a replica on this server (QUART §6.1: a key stage is cached where
@@ -304,10 +302,8 @@ class KeysManager:
         instead read each shard onto every server at once, and those reads slowed the cold starts
         sharing the servers' bandwidth (the simulator's ablation showed the fork cache costing
         latency that way)."""
-        live = live_among(self.redis, {(s.model, s.first): self.redis.smembers(keys.stage_replicas(s.model, s.first))
-                                       for s in stages})
-        return [s for s in stages if any(x.get("server") == self.server and int(x.get("stage_end", -1)) == s.last
-                                         for x in live[(s.model, s.first)])]
+        live = self.store.live_among((s.model, s.first) for s in stages)
+        return [s for s in stages if any(x.server == self.server and x.stage_end == s.last for x in live[(s.model, s.first)])]
 
     def watch_once(self) -> None:
         """Keeps the runtime zygote (QUART_WARM_RUNTIME), caches new key stages, re-caches crashed
@@ -373,16 +369,9 @@ class KeysManager:
     # -- Redis ---------------------------------------------------------------------------------
 
     def _publish(self, z: Zygote) -> None:
-        d = z.describe()
-        pipe = self.redis.pipeline()
-        pipe.hset(keys.zygote(self.server, z.stage),
-                  mapping={**{k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in d.items()},
-                           "server": self.server})
-        pipe.sadd(keys.zygotes(self.server), z.key)
-        pipe.execute()
+        self.store.publish_zygote(ZygoteRecord(self.server, z.stage.model, z.stage.stages, z.proc.pid, z.bytes,
+                                               tuple(z.sha256), z.started_at, z.last_use, z.forks))
 
     def _event(self, what: str, z: Zygote, **extra: object) -> None:
-        fields = {"event": what, "zygote": z.key, "pid": str(z.proc.pid), "t": f"{time.time():.6f}",
-                  **{k: str(v) for k, v in extra.items()}}
-        self.redis.xadd(keys.cache_events(self.server), fields, maxlen=self.settings.data.records_maxlen,
-                        approximate=True)
+        event = CacheEvent(what, z.key, z.proc.pid, time.time(), tuple((k, str(v)) for k, v in extra.items()))
+        self.store.add_cache_event(self.server, event, self.settings.data.records_maxlen)

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from contracts import keys
 from contracts.loops import start_thread
-from pipeline.registry import live_replicas, stream_backlog
+from state.store import RedisStore
 
 log = logging.getLogger("quart.loadgen")
 
@@ -31,8 +30,9 @@ class Sampler:
 
     def sample(self) -> None:
         now = time.time()
-        replicas = [len(live_replicas(self.r, self.model, i)) for i in range(self.stages)]
-        queues = [stream_backlog(self.r, self.model, i)[0] for i in range(self.stages)]
+        store = RedisStore(self.r)
+        replicas = [len(store.live_replicas(self.model, i)) for i in range(self.stages)]
+        queues = [store.backlog(self.model, i).waiting for i in range(self.stages)]
         self.samples.append((now, replicas, queues))
 
     def start(self) -> Sampler:
@@ -52,11 +52,9 @@ class Sampler:
 
 def stage_arrivals(r: redis.Redis, model: str, stages: int, since: float) -> list[np.ndarray]:
     """When work reached each stage (the records' enqueue times), from `since` on."""
-    out = []
-    for i in range(stages):
-        rows = r.xrange(keys.records_stream(model, i), min=f"{int(since * 1000)}-0")
-        out.append(np.sort(np.array([float(f[b"t"]) for _, f in rows if float(f[b"t"]) >= since])))
-    return out
+    store = RedisStore(r)
+    return [np.sort(np.array([x.arrived_at for x in store.samples(model, i, since) if x.arrived_at >= since]))
+            for i in range(stages)]
 
 
 def interarrival_cv(times: np.ndarray) -> float:

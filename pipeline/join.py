@@ -9,8 +9,8 @@ from __future__ import annotations
 import redis
 import torch
 
-from contracts import keys
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, pack, unpack
+from state import keys
 
 # KEYS: the parts hash, the join stage's stream. ARGV: this part's predecessor, its message, the
 # parts the join needs, the hash's time to live (ms), the message to queue, the stream's field.

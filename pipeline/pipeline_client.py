@@ -10,7 +10,6 @@ the entry prefills again, with the prompt and the tokens it already has, on live
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,11 +19,13 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
-from contracts import keys
 from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
 from pipeline.admission import Admission
 from pipeline.sampling import Sampling, TokenLogprob, answers
+from state import keys
+from state.records import StartFailure
+from state.store import RedisStore
 
 log = logging.getLogger("quart.entry")
 # A request whose caches are lost this many times in a row fails rather than loop.
@@ -96,7 +97,7 @@ class PipelineClient:
         if self._sync_redis is None:
             self._sync_redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=1.0)
         try:
-            return bool(self._sync_redis.exists(keys.waking(self.model)))
+            return RedisStore(self._sync_redis).waking(self.model)
         except redis.RedisError:
             return False
 
@@ -246,7 +247,7 @@ class PipelineClient:
         for stage, raw in sorted((await r.hgetall(keys.start_failures(self.model))).items()):
             members = await r.smembers(keys.stage_replicas(self.model, int(stage)))
             if not members or not await r.exists(*[keys.replica(m.decode()) for m in members]):
-                return f"stage {int(stage)} of {self.model} cannot start: {json.loads(raw)['reason']}"
+                return f"stage {int(stage)} of {self.model} cannot start: {StartFailure.decode(raw).reason}"
         return None
 
     async def _all_alive(self, route: dict[str, str]) -> bool:

@@ -10,7 +10,6 @@ QUART_DRAIN, either hands each cache it holds to a peer of its stage with the re
 (`migrate`) or finishes the requests (`finish`), then exits."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -20,23 +19,24 @@ import redis
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from autoscaler.policy.cpu_sets import pick_cores
-from contracts import keys
 from contracts.config import Settings
 from contracts.proc_stat import started_at
 from contracts.stage import StageRef
 from contracts.stage_graph import Edges, chain, check_range, predecessors, successors
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
 from pipeline.batch_policy import handover_peer, new_item_slots
+from pipeline.cpu_sets import pick_cores
 from pipeline.emulated import EmulatedRunner
 from pipeline.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from pipeline.join import Joins
 from pipeline.model_fetch import ensure_manifest
 from pipeline.profiles import profile as emulation_profile
-from pipeline.registry import ReplicaInfo, deregister, heartbeat, live_replicas, record_cold_start, register
 from pipeline.shard_reader import ShardReader, start_readers
 from pipeline.shard_stream import stream_tensors
 from pipeline.stage_runner import StageRunner
+from state import keys
+from state.records import ColdStart, ReplicaRecord, StageSample
+from state.store import RedisStore
 
 log = logging.getLogger("quart.replica")
 
@@ -78,7 +78,7 @@ class Replica:
         torch.set_num_threads(max(1, settings.compute.threads))
         if runner is None and settings.compute.emulate:
             runner = EmulatedRunner(emulation_profile(settings.compute.emulate), stage.model, first, last)
-        self.coldstart: dict[str, float] = {}
+        self.coldstart: ColdStart | None = None
         if runner is None:
             runner = self._load(stage, readers)
             started_by = "cold"  # whatever started this process, it loaded the shard itself
@@ -87,8 +87,9 @@ class Replica:
         self.stage = stage
         self.model, self.first, self.last = stage.model, first, last
         self.redis = redis.Redis.from_url(settings.redis_url)
+        self.store = RedisStore(self.redis)
         pid = os.getpid()
-        self.info = ReplicaInfo(
+        self.info = ReplicaRecord(
             replica_id=f"{self.model}-s{stage.stages}.{settings.server}.{pid}", model=self.model,
             stage_start=first, stage_end=last, server=settings.server, pid=pid,
             device="emulated" if settings.compute.emulate else settings.compute.device, cpus=max(1, settings.compute.threads),
@@ -140,18 +141,18 @@ class Replica:
         whole = not settings.coldstart.stream
         runner = StageRunner(manifest, stage.first, stage.last, settings.compute.device, settings.compute.dtype,
                              tensors=lambda i: stream_tensors(readers[i], whole_first=whole))
-        self.coldstart = {"process_at": started_at(), "imported_at": imported, "loaded_at": time.time(),
-                          "fetch_started_at": min(r.started for r in readers.values()),
-                          "fetched_at": max(r.finished for r in readers.values()),
-                          "bytes": sum(r.info.bytes for r in readers.values())}
+        self.coldstart = ColdStart(process_at=started_at(), imported_at=imported, loaded_at=time.time(),
+                                   fetch_started_at=min(r.started for r in readers.values()),
+                                   fetched_at=max(r.finished for r in readers.values()),
+                                   bytes=sum(r.info.bytes for r in readers.values()))
         log.info("%s stages [%d, %d) loaded from %s in %.2f s since the process started", stage.model, stage.first,
                  stage.last, ", ".join(sorted({r.where for r in readers.values()})),
-                 self.coldstart["loaded_at"] - self.coldstart["process_at"])
+                 self.coldstart.loaded_at - self.coldstart.process_at)
         return runner
 
     def start(self) -> None:
         self._ensure_streams()
-        register(self.redis, self.info, self.settings.data.replica_ttl_s)
+        self.store.register(self.info, self.settings.data.replica_ttl_s)
         for target in (self._work_loop, self._heartbeat_loop):
             thread = threading.Thread(target=target, name=target.__name__, daemon=True)
             thread.start()
@@ -172,7 +173,7 @@ class Replica:
         """Stops taking new work, finishes what it holds (the item in hand; the requests whose
         KV cache it holds, within the drain timeout), and leaves the registry."""
         self._draining = True
-        self.redis.hset(keys.replica(self.replica_id), "draining", "1")  # peers do not migrate to it
+        self.store.update_replica(self.replica_id, draining=True)  # peers do not migrate to it
         deadline = time.monotonic() + self.settings.data.drain_timeout_s
         if self.generation is not None:
             while self.generation.store.sequences and time.monotonic() < deadline and self.alive():
@@ -189,7 +190,7 @@ class Replica:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-        deregister(self.redis, self.info)
+        self.store.deregister(self.info)
         self.redis.delete(self.private)
         self.redis.hdel(keys.cpu_sets(self.info.server), self.replica_id)
         log.info("replica %s stopped", self.replica_id)
@@ -319,13 +320,10 @@ class Replica:
         if self.first_work_at is None:
             # When a new replica took its first work: what scale-up latency is measured to.
             self.first_work_at = time.time()
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hset(keys.replica(self.replica_id), mapping={
-                "first_work_at": f"{self.first_work_at:.6f}",
-                **({"coldstart": json.dumps(self.coldstart)} if self.coldstart else {})})
+            self.store.update_replica(self.replica_id, first_work_at=self.first_work_at,
+                                      **({"coldstart": self.coldstart} if self.coldstart else {}))
             if self.coldstart:
-                record_cold_start(pipe, self.stage, self.coldstart)
-            pipe.execute()
+                self.store.record_cold_start(self.stage, self.coldstart)
         try:
             header, tensors = unpack(fields[MESSAGE_FIELD])
         except (BadRequest, KeyError, TypeError) as exc:
@@ -417,10 +415,8 @@ class Replica:
         if now - self._peer_checked > 1.0:
             self._peer_checked = now
             self._peer = handover_peer(self.last, {
-                x["replica_id"]: (int(x.get("stage_end", "0")), int(x.get("sequences", "0")))
-                for x in live_replicas(self.redis, self.model, self.first)
-                if x["replica_id"] != self.replica_id and x.get("stage_start") == str(self.first)
-                and not x.get("draining")})
+                x.replica_id: (x.stage_end, x.sequences) for x in self.store.live_replicas(self.model, self.first)
+                if x.replica_id != self.replica_id and x.stage_start == self.first and not x.draining})
         return self._peer
 
     def _record(self, pipe: redis.client.Pipeline, work: Work, service_ms: float, batch: int) -> None:
@@ -428,9 +424,9 @@ class Replica:
         queue_ms = work.queued_s * 1000.0
         header.timings.append(StageTiming(self.first, self.replica_id, round(queue_ms, 3), round(service_ms, 3)))
         QUEUE.labels(**self._labels).observe(queue_ms / 1000.0)
-        pipe.xadd(keys.records_stream(self.model, self.first),
-                  {"id": header.request_id, "t": f"{work.received - work.queued_s:.6f}", "q": f"{queue_ms:.3f}",
-                   "s": f"{service_ms:.3f}", "r": self.replica_id, "k": header.kind, "b": str(batch)},
+        sample = StageSample(header.request_id, work.received - work.queued_s, queue_ms, service_ms, self.replica_id,
+                             header.kind, batch)
+        pipe.xadd(keys.records_stream(self.model, self.first), sample.encode(),
                   maxlen=self.settings.data.records_maxlen, approximate=True)
 
     def _compute(self, header: Header, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -494,7 +490,7 @@ class Replica:
         if hasattr(self.runner, "cpus"):
             self.runner.cpus = cpus
         self.cpus = self._pinned = cpus
-        self.redis.hset(keys.replica(self.replica_id), "cpus", str(cpus))
+        self.store.update_replica(self.replica_id, cpus=cpus)
         log.info("%s now uses %d CPUs (cores %s)", self.replica_id, cpus, cores)
 
     def _claim_cores(self, cpus: int) -> list[int]:
@@ -525,9 +521,9 @@ class Replica:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.settings.data.heartbeat_s):
             try:
-                heartbeat(self.redis, self.info, self.settings.data.replica_ttl_s)
-                wanted = self.redis.get(keys.stage_cpus(self.stage))
-                if wanted is not None and wanted.isdigit() and int(wanted) > 0:
+                self.store.heartbeat(self.info, self.settings.data.replica_ttl_s)
+                wanted = self.store.stage_cpus(self.stage)
+                if wanted is not None and wanted >= 1:   # a container's fractional quota is the provider's
                     self._wanted_cpus = int(wanted)
                 held = [m for m, stream in list(self._holding.items()) if stream == self.stream]
                 if held:
@@ -535,12 +531,9 @@ class Replica:
                     # KV room) is not reclaimed from a replica that is alive.
                     self.redis.xclaim(self.stream, keys.GROUP, self.replica_id, 0, held, justid=True)
                 if self.generation is not None:
-                    pipe = self.redis.pipeline(transaction=False)
-                    pipe.pexpire(self.private, int(self.settings.data.replica_ttl_s * 1000))
-                    pipe.hset(keys.replica(self.replica_id), mapping={
-                        "kv_bytes": str(self.generation.store.used),
-                        "sequences": str(len(self.generation.store.sequences))})
-                    pipe.execute()
+                    self.redis.pexpire(self.private, int(self.settings.data.replica_ttl_s * 1000))
+                    self.store.update_replica(self.replica_id, kv_bytes=self.generation.store.used,
+                                              sequences=len(self.generation.store.sequences))
             except redis.RedisError as exc:  # the heartbeat must outlive Redis going away
                 log.warning("heartbeat failed: %s", exc)
 

@@ -21,7 +21,7 @@ from contracts.config import Settings
 from contracts.stage import StageRef
 from pipeline.manifest import Manifest, StageInfo
 from pipeline.model_fetch import FetchError, ensure_manifest, open_url, partial_path, shard_url
-from pipeline.registry import record_start_failure
+from state.store import RedisStore
 
 log = logging.getLogger("quart.shard_reader")
 CHUNK = 4 << 20
@@ -110,8 +110,8 @@ def start_failures_recorded(settings: Settings, stage: StageRef) -> Iterator[Non
         yield
     except (FetchError, FileNotFoundError) as exc:
         try:
-            record_start_failure(redis.Redis.from_url(settings.redis_url, socket_timeout=5), stage, str(exc),
-                                 settings.data.request_timeout_s)
+            RedisStore(redis.Redis.from_url(settings.redis_url, socket_timeout=5)).record_start_failure(
+                stage, str(exc), settings.data.request_timeout_s)
         except redis.RedisError as down:
             log.warning("could not record why %s failed to start: %s", stage, down)
         raise

@@ -8,23 +8,21 @@ import logging
 import time
 from collections.abc import Callable
 
-import redis
-
 from autoscaler.policy.idle import ModelActivity, ZeroScaling, decide
-from contracts import keys
 from contracts.stack import is_whole
-from pipeline.registry import stream_backlog
 from runtime.functions import FunctionState
+from state.records import PIPELINED
+from state.store import Store
 
 log = logging.getLogger("quart.idler")
 CHECK_S = 1.0
 
 
 class Idler:
-    def __init__(self, r: redis.Redis, initial: Callable[[FunctionState], int], waking_ttl_s: float) -> None:
+    def __init__(self, store: Store, initial: Callable[[FunctionState], int], waking_ttl_s: float) -> None:
         """`initial(fn)`: the replicas a function wakes to (its minimum); `waking_ttl_s`: how long
         the entry may admit requests behind a cold start (its request timeout)."""
-        self.redis, self.initial, self.waking_ttl_s = r, initial, waking_ttl_s
+        self.store, self.initial, self.waking_ttl_s = store, initial, waking_ttl_s
         self.last_request: dict[str, float] = {}
         self.in_flight: dict[str, int] = {}
         self._checked = 0.0
@@ -60,10 +58,7 @@ class Idler:
             return False
         for fn in asleep:
             fn.desired = self.initial(fn)
-        pipe = self.redis.pipeline()
-        pipe.delete(keys.asleep(model))
-        pipe.set(keys.waking(model), f"{now:.3f}", ex=max(1, int(self.waking_ttl_s)))
-        pipe.execute()
+        self.store.wake(model, now, self.waking_ttl_s)
         self.touched(model, now)
         log.info("woke %s: %s", model, ", ".join(f"{fn.name}={fn.desired}" for fn in asleep))
         return True
@@ -86,20 +81,19 @@ class Idler:
             if decision == "sleep":
                 for fn in fns:
                     fn.desired = 0
-                self.redis.set(keys.asleep(model), f"{now:.3f}")
+                self.store.set_asleep(model, now)
                 log.info("%s idle for %.0f s: its stage functions scale to zero", model, now - activity.last_request_at)
                 changed.append(model)
             elif decision == "wake" and self.wake(functions, model, now):
                 changed.append(model)
             elif decision is None and activity.replicas > 0:
-                self.redis.delete(keys.asleep(model))  # scaled up by hand: the autoscaler's again
+                self.store.set_awake(model)  # scaled up by hand: the autoscaler's again
         return changed
 
     def consolidated(self, model: str) -> bool:
         """Whether the model is served by its whole-model function (or on its way to or from it):
         its stage functions are at zero for the layout controller, not for idleness."""
-        layout = self.redis.get(keys.layout(model))
-        return layout is not None and layout != b"pipelined"
+        return self.store.layout(model) != PIPELINED
 
     def _work(self, fns: list[FunctionState]) -> int:
-        return sum(sum(stream_backlog(self.redis, fn.stage.model, fn.stage.first)) for fn in fns)
+        return sum(b.waiting + b.in_flight for b in (self.store.backlog(fn.stage.model, fn.stage.first) for fn in fns))

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from dataclasses import replace
 
 import redis
 
-from contracts import keys
 from contracts.config import Settings
 from contracts.stack import ttft_slo_s
-from pipeline.registry import after_fetch_s, cached_stages, key_stage_ranges
 from pipeline.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager, ReplicaProcess
 from scheduler.coldstart import fetch_deadline_s
 from scheduler.placement import Scheduler, SchedulerParams
-from scheduler.state import Change, ClusterState, Fetch, Replica, Schedule, Server, fetches_under_way
+from scheduler.state import Change, ClusterState, Fetch, Replica, Schedule, ServerView, cluster_state, fetches_under_way
+from state.records import Placement
+from state.store import RedisStore, after_fetch_s
 
 log = logging.getLogger("quart.placer")
 
@@ -29,6 +29,7 @@ class Placer:
         self.settings = settings
         self.processes = processes
         self.redis = r
+        self.store = RedisStore(r)
         self.scheduler = scheduler or Scheduler(SchedulerParams.from_settings(settings))
         self.servers = settings.virtual_server_names()
         self._bytes: dict[str, int] = {}
@@ -71,26 +72,24 @@ class Placer:
         if slo is None:
             return fallback
         stages = [f.stage for f in functions if f.stage is not None and f.stage.model == fn.stage.model]
-        return fetch_deadline_s(slo, after_fetch_s(self.redis, fn.stage, stages), fallback)
+        return fetch_deadline_s(slo, after_fetch_s(self.store, fn.stage, stages), fallback)
 
     def state(self, functions: list[FunctionState], draining: list[FunctionState],
               deadlines: dict[str, float]) -> ClusterState:
         """What every server holds; `deadlines`: each function's fetch deadline (deadline_s)."""
         now = time.time()
-        replicas = [(fn, r) for fn in functions for r in fn.serving()]
-        leaving = Counter(r.server for fn in functions + draining for r in fn.replicas if r.draining_since)
+        serving = [(fn, r) for fn in functions for r in fn.serving()]
         servers = []
         for name in self.servers:
-            cached, held = cached_stages(self.redis, name)
-            budget = self.settings.servers.cache_bytes
-            cold = [(fn, r) for fn, r in replicas if r.server == name and r.started_by == "cold" and not r.ready]
-            servers.append(Server(name, max(0, self.settings.server_slots() - leaving[name]),
-                                  self.settings.servers.bandwidth, cached, budget > 0 and held >= budget,
-                                  self._fetches(cold, deadlines, now)))
-        return ClusterState(
-            tuple(servers),
-            tuple(Replica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started) for fn, r in replicas),
-            frozenset(s.key for s in key_stage_ranges(self.redis)), now)
+            cached, held = self.store.cached_stages(name)
+            cold = [(fn, r) for fn, r in serving if r.server == name and r.started_by == "cold" and not r.ready]
+            servers.append(ServerView(name, self.settings.server_slots(), self.settings.servers.bandwidth, cached, held,
+                                      self._fetches(cold, deadlines, now)))
+        replicas = [(Replica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started), r.draining_since is not None)
+                    for fn in functions + draining for r in fn.replicas
+                    if r.draining_since is not None or fn in functions]
+        return cluster_state(servers, replicas, (s.key for s in self.store.key_stages()), now,
+                             self.settings.servers.cache_bytes)
 
     def _fetches(self, cold: list[tuple[FunctionState, ReplicaProcess]], deadlines: dict[str, float],
                  now: float) -> tuple[Fetch, ...]:
@@ -103,21 +102,16 @@ class Placer:
             fn = by_stage[removal.stage]
             replica = next(r for r in fn.serving() if r.id == removal.replica)
             self.processes.drain(replica)
-            records.append({"op": "remove", "stage": removal.stage, "server": removal.server,
-                            "replica": removal.replica, "reason": removal.reason})
+            records.append(Placement("remove", removal.stage, removal.reason, removal.server, replica=removal.replica))
         for p in schedule.placements:
             replica = self.processes.spawn(by_stage[p.stage], p.server, fork=p.path == "fork")
-            records.append({"op": "add", "stage": p.stage, "server": p.server, "path": p.path,
-                            "started_by": replica.started_by, "replica": replica.id, "reason": p.reason})
+            records.append(Placement("add", p.stage, p.reason, p.server, p.path, replica.id, replica.started_by))
         unplaced = set(schedule.unplaced)
         for stage, why in unplaced - self._unplaced:
             log.warning("cannot place a replica of %s: %s", stage, why)
-            records.append({"op": "unplaced", "stage": stage, "reason": why})
+            records.append(Placement("unplaced", stage, why))
         self._unplaced = unplaced
-        pipe = self.redis.pipeline()
         for record in records:
             log.info("%s", record)
-            pipe.xadd(keys.placements(), {"t": f"{time.time():.6f}", "contention": schedule.contention,
-                                          **{k: str(v) for k, v in record.items()}},
-                      maxlen=self.settings.data.records_maxlen, approximate=True)
-        pipe.execute()
+            self.store.add_placement(replace(record, contention=schedule.contention, t=time.time()),
+                                     self.settings.data.records_maxlen)

@@ -20,7 +20,6 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from autoscaler.policy.idle import ZeroScaling
-from contracts import keys
 from contracts.config import Settings
 from contracts.http_errors import json_errors
 from contracts.loops import every
@@ -37,6 +36,7 @@ from runtime.placer import Placer
 from runtime.state_file import save as save_state
 from runtime.state_file import state_path
 from runtime.supervisor import Supervisor
+from state.store import RedisStore
 
 log = logging.getLogger("quart.provider")
 VERSION = "0.1.0"
@@ -101,7 +101,7 @@ class LocalProvider:
         self._draining: list[FunctionState] = []
         self.processes = ProcessManager(settings, keys)
         self.placer = Placer(settings, self.processes, r)
-        self.idler = Idler(r, lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s)
+        self.idler = Idler(RedisStore(r), lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s)
         self.registry = CollectorRegistry()
         self.invocations = Counter("gateway_function_invocation", "Function invocations",
                                    ("function_name", "code"), registry=self.registry)
@@ -246,9 +246,9 @@ class LocalProvider:
     def _apply_cpus(self) -> None:
         """Replicas in containers get the CPU quota the compensator set for their stage."""
         for fn in list(self.functions.values()):
-            wanted = self.placer.redis.get(keys.stage_cpus(fn.stage)) if fn.stage is not None else None
+            wanted = self.placer.store.stage_cpus(fn.stage) if fn.stage is not None else None
             if wanted is not None:
-                self.processes.set_cpus(fn, float(wanted))
+                self.processes.set_cpus(fn, wanted)
 
     # -- what a provider started in this one's place adopts ------------------------------------
 

@@ -2,6 +2,8 @@
 the simulator, the benchmark and the tests build these and call the same `Scheduler`."""
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -49,6 +51,32 @@ class ClusterState:
     replicas: tuple[Replica, ...] = ()
     key_stages: frozenset[str] = frozenset()
     now: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServerView:
+    """A server as its backend sees it (the embedded runtime's, Kubernetes' nodes, the simulator's),
+    before the rules that `cluster_state` applies to every backend alike."""
+    name: str
+    slots: int
+    bandwidth: float
+    cached: frozenset[str] = frozenset()
+    cached_bytes: int = 0
+    fetches: tuple[Fetch, ...] = ()
+
+
+def cluster_state(servers: Iterable[ServerView], replicas: Iterable[tuple[Replica, bool]], key_stages: Iterable[str],
+                  now: float, cache_budget: int = 0) -> ClusterState:
+    """The scheduler's picture, by one set of rules for every backend. `replicas`: each with
+    whether it drains. A draining replica still holds its slot until it is gone, but is no longer
+    the scheduler's to count or remove; a server whose KeysManager holds its cache budget is under
+    memory pressure (its cold replicas are removed first)."""
+    replicas = list(replicas)
+    leaving = Counter(r.server for r, draining in replicas if draining)
+    return ClusterState(
+        tuple(Server(s.name, max(0, s.slots - leaving[s.name]), s.bandwidth, s.cached,
+                     cache_budget > 0 and s.cached_bytes >= cache_budget, s.fetches) for s in servers),
+        tuple(r for r, draining in replicas if not draining), frozenset(key_stages), now)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,16 +4,15 @@ reads sharing each server's bandwidth (HydraServe Eq. 4), drains, and each serve
 caching key stages under its byte budget (keysmanager.cache_policy). No policy lives here."""
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from contracts.stage import StageRef
 from keysmanager.cache_policy import WARMING_AT_ONCE, Held, OverBudget, evictions
 from scheduler.placement import Scheduler
-from scheduler.state import Change, ClusterState, Fetch, Schedule
+from scheduler.state import Change, ClusterState, Fetch, Schedule, ServerView, cluster_state
 from scheduler.state import Replica as SchedReplica
-from scheduler.state import Server as SchedServer
 from sim.config import SimConfig
 from sim.fluid import Fluid
 from sim.stage import Replica, Stage
@@ -109,18 +108,15 @@ class SimCluster:
     # -- placement ---------------------------------------------------------------------------
 
     def state(self, now: float) -> ClusterState:
-        servers, replicas = [], []
-        draining = Counter(r.server.name for st in self.stages.values() for r in st.replicas if r.draining)
+        servers = []
         for sv in self.servers:
             sv.reads.advance(now)
             fetches = tuple(Fetch(p, r.started_at + self.cfg.cold_deadline_s) for r, p in sv.reads.jobs
                             if isinstance(r, Replica))
-            servers.append(SchedServer(sv.name, sv.slots - draining[sv.name], self.cfg.bandwidth, sv.cached(),
-                                       False, fetches))
-        for st in self.stages.values():
-            replicas += [SchedReplica(r.id, st.key, r.server.name, r.started_by, r.ready, r.started_at)
-                         for r in st.replicas if not r.draining]
-        return ClusterState(tuple(servers), tuple(replicas), self.key_stage_keys(), now)
+            servers.append(ServerView(sv.name, sv.slots, self.cfg.bandwidth, sv.cached(), sv.used, fetches))
+        replicas = [(SchedReplica(r.id, st.key, r.server.name, r.started_by, r.ready, r.started_at), r.draining)
+                    for st in self.stages.values() for r in st.replicas]
+        return cluster_state(servers, replicas, self.key_stage_keys(), now, self.cfg.cache_budget)
 
     def converge(self, now: float, instant: bool = False) -> Schedule | None:
         """Moves every stage towards its desired count through the scheduler; `instant` places

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from contracts import keys
 from loadgen.arrivals import gamma_gaps
+from state.store import RedisStore
 
 
 def tandem_chain(rng: np.random.Generator, arrivals: np.ndarray, means: list[float], cvs: list[float],
@@ -82,9 +82,9 @@ def recorded(r: redis.Redis, model: str, num_stages: int, window_s: float, repli
     """Windows from a running pipeline's stage records (capped streams: the most recent items)."""
     times, means, cvs = [], [], []
     for stage in range(num_stages):
-        entries = r.xrange(keys.records_stream(model, stage))
-        t = np.sort(np.array([float(f[b"t"]) for _, f in entries]))
-        service = np.array([float(f[b"s"]) for _, f in entries]) / 1000.0
+        entries = RedisStore(r).samples(model, stage)
+        t = np.sort(np.array([x.arrived_at for x in entries]))
+        service = np.array([x.service_ms for x in entries]) / 1000.0
         times.append(t)
         means.append(float(service.mean()) if len(service) else 0.0)
         cvs.append(float(service.std() / service.mean()) if len(service) > 1 and service.mean() > 0 else 0.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autoscaler.policy.contract import Reactive
 from autoscaler.policy.paper_baselines import Cocktail, InferLine, INFless
 from autoscaler.policy.state import Decision, PipelineState, StageState
 
@@ -17,18 +18,18 @@ def _clamp(value: int, low: int, high: int) -> int:
 
 
 @dataclass(frozen=True)
-class Static:
+class Static(Reactive):
     """Fixed replicas per stage, whatever the load."""
     replicas: int = 1
     name: str = "static"
 
-    def decide(self, state: PipelineState, memory: object = None) -> tuple[Decision, object]:
+    def decide(self, state: PipelineState, memory: object = None, predicted: None = None) -> tuple[Decision, object]:
         n = len(state.stages)
         return Decision.of(state, self.name, [self.replicas] * n, [{"static": self.replicas}] * n), memory
 
 
 @dataclass(frozen=True)
-class OpenFaaSPro:
+class OpenFaaSPro(Reactive):
     """OpenFaaS Pro's autoscaler in rps mode, per function (stage):
     replicas = ceil(current rps / (target rps per replica × target proportion)). Defaults are
     OpenFaaS Pro's (com.openfaas.scale.target 50, target-proportion 0.9)."""
@@ -36,7 +37,7 @@ class OpenFaaSPro:
     target_proportion: float = 0.9
     name: str = "openfaas-pro-rps"
 
-    def decide(self, state: PipelineState, memory: object = None) -> tuple[Decision, object]:
+    def decide(self, state: PipelineState, memory: object = None, predicted: None = None) -> tuple[Decision, object]:
         replicas = [state.bounds.clamp(math.ceil(s.arrival_rate / (self.target_rps * self.target_proportion)))
                     for s in state.stages]
         reasons = [{"rps": round(s.arrival_rate, 4), "target_rps": self.target_rps} for s in state.stages]
@@ -51,7 +52,7 @@ class KPAMemory:
 
 
 @dataclass(frozen=True)
-class KnativeKPA:
+class KnativeKPA(Reactive):
     """Knative's KPA: concurrency averaged over a 60 s stable and a 6 s panic window; panic when
     the panic-window want reaches 200 % of the ready replicas; in panic it never scales down, and
     it leaves panic after a stable window without the condition. Scale rates bounded. Defaults
@@ -65,7 +66,7 @@ class KnativeKPA:
     max_scale_down_rate: float = 2.0
     name: str = "knative-kpa"
 
-    def decide(self, state: PipelineState, memory: KPAMemory | None = None) -> tuple[Decision, KPAMemory]:
+    def decide(self, state: PipelineState, memory: KPAMemory | None = None, predicted: None = None) -> tuple[Decision, KPAMemory]:
         n = len(state.stages)
         if memory is None or len(memory.samples) != n:
             memory = KPAMemory(((),) * n, (None,) * n, (0,) * n)
@@ -112,7 +113,7 @@ class KnativeKPA:
 
 
 @dataclass(frozen=True)
-class RayServe:
+class RayServe(Reactive):
     """Ray Serve's default policy: replicas = ceil(ongoing requests / target per replica), applied
     only after the want has held for the upscale (30 s) or downscale (600 s) delay."""
     target_ongoing_requests: float = 2.0
@@ -121,7 +122,7 @@ class RayServe:
     period_s: float = 1.0
     name: str = "ray-serve"
 
-    def decide(self, state: PipelineState, memory: tuple[int, ...] | None = None) -> tuple[Decision, tuple[int, ...]]:
+    def decide(self, state: PipelineState, memory: tuple[int, ...] | None = None, predicted: None = None) -> tuple[Decision, tuple[int, ...]]:
         counters = list(memory) if memory and len(memory) == len(state.stages) else [0] * len(state.stages)
         replicas, reasons = [], []
         for i, s in enumerate(state.stages):

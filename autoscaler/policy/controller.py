@@ -8,7 +8,6 @@ Like Knative's MultiScaler, a model with no observation this tick gets no decisi
 memory is kept), rather than a decision made on missing data."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field, fields, replace
@@ -17,14 +16,16 @@ from typing import Protocol
 from autoscaler.policy.backlog_flow import BacklogFlow
 from autoscaler.policy.baselines import BASELINES
 from autoscaler.policy.compensator import Compensator, CPUFit, load_fits, within_total
+from autoscaler.policy.contract import Forecast, Policy
 from autoscaler.policy.corrector import Corrector, PIDConfig
 from autoscaler.policy.cpu_guard import hold_without_cpu
 from autoscaler.policy.quart import Quart
-from autoscaler.policy.smoother import CVAttention, Smoother, predict_cvs
+from autoscaler.policy.smoother import CVAttention, Smoother
 from autoscaler.policy.state import Decision, PipelineState
 from contracts import artefacts
 from contracts.config import Bounds, ConfigError, Settings, from_params
 from contracts.stage import StageRef
+from state.records import DecisionRecord
 
 # Every policy a user can name: QUART's variants (the paper's, and quart-flow, which sizes stages ahead of a
 # burst's backlog), then each baseline at its documented defaults and tuned.
@@ -56,7 +57,7 @@ def load_cpu_fits(settings: Settings, model: str) -> dict[int, CPUFit]:
 
 
 def make_policy(settings: Settings, model: str, cv_model: CVAttention | None = None,
-                fits: dict[int, CPUFit] | None = None) -> object:
+                fits: dict[int, CPUFit] | None = None) -> Policy:
     """The configured policy for one model. QUART runs every mechanism that QUART_ABLATE leaves
     on: the trained CV model and the model's CPU fits (`fits` given: those, {} for a model with no
     CPU law) from the artefacts. ConfigError for an unknown policy or parameter, or a missing
@@ -99,18 +100,15 @@ class Actions:
     def model(self) -> str:
         return self.state.model
 
-    def record(self) -> dict[str, str]:
-        """The decision as an entry of the Redis stream quart:decisions:<model>."""
+    def record(self) -> DecisionRecord:
+        """The decision as the live loop logs it (the stream quart:decisions:<model>)."""
         state, decision = self.state, self.decision
-        return {"t": f"{state.now:.3f}", "policy": decision.policy,
-                "replicas": json.dumps([s.replicas for s in state.stages]),
-                "decided": json.dumps(decision.replicas()),
-                "key": json.dumps([s.stages for s in self.key_stages]),
-                "stages": json.dumps([{"stage": ref.stages, "observed_replicas": s.replicas, "replicas": d.replicas,
-                                       "cpus": d.cpus, "key": d.key, "queue": s.queue_length,
-                                       "busy": round(s.busy_fraction, 3),
-                                       **{k: readable(v) for k, v in d.reason.items()}}
-                                      for ref, s, d in zip(self.stages, state.stages, decision.stages)])}
+        return DecisionRecord(state.now, decision.policy, tuple(s.replicas for s in state.stages),
+                              tuple(decision.replicas()), tuple(s.stages for s in self.key_stages),
+                              tuple({"stage": ref.stages, "observed_replicas": s.replicas, "replicas": d.replicas,
+                                     "cpus": d.cpus, "key": d.key, "queue": s.queue_length,
+                                     "busy": round(s.busy_fraction, 3), **{k: readable(v) for k, v in d.reason.items()}}
+                                    for ref, s, d in zip(self.stages, state.stages, decision.stages)))
 
     def log_line(self) -> tuple[int, str]:
         """INFO with the reasons of the stages that change; DEBUG when nothing changes."""
@@ -134,7 +132,7 @@ def readable(value: object) -> object:
 class Controller:
     """Per model: its stage functions in pipeline order and its policy."""
     pipelines: dict[str, tuple[StageRef, ...]]
-    policies: dict[str, object]
+    policies: dict[str, Policy]
     bounds: Bounds = field(default_factory=Bounds)
     memory: dict[str, object] = field(default_factory=dict)
     cpu_total: int = 0          # R_total (QUART_CPU_TOTAL); 0: no bound
@@ -163,19 +161,15 @@ class Controller:
         return [self._actions(states[m], decided[m]) for m in self.pipelines if m in decided]
 
     def _decide(self, states: dict[str, PipelineState]) -> dict[str, Decision]:
-        out = {}
-        # QUART's CV prediction is one batched forward pass for every model sharing a CV model.
-        groups: dict[int, list[str]] = {}
+        # One forecast for every model whose policies share it (QUART's CV attention: one batched pass).
+        groups: dict[Forecast | None, list[str]] = {}
         for m in states:
-            policy = self.policies[m]
-            if isinstance(policy, Quart):
-                groups.setdefault(id(policy.smoother.model), []).append(m)
-            else:
-                out[m], self.memory[m] = policy.decide(states[m], self.memory.get(m))
-        for models in groups.values():
-            cvs = predict_cvs(self.policies[models[0]].smoother.model, [states[m] for m in models])
-            for m, cv in zip(models, cvs):
-                out[m], self.memory[m] = self.policies[m].decide_with_cvs(states[m], self.memory.get(m), cv)
+            groups.setdefault(self.policies[m].forecast(), []).append(m)
+        out = {}
+        for forecast, models in groups.items():
+            predicted = forecast.predict([states[m] for m in models]) if forecast is not None else [None] * len(models)
+            for m, part in zip(models, predicted):
+                out[m], self.memory[m] = self.policies[m].decide(states[m], self.memory.get(m), part)
         return out
 
     def _actions(self, state: PipelineState, decision: Decision) -> Actions:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-PIPELINED, CONSOLIDATING, WHOLE, SPLITTING = "pipelined", "consolidating", "whole", "splitting"
+from state.records import CONSOLIDATING, PIPELINED, SPLITTING, WHOLE
 
 
 @dataclass(frozen=True)

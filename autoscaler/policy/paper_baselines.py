@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autoscaler.policy.contract import Reactive
 from autoscaler.policy.corrector import stage_targets
 from autoscaler.policy.queueing import min_servers
 from autoscaler.policy.state import Decision, PipelineState
@@ -32,7 +33,7 @@ def _per_stage(memory: tuple | None, n: int, empty: object) -> list:
 
 
 @dataclass(frozen=True)
-class INFless:
+class INFless(Reactive):
     """INFless (ASPLOS '22), reactive on RPS: an instance runs at the configuration with the most
     throughput per resource that meets the stage's share of the SLO; its max RPS, r_max, is the
     rate at which its M/M/1 sojourn 1 / (μ − λ) equals that share; a stage gets
@@ -41,7 +42,7 @@ class INFless:
     keep_alive_s: float = 60.0
     name: str = "infless"
 
-    def decide(self, state: PipelineState, memory: tuple | None = None) -> tuple[Decision, tuple]:
+    def decide(self, state: PipelineState, memory: tuple | None = None, predicted: None = None) -> tuple[Decision, tuple]:
         since = _per_stage(memory, len(state.stages), None)
         replicas, reasons = [], []
         for i, (s, target) in enumerate(zip(state.stages, stage_targets(state))):
@@ -63,7 +64,7 @@ class HoltMemory:
 
 
 @dataclass(frozen=True)
-class Cocktail:
+class Cocktail(Reactive):
     """Cocktail (NSDI '22), proactive with a reactive floor: each stage's request rate is
     forecast `horizon_s` ahead (about a cold start, so replicas are up when the load arrives)
     and provisioned for: ceil(max(rate now, forecast) × service / target utilisation). Cocktail
@@ -76,7 +77,7 @@ class Cocktail:
     cooldown_s: float = 30.0
     name: str = "cocktail"
 
-    def decide(self, state: PipelineState, memory: tuple | None = None) -> tuple[Decision, tuple]:
+    def decide(self, state: PipelineState, memory: tuple | None = None, predicted: None = None) -> tuple[Decision, tuple]:
         mems = _per_stage(memory, len(state.stages), None)
         replicas, reasons = [], []
         for i, s in enumerate(state.stages):
@@ -101,7 +102,7 @@ class Cocktail:
 
 
 @dataclass(frozen=True)
-class InferLine:
+class InferLine(Reactive):
     """InferLine (SoCC '20): a planner and a high-frequency tuner. The planner sizes each stage
     for a planning sample (`plan_rps` at `plan_cv`): the fewest replicas whose G/G/c delay meets
     the stage's share of the SLO; with no sample (`plan_rps` 0) the plan is the minimum. The tuner
@@ -114,7 +115,7 @@ class InferLine:
     downscale_delay_s: float = 30.0
     name: str = "inferline"
 
-    def decide(self, state: PipelineState, memory: tuple | None = None) -> tuple[Decision, tuple]:
+    def decide(self, state: PipelineState, memory: tuple | None = None, predicted: None = None) -> tuple[Decision, tuple]:
         since = _per_stage(memory, len(state.stages), None)
         replicas, reasons = [], []
         for i, (s, target) in enumerate(zip(state.stages, stage_targets(state))):

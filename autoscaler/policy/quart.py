@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from autoscaler.policy.backlog_flow import BacklogFlow, FlowMemory
 from autoscaler.policy.compensator import Compensator
 from autoscaler.policy.corrector import Corrector, CorrectorMemory
-from autoscaler.policy.smoother import Smoother, predict_cvs
+from autoscaler.policy.smoother import CVForecast, Smoother
 from autoscaler.policy.state import Decision, PipelineState
 
 
@@ -25,18 +25,13 @@ class Quart:
     flow: BacklogFlow | None = None     # the quart-flow variant's burst sizing; None: the paper's
     name: str = "quart"
 
-    def decide(self, state: PipelineState, memory: QuartMemory | None = None) -> tuple[Decision, QuartMemory]:
-        return self.decide_many([state], [memory])[0]
+    def forecast(self) -> CVForecast:
+        return self.smoother.forecast()
 
-    def decide_many(self, states: list[PipelineState], memories: list[QuartMemory | None]
-                    ) -> list[tuple[Decision, QuartMemory]]:
-        """One tick for many pipelines: the same as `decide` on each, with the CV prediction batched."""
-        all_cvs = predict_cvs(self.smoother.model, states)
-        return [self.decide_with_cvs(s, m, cvs) for s, m, cvs in zip(states, memories, all_cvs)]
-
-    def decide_with_cvs(self, state: PipelineState, memory: QuartMemory | None,
-                        cvs: list[float]) -> tuple[Decision, QuartMemory]:
-        """`decide` with the stages' predicted CVs computed by the caller (batched)."""
+    def decide(self, state: PipelineState, memory: QuartMemory | None = None,
+               predicted: list[float] | None = None) -> tuple[Decision, QuartMemory]:
+        """`predicted`: the stages' CVs where the caller batched the forecast over many models."""
+        cvs = self.forecast().predict([state])[0] if predicted is None else predicted
         memory = memory or QuartMemory()
         decision, corrector = self.corrector.decide(state, memory.corrector)
         settled = [m.below_ticks >= self.corrector.config.down_ticks for m in corrector.stages]

@@ -76,6 +76,16 @@ class CVAttention(nn.Module):
         return model.eval()
 
 
+@dataclass(frozen=True)
+class CVForecast:
+    """Each stage's arrival CV, predicted by one CV-attention model (equal for the same model:
+    nn.Module compares by identity), so that every model sharing it is predicted in one pass."""
+    model: CVAttention | None
+
+    def predict(self, states: list[PipelineState]) -> list[list[float]]:
+        return predict_cvs(self.model, states)
+
+
 def predict_cvs(model: CVAttention | None, states: list[PipelineState]) -> list[list[float]]:
     """Each stage's predicted arrival CV, for many pipelines at once (one batched forward per
     graph shape); without a trained model, the observed CVs."""
@@ -113,6 +123,9 @@ def beta(cv: float) -> float:
 class Smoother:
     model: CVAttention | None = field(default=None, compare=False)
     name: str = "quart-smoother"
+
+    def forecast(self) -> CVForecast:
+        return CVForecast(self.model)
 
     def smooth(self, state: PipelineState, proposed: Decision, cvs: list[float] | None = None,
                settled: list[bool] | None = None) -> Decision:

@@ -7,7 +7,7 @@ import redis
 import torch
 
 from contracts.http_client import GatewayClient
-from pipeline.registry import live_replicas
+from state.store import RedisStore
 from tests.openapi_check import checked
 
 
@@ -60,4 +60,4 @@ def scale_and_wait(client: GatewayClient, r: redis.Redis, name: str, replicas: i
     wait_until(lambda: available(client, name) == replicas, 120, f"{name} at {replicas} replicas")
     if stage is not None:
         model = name.rsplit("-s", 1)[0]
-        wait_until(lambda: len(live_replicas(r, model, stage)) == replicas, 30, f"{name} registry at {replicas}")
+        wait_until(lambda: len(RedisStore(r).live_replicas(model, stage)) == replicas, 30, f"{name} registry at {replicas}")

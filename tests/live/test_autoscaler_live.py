@@ -5,7 +5,6 @@ scaled up within a few ticks, its queue drains, the surplus goes after the burst
 is lost while replicas come and go. CPU changes take effect in running replicas."""
 from __future__ import annotations
 
-import json
 import os
 import time
 import urllib.request
@@ -15,14 +14,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from autoscaler.policy.cpu_sets import pick_cores
-from contracts import keys
 from contracts.config import Settings
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient
+from pipeline.cpu_sets import pick_cores
 from pipeline.profiles import write_stack
-from pipeline.registry import live_replicas
 from runtime.ports import free_port
+from state import keys
+from state.records import DecisionRecord
+from state.store import RedisStore
 
 MODEL = "llama-7b-uneven"
 
@@ -71,13 +71,8 @@ def burst(url: str, rate: float, seconds: float) -> list[int]:
     return [f.result() for f in futures]
 
 
-def decisions(r: redis.Redis, since: float) -> list[dict]:
-    out = []
-    for _, f in r.xrange(keys.decisions(MODEL)):
-        if float(f[b"t"]) >= since:
-            out.append({"t": float(f[b"t"]), "decided": json.loads(f[b"decided"]),
-                        "key": json.loads(f[b"key"]), "stages": json.loads(f[b"stages"])})
-    return out
+def decisions(r: redis.Redis, since: float) -> list[DecisionRecord]:
+    return [d for d in reversed(RedisStore(r).decisions(MODEL)) if d.t >= since]
 
 
 def test_a_burst_scales_the_key_stage_and_the_surplus_goes_after(emulated):
@@ -87,30 +82,30 @@ def test_a_burst_scales_the_key_stage_and_the_surplus_goes_after(emulated):
     burst_end = time.time()
     assert statuses == [200] * len(statuses), {s: statuses.count(s) for s in set(statuses)}
 
-    during = [d for d in decisions(r, started) if d["t"] <= burst_end]
-    first_key = next(d for d in during if "3" in d["key"])  # key stages are published as ranges
+    during = [d for d in decisions(r, started) if d.t <= burst_end]
+    first_key = next(d for d in during if "3" in d.key)  # key stages are published as ranges
     assert first_key["t"] - started < 10, "stage 3 was not marked key within a few ticks"
-    scaled = next(d for d in during if d["decided"][3] > 1)
-    assert scaled["t"] - first_key["t"] <= 3
-    reason = next(s for s in scaled["stages"] if s["stage"] == "3")
+    scaled = next(d for d in during if d.decided[3] > 1)
+    assert scaled.t - first_key.t <= 3
+    reason = next(s for s in scaled.stages if s["stage"] == "3")
     assert {"lambda", "mu", "predicted_delay_s", "target_s", "p", "i", "d"} <= set(reason)
     # Over the burst, the heaviest stage held the most replica-ticks. (At one instant on a loaded
     # 2-core machine another stage may briefly hold as many or more, since its queue grows while its
     # replicas wait for CPU, and the stage after a scaled one is often marked key as the backlog
     # moves on: neither the peak nor the count of key ticks is what QUART promises.)
-    replica_ticks = [sum(d["decided"][i] for d in during) for i in range(8)]
-    assert replica_ticks[3] == max(replica_ticks) and max(d["decided"][3] for d in during) > 1, replica_ticks
+    replica_ticks = [sum(d.decided[i] for d in during) for i in range(8)]
+    assert replica_ticks[3] == max(replica_ticks) and max(d.decided[3] for d in during) > 1, replica_ticks
 
     deadline = time.time() + 90
     while time.time() < deadline:
         if r.xlen(keys.stage_stream(MODEL, 3)) == 0 and all(
-                len(live_replicas(r, MODEL, i)) == 1 for i in range(8)):
+                len(RedisStore(r).live_replicas(MODEL, i)) == 1 for i in range(8)):
             break
         time.sleep(1)
     assert r.xlen(keys.stage_stream(MODEL, 3)) == 0, "stage 3's queue did not drain"
-    assert [len(live_replicas(r, MODEL, i)) for i in range(8)] == [1] * 8, "surplus replicas were not reclaimed"
-    forked = r.xrange(keys.cache_events(settings.server))
-    assert any(f[b"event"] == b"fork" and f[b"zygote"] == f"{MODEL}:3".encode() for _, f in forked)
+    assert [len(RedisStore(r).live_replicas(MODEL, i)) for i in range(8)] == [1] * 8, "surplus replicas were not reclaimed"
+    forked = RedisStore(r).cache_events(settings.server)
+    assert any(e.event == "fork" and e.zygote == f"{MODEL}:3" for e in forked)
 
 
 def _allowed_cpus(pid: int) -> set[int]:
@@ -133,9 +128,9 @@ def test_cpu_changes_take_effect_in_running_replicas_on_cores_of_their_own(emula
     host = sorted(os.sched_getaffinity(0))
     if len(host) < 2:
         pytest.skip("needs two CPUs")
-    replica = live_replicas(r, MODEL, 5)[0]
-    pid = int(replica["pid"])
-    record = keys.replica(replica["replica_id"])
+    replica = RedisStore(r).live_replicas(MODEL, 5)[0]
+    pid = replica.pid
+    record = keys.replica(replica.replica_id)
     r.set(keys.stage_cpus(StageRef(MODEL, 5, 6)), "2")
     try:
         _wait(lambda: r.hget(record, "cpus") == b"2")
@@ -146,16 +141,16 @@ def test_cpu_changes_take_effect_in_running_replicas_on_cores_of_their_own(emula
         assert all(len(os.sched_getaffinity(int(t))) == 1 for t in os.listdir(f"/proc/{pid}/task"))
         # A second stage's replica pinned to one CPU takes the core held least by the server's
         # other pinned replicas (the first one's among them): a core of its own where one is free.
-        other = live_replicas(r, MODEL, 6)[0]
+        other = RedisStore(r).live_replicas(MODEL, 6)[0]
         r.set(keys.stage_cpus(StageRef(MODEL, 6, 7)), "1")
         # (Its record says 1 CPU from the start: wait for its pinning instead.)
-        _wait(lambda: len(_allowed_cpus(int(other["pid"]))) == 1)
-        mine, theirs = _allowed_cpus(pid), _allowed_cpus(int(other["pid"]))
+        _wait(lambda: len(_allowed_cpus(other.pid)) == 1)
+        mine, theirs = _allowed_cpus(pid), _allowed_cpus(other.pid)
         held = {k.decode(): v.decode() for k, v in r.hgetall(keys.cpu_sets(settings.server)).items()}
-        assert held[replica["replica_id"]] == ",".join(map(str, sorted(mine))) and len(mine) == 1
-        assert held[other["replica_id"]] == ",".join(map(str, sorted(theirs))) and len(theirs) == 1
+        assert held[replica.replica_id] == ",".join(map(str, sorted(mine))) and len(mine) == 1
+        assert held[other.replica_id] == ",".join(map(str, sorted(theirs))) and len(theirs) == 1
         others = [[int(c) for c in v.split(",")] for rid, v in held.items()
-                  if rid != other["replica_id"] and r.exists(keys.replica(rid))]
+                  if rid != other.replica_id and r.exists(keys.replica(rid))]
         assert sorted(theirs) == pick_cores(host, others, 1), held
         if len(others) == 1:
             assert mine != theirs

@@ -16,7 +16,6 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from contracts import keys
 from contracts.config import child_environment
 from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from contracts.stage import StageRef
@@ -30,6 +29,7 @@ from pipeline.shard_stream import stream_tensors
 from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from scheduler.coldstart import stage_ranges
+from state import keys
 from tests.live.runtime_helpers import reference_greedy, wait_until
 
 

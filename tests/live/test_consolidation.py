@@ -14,7 +14,6 @@ import redis
 from transformers import AutoTokenizer
 
 from autoscaler.policy.layout import PIPELINED, WHOLE
-from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stack import consolidating_stack, scale_to_zero_stack
@@ -23,6 +22,7 @@ from pipeline.random_checkpoint import write_random_checkpoint
 from pipeline.sources import bundled_dir
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state.store import RedisStore
 from tests.live.runtime_helpers import STACK_HEAD, greedy_reference, wait_until
 from tools import stack as stack_tool
 
@@ -68,7 +68,7 @@ def replicas(client: GatewayClient, model: str) -> dict[str, int]:
 
 
 def layout(r: redis.Redis, model: str) -> str:
-    return (r.get(keys.layout(model)) or PIPELINED.encode()).decode()
+    return RedisStore(r).layout(model)
 
 
 def test_a_quiet_model_consolidates_and_a_burst_splits_it(consolidating):
@@ -102,6 +102,6 @@ def test_a_quiet_model_consolidates_and_a_burst_splits_it(consolidating):
     wait_until(lambda: layout(r, model) == PIPELINED and replicas(client, model)[f"{model}-whole"] == 0, 120, "the split")
     assert all(replicas(client, model)[n] >= 1 for n in narrow)
     assert ask() == expected
-    changes = [f[b"layout"].decode() for _, f in r.xrange(keys.layout_decisions(model))]
+    changes = [c.layout for c in RedisStore(r).layout_changes(model)]
     cycle = ["consolidating", "whole", "splitting", "pipelined"]
     assert any(changes[i:i + 4] == cycle for i in range(len(changes))), changes

@@ -12,12 +12,12 @@ import redis
 
 from containers.podman import podman
 from containers.runtime import cpu_quota, label
-from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.stage import StageRef
 from loadgen.sharegpt import first_prompts
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state import keys
 from tests.live.conftest import NEEDS_CONTAINERS
 from tests.live.runtime_helpers import wait_until
 

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from contracts import keys
+from state import keys
+from state.store import RedisStore
 from tests.live.test_autoscaler_live import emulated_settings
 
 MODEL = "ensemble-8"
@@ -48,7 +49,7 @@ def test_every_stage_and_the_join_run_each_request_once(dag):
     assert [status for status, _ in answers] == [200] * REQUESTS
     assert all([s["stage"] for s in body["stages"]] == list(range(8)) for _, body in answers)
     for stage in range(8):
-        ran = Counter(f[b"id"] for _, f in r.xrange(keys.records_stream(MODEL, stage)))
+        ran = Counter(x.request_id for x in RedisStore(r).samples(MODEL, stage))
         assert len(ran) == REQUESTS and set(ran.values()) == {1}, (stage, ran)
     assert r.keys(keys.join_parts(MODEL, 7, "*")) == []
 
@@ -58,8 +59,8 @@ def test_the_autoscaler_splits_the_slo_along_the_graphs_paths(dag):
     targets of the stages of that path (0, 1, 4, 7: the large model's branch) add up to the SLO,
     where on a chain of 8 all eight would."""
     settings, r = dag
-    entries = r.xrevrange(keys.decisions(MODEL), count=1)
+    entries = RedisStore(r).decisions(MODEL, count=1)
     assert entries, "no decision for the DAG model"
-    targets = [s["target_s"] for s in json.loads(entries[0][1][b"stages"])]
+    targets = [s["target_s"] for s in entries[0].stages]
     assert sum(targets[i] for i in (0, 1, 4, 7)) == pytest.approx(settings.autoscaler.slo_s, rel=1e-3)
     assert sum(targets) > 1.5 * settings.autoscaler.slo_s

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient
 from loadgen.closed_loop import ClosedLoop
-from pipeline.registry import live_replicas
 from runtime import __main__ as control
 from runtime.ports import free_port
 from runtime.watched_process import start_time
+from state import keys
+from state.store import RedisStore
 from tests.conftest import REPO
 from tests.live.runtime_helpers import wait_until
 
@@ -70,7 +70,7 @@ def test_redis_refuses_clients_without_the_password(faulty):
 def test_redis_killed_during_load_comes_back_and_the_data_plane_recovers(faulty):
     client = GatewayClient.for_settings(faulty)
     r = redis.Redis.from_url(faulty.redis_url)
-    replicas_before = {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)}
+    replicas_before = {x.replica_id for s in range(8) for x in RedisStore(r).live_replicas(MODEL, s)}
     before = pid_of(faulty, "redis-server")
     with ClosedLoop(faulty.gateway.url, MODEL, {"tokens": 16}) as load:
         wait_until(lambda: sum(o.status == 200 for o in load.outcomes) >= 5, 60, "answers before the fault")
@@ -90,7 +90,7 @@ def test_redis_killed_during_load_comes_back_and_the_data_plane_recovers(faulty)
         else:
             assert "error" in o.body, o
     # Nothing was replaced: the replicas that were serving found Redis again by themselves.
-    replicas_after = {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)}
+    replicas_after = {x.replica_id for s in range(8) for x in RedisStore(r).live_replicas(MODEL, s)}
     assert replicas_after == replicas_before
     assert client.invoke(MODEL, {"tokens": 16}).status == 200
 
@@ -116,14 +116,14 @@ def test_a_killed_autoscaler_comes_back_and_decides_again(faulty):
     assert pid_of(faulty, "-m autoscaler run") != before
     restarted = time.time()
     # The one started again makes decisions (the static policy's, every tick) as the first did.
-    wait_until(lambda: float(r.xrevrange(keys.decisions(MODEL), count=1)[0][1][b"t"]) > restarted, 30,
+    wait_until(lambda: RedisStore(r).decisions(MODEL, count=1)[0].t > restarted, 30,
                "a decision by the restarted autoscaler")
 
 
 def test_a_killed_provider_is_started_again_and_adopts_what_runs(faulty):
     client = GatewayClient.for_settings(faulty)
     r = redis.Redis.from_url(faulty.redis_url)
-    replicas_before = {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)}
+    replicas_before = {x.replica_id for s in range(8) for x in RedisStore(r).live_replicas(MODEL, s)}
     others_before = {pid for pid, cmd in control.processes(faulty).items() if "runtime.server" not in cmd}
     provider = pid_of(faulty, "runtime.server")
     with ClosedLoop(faulty.gateway.url, MODEL, {"tokens": 16}) as load:
@@ -142,7 +142,7 @@ def test_a_killed_provider_is_started_again_and_adopts_what_runs(faulty):
     assert all(o.status in (0, 200) for o in load.outcomes), [o for o in load.outcomes if o.status not in (0, 200)]
     assert sum(o.status == 0 for o in load.outcomes) <= 3
     # Adopted, not started again: the same replicas, Redis, KeysManager and zygotes.
-    assert {x["replica_id"] for s in range(8) for x in live_replicas(r, MODEL, s)} == replicas_before
+    assert {x.replica_id for s in range(8) for x in RedisStore(r).live_replicas(MODEL, s)} == replicas_before
     assert others_before <= set(control.processes(faulty))
     assert client.functions() and all(f["availableReplicas"] == f["replicas"] for f in client.functions())
 

@@ -18,10 +18,9 @@ import pytest
 import redis
 import torch
 
-from contracts import keys
 from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
-from pipeline.registry import live_replicas
+from state.store import RedisStore
 from tests.live.runtime_helpers import available, reference_greedy, scale_and_wait, wait_until
 from tests.openapi_check import checked
 
@@ -100,10 +99,10 @@ def test_decode_steps_go_to_the_cache_holder_and_prefills_spread(client, r):
     ids = {reply.json()["id"] for reply in replies}
     assert all(reply.status == 200 for reply in replies)
     by_seq: dict[str, dict[str, set]] = {}
-    for _, f in r.xrange(keys.records_stream("smollm2", 1), count=100000):
-        rid, epoch, _ = f[b"id"].decode().split(".")
+    for x in RedisStore(r).samples("smollm2", 1):
+        rid, epoch, _ = x.request_id.split(".")
         if rid in ids:
-            by_seq.setdefault(f"{rid}.{epoch}", {}).setdefault(f[b"k"].decode(), set()).add(f[b"r"].decode())
+            by_seq.setdefault(f"{rid}.{epoch}", {}).setdefault(x.kind, set()).add(x.replica_id)
     assert len(by_seq) == 8
     for seq, kinds in by_seq.items():
         assert len(kinds["prefill"]) == 1 and kinds["decode"] == kinds["prefill"], (seq, kinds)
@@ -137,8 +136,8 @@ def test_scale_down_migrates_the_caches_a_replica_holds(client, r, sources, toke
         run_concurrently(lambda t: generate(client, t, ignore_eos=True), [(t,) for t in texts], 6)))
     since = time.time()
     sender.start()
-    wait_until(lambda: all(int(x.get("sequences", "0")) > 0 and float(x.get("last_seen", "0")) > since
-                           for x in live_replicas(r, "smollm2", 2)), 60, "both stage-2 replicas holding caches")
+    wait_until(lambda: all(x.sequences > 0 and x.last_seen > since
+                           for x in RedisStore(r).live_replicas("smollm2", 2)), 60, "both stage-2 replicas holding caches")
     scale_and_wait(client, r, "smollm2-s2", 1, stage=2)
     sender.join(timeout=300)
     assert [x.status for x in results] == [200] * 6
@@ -163,12 +162,12 @@ def _migrations_in(client: GatewayClient, function: str) -> float:
                if line.startswith("quart_stage_migrations_total") and 'direction="in"' in line)
 
 
-def _holding(r: redis.Redis, ends: str, count: int, since: float) -> bool:
+def _holding(r: redis.Redis, ends: int, count: int, since: float) -> bool:
     """Whether replicas at stage 0 whose ranges end at `ends` hold `count` sequences (by counts
     their heartbeats published after `since`)."""
-    found = [x for x in live_replicas(r, "smollm2", 0) if x.get("stage_end") == ends]
-    return bool(found) and all(float(x.get("last_seen", "0")) > since for x in found) and \
-        sum(int(x.get("sequences", "0")) for x in found) == count
+    found = [x for x in RedisStore(r).live_replicas("smollm2", 0) if x.stage_end == ends]
+    return bool(found) and all(x.last_seen > since for x in found) and \
+        sum(x.sequences for x in found) == count
 
 
 def test_consolidation_and_split_back_while_16_generate(client, r, sources, tokenizer, prompts, references):
@@ -191,9 +190,9 @@ def test_consolidation_and_split_back_while_16_generate(client, r, sources, toke
         scale_and_wait(client, r, "smollm2-whole", 0, stage=None)
         since = time.time()
         sender = send("consolidated")
-        wait_until(lambda: _holding(r, "1", 16, since), 120, "16 requests generating on the pipeline")
+        wait_until(lambda: _holding(r, 1, 16, since), 120, "16 requests generating on the pipeline")
         scale_and_wait(client, r, "smollm2-whole", 1, stage=None)
-        wait_until(lambda: _holding(r, "4", 0, 0), 60, "the whole replica serving")
+        wait_until(lambda: _holding(r, 4, 0, 0), 60, "the whole replica serving")
         for name in NARROW:  # all at once, as the layout controller does
             checked(client, "POST", f"/system/scale-function/{name}", "/system/scale-function/{functionName}",
                     {"serviceName": name, "namespace": "openfaas-fn", "replicas": 0})
@@ -203,13 +202,13 @@ def test_consolidation_and_split_back_while_16_generate(client, r, sources, toke
 
         since = time.time()
         sender = send("split")
-        wait_until(lambda: _holding(r, "4", 16, since), 120, "16 requests generating on the whole replica")
+        wait_until(lambda: _holding(r, 4, 16, since), 120, "16 requests generating on the whole replica")
         for name in NARROW:
             checked(client, "POST", f"/system/scale-function/{name}", "/system/scale-function/{functionName}",
                     {"serviceName": name, "namespace": "openfaas-fn", "replicas": 1})
         for stage, name in enumerate(NARROW):
             scale_and_wait(client, r, name, 1, stage=None)
-            wait_until(lambda s=stage: any(x.get("stage_end") == str(s + 1) for x in live_replicas(r, "smollm2", s)),
+            wait_until(lambda s=stage: any(x.stage_end == s + 1 for x in RedisStore(r).live_replicas("smollm2", s)),
                        30, f"{name} serving")
         scale_and_wait(client, r, "smollm2-whole", 0, stage=None)
         sender.join(timeout=300)
@@ -235,9 +234,9 @@ def _wait_for_a_holder(r: redis.Redis, stage: int, forked: bool | None, since: f
     found: list[dict] = []
 
     def holds() -> bool:
-        found[:] = [x for x in live_replicas(r, "smollm2", stage) if int(x.get("sequences", "0")) > 0
-                    and float(x.get("last_seen", "0")) > since and not x.get("draining")
-                    and (forked is None or x["started_by"].startswith("fork") == forked)]
+        found[:] = [x for x in RedisStore(r).live_replicas("smollm2", stage) if x.sequences > 0
+                    and x.last_seen > since and not x.draining
+                    and (forked is None or x.started_by.startswith("fork") == forked)]
         return bool(found)
     wait_until(holds, 60, f"a stage {stage} replica holding a cache")
     return found[0]
@@ -250,7 +249,7 @@ def test_kill_9_of_a_stage_replica_mid_generation(client, r, sources, tokenizer,
     so that every request is still generating when the replica dies.)"""
     if forked:
         scale_and_wait(client, r, "smollm2-s1", 3, stage=1)
-        assert any(x["started_by"] == "fork-cow" for x in live_replicas(r, "smollm2", 1))
+        assert any(x.started_by == "fork-cow" for x in RedisStore(r).live_replicas("smollm2", 1))
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts[:4]]
     results: list = []
     sender = threading.Thread(target=lambda: results.extend(
@@ -258,7 +257,7 @@ def test_kill_9_of_a_stage_replica_mid_generation(client, r, sources, tokenizer,
     since = time.time()
     sender.start()
     victim = _wait_for_a_holder(r, stage, forked, since)
-    os.kill(int(victim["pid"]), signal.SIGKILL)
+    os.kill(victim.pid, signal.SIGKILL)
     sender.join(timeout=300)
     assert [x.status for x in results] == [200] * 4, [x.body for x in results]
     assert sum(x.json()["recomputes"] for x in results) >= 1
@@ -309,13 +308,13 @@ def test_kv_budget_gives_429_with_retry_after_and_a_disconnect_frees_the_cache(c
     deployment = client.request("GET", "/system/function/smollm2-s2").json()
     original = {"service": "smollm2-s2", "image": deployment["image"], "envVars": deployment["envVars"],
                 "labels": deployment.get("labels") or {}}
-    before = {x["replica_id"] for x in live_replicas(r, "smollm2", 2)}
+    before = {x.replica_id for x in RedisStore(r).live_replicas("smollm2", 2)}
     small = {**original, "envVars": {**original["envVars"], "QUART_KV_BYTES": str(2_500_000), "QUART_KV_WAIT_S": "0.5"}}
     assert client.request("PUT", "/system/functions", small).status == 200
     try:
-        wait_until(lambda: [x["replica_id"] not in before for x in live_replicas(r, "smollm2", 2)] == [True], 120,
+        wait_until(lambda: [x.replica_id not in before for x in RedisStore(r).live_replicas("smollm2", 2)] == [True], 120,
                    "the small-budget replica")
-        replica = live_replicas(r, "smollm2", 2)[0]["replica_id"]
+        replica = RedisStore(r).live_replicas("smollm2", 2)[0].replica_id
         replies = run_concurrently(lambda i: generate(client, f"Tell me about the number {i}.", ignore_eos=True),
                                    [(i,) for i in range(10)], 10)
         statuses = [x.status for x in replies]
@@ -323,23 +322,23 @@ def test_kv_budget_gives_429_with_retry_after_and_a_disconnect_frees_the_cache(c
         for x in replies:
             if x.status == 429:
                 assert int(x.headers["Retry-After"]) >= 1 and "KV" in x.json()["error"]
-        assert [x["replica_id"] for x in live_replicas(r, "smollm2", 2)] == [replica]
+        assert [x.replica_id for x in RedisStore(r).live_replicas("smollm2", 2)] == [replica]
         wait_until(lambda: _sequences(r) == 0, 30, "every cache freed after the burst")
         asyncio.run(_stream_then_leave(client, r))
         wait_until(lambda: _sequences(r) == 0 and _kv_bytes(r) == 0, 30, "the disconnected request's caches freed")
     finally:
         assert client.request("PUT", "/system/functions", original).status == 200
         # One read per check: the list changes while the replaced replica goes.
-        wait_until(lambda: [x["replica_id"] != replica for x in live_replicas(r, "smollm2", 2)] == [True], 120,
+        wait_until(lambda: [x.replica_id != replica for x in RedisStore(r).live_replicas("smollm2", 2)] == [True], 120,
                    "the original stage 2")
 
 
 def _sequences(r: redis.Redis) -> int:
-    return sum(int(x.get("sequences", "0")) for s in range(4) for x in live_replicas(r, "smollm2", s))
+    return sum(x.sequences for s in range(4) for x in RedisStore(r).live_replicas("smollm2", s))
 
 
 def _kv_bytes(r: redis.Redis) -> int:
-    return sum(int(x.get("kv_bytes", "0")) for s in range(4) for x in live_replicas(r, "smollm2", s))
+    return sum(x.kv_bytes for s in range(4) for x in RedisStore(r).live_replicas("smollm2", s))
 
 
 async def _stream_then_leave(client: GatewayClient, r: redis.Redis) -> None:
@@ -356,8 +355,7 @@ async def _stream_then_leave(client: GatewayClient, r: redis.Redis) -> None:
                 await asyncio.sleep(0.1)
             assert _sequences(r) >= 1, "the stream's caches never showed up"
     await asyncio.sleep(3)
-    steps = [f for _, f in r.xrange(keys.records_stream("smollm2", 3), count=100000)
-             if f[b"id"].decode().startswith(rid + ".")]
+    steps = [x for x in RedisStore(r).samples("smollm2", 3) if x.request_id.startswith(rid + ".")]
     assert 1 <= len(steps) < 64, f"{len(steps)} steps: the generation did not stop when its client left"
 
 
@@ -434,8 +432,8 @@ def test_openai_logprobs_and_several_choices(oai, r, sources, tokenizer):
                                           seed=3, n=3)
     assert [c.index for c in several.choices] == [0, 1, 2]
     assert len({c.message.content for c in several.choices}) > 1  # three seeds, three samples
-    prefills = [f for _, f in r.xrange(keys.records_stream("smollm2", 0))
-                if f[b"id"].decode().startswith(several.id + "-") and f[b"k"] == b"prefill"]
+    prefills = [x for x in RedisStore(r).samples("smollm2", 0)
+                if x.request_id.startswith(several.id + "-") and x.kind == "prefill"]
     assert len(prefills) == 1
     greedy = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0, n=3)
     assert len({c.message.content for c in greedy.choices}) == 1  # forked caches decode as the prefill's own

@@ -9,11 +9,11 @@ import time
 import redis
 import torch
 
-from contracts import keys
 from contracts.wire import MESSAGE_FIELD, Header, StageTiming, unpack
 from pipeline.join import Joins
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
+from state import keys
 
 MODEL = "dag"
 

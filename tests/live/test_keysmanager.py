@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from contracts import keys
 from contracts.config import Settings
 from contracts.http_client import HttpClient
 from contracts.paths import STAGE_HANDLER
@@ -21,9 +20,10 @@ from keysmanager.client import KeysClient, KeysManagerError
 from pipeline.manifest import Manifest, sha256_file
 from pipeline.model_fetch import FetchError, ensure_model
 from pipeline.partition import partition
-from pipeline.registry import ReplicaInfo, deregister, live_replicas, register
 from pipeline.stage_runner import StageRunner
 from runtime.functions import start_watchdog
+from state.records import ReplicaRecord
+from state.store import RedisStore
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -89,7 +89,7 @@ def test_forked_replicas_compute_exactly_what_a_cold_one_does(km, partitioned):
     cold = invoke(client, cold_port, hidden)["hidden"]
     assert torch.equal(invoke(client, cow_port, hidden)["hidden"], cold)
     assert torch.equal(invoke(client, copy_port, hidden)["hidden"], cold)
-    started = sorted(x["started_by"] for x in live_replicas(r, "smollm2", 1))
+    started = sorted(x.started_by for x in RedisStore(r).live_replicas("smollm2", 1))
     assert started == ["cold", "fork-copy", "fork-cow"]
 
 
@@ -104,8 +104,8 @@ def test_a_cold_replica_forked_from_the_runtime_zygote_loads_its_own_shard(km, p
     got = invoke(client, int(Path(answer["port_file"]).read_text()), hidden)["hidden"]
     # (this process sums with more threads than the replica's one: equal up to summation order)
     torch.testing.assert_close(got, StageRunner(manifest, 2, 3).run(hidden)["hidden"], rtol=1e-4, atol=1e-3)
-    mine = [x for x in live_replicas(r, "smollm2", 2) if int(x["pid"]) == answer["pid"]]
-    assert [x["started_by"] for x in mine] == ["cold"]   # it read its shard itself: no zygote holds stage 2
+    mine = [x for x in RedisStore(r).live_replicas("smollm2", 2) if x.pid == answer["pid"]]
+    assert [x.started_by for x in mine] == ["cold"]   # it read its shard itself: no zygote holds stage 2
     assert "smollm2:2" not in {f"{z['model']}:{z['stages']}" for z in client.zygotes()}
     assert any(f["pid"] == answer["pid"] for f in client.forks())  # drained and stopped like any fork
     assert client.request("POST", "/start", {"model": "no-such-model", "stages": "0"}).status == 404
@@ -151,14 +151,14 @@ def test_eviction_under_a_lowered_threshold_is_lru_and_spares_children(km):
     for stages in ("0", "1", "2"):
         client.cache(StageRef.parse("minilm", stages))
     _, child_port = start_forked(client, children, "minilm", "0")  # minilm:0 is now the most recent
-    since = r.xrevrange(keys.cache_events(settings.server), count=1)[0][0]
+    since = RedisStore(r).cache_events(settings.server)[-1].t
     client.set_threshold(0.0)
     try:
         wait_until(lambda: not any(z["model"] == "minilm" for z in client.zygotes()), 60, "eviction")
     finally:
         client.set_threshold(0.85)
-    evicted = [f[b"zygote"].decode() for _, f in r.xrange(keys.cache_events(settings.server), min=since)
-               if f[b"event"] == b"evict" and f[b"zygote"].startswith(b"minilm:")]
+    evicted = [e.zygote for e in RedisStore(r).cache_events(settings.server, since_s=since)
+               if e.event == "evict" and e.zygote.startswith("minilm:")]
     assert evicted == ["minilm:1", "minilm:2", "minilm:0"]
     # The child of an evicted zygote still serves.
     out = invoke(client, child_port, {"input_ids": torch.tensor([[101, 7592, 102]])})
@@ -174,8 +174,7 @@ def test_a_crashed_zygote_is_noticed_and_cached_again(km):
                                      if z["model"] == "minilm" and z["stages"] == "2" and z["pid"] != before["pid"]),
                                     None), 120, "the zygote to be cached again")
     assert after["sha256"] == before["sha256"]
-    crash = [float(f[b"t"]) for _, f in r.xrange(keys.cache_events(settings.server))
-             if f[b"event"] == b"crash" and float(f[b"t"]) >= killed_at]
+    crash = [e.t for e in RedisStore(r).cache_events(settings.server) if e.event == "crash" and e.t >= killed_at]
     # Noticed at the watcher's next pass, which comes every second (3 s allowed on a busy machine).
     assert crash and crash[0] - killed_at < 3.0, crash
 
@@ -236,21 +235,22 @@ def test_key_stages_published_by_the_autoscaler_get_cached_where_they_run(km):
     settings, client, r, children = km
     cached = lambda: any(z["model"] == "minilm" and z["stages"] == "1" for z in client.zygotes())  # noqa: E731
     assert not cached()
-    r.sadd(keys.key_stages("minilm"), "1")
-    elsewhere = ReplicaInfo("minilm-s1.other.1", "minilm", 1, 2, "another-server", 1, "cpu", 1, "cold", time.time())
-    here = ReplicaInfo("minilm-s1.here.2", "minilm", 1, 2, settings.server, 2, "cpu", 1, "cold", time.time())
+    store = RedisStore(r)
+    store.publish_key_stages("minilm", (StageRef("minilm", 1, 2),))
+    elsewhere = ReplicaRecord("minilm-s1.other.1", "minilm", 1, 2, "another-server", 1, started_at=time.time())
+    here = ReplicaRecord("minilm-s1.here.2", "minilm", 1, 2, settings.server, 2, started_at=time.time())
     try:
         # A key stage with a replica only on another server is not cached here (QUART §6.1) ...
-        register(r, elsewhere, 60)
+        store.register(elsewhere, 60)
         time.sleep(3)  # three watch periods
         assert not cached()
         # ... and is once one is scheduled here.
-        register(r, here, 60)
+        store.register(here, 60)
         wait_until(cached, 120, "the key stage to be cached")
     finally:
-        r.delete(keys.key_stages("minilm"))
-        deregister(r, elsewhere)
-        deregister(r, here)
+        store.publish_key_stages("minilm", ())
+        store.deregister(elsewhere)
+        store.deregister(here)
 
 
 def test_a_replica_fetches_only_its_shards_from_the_keysmanager(km, tmp_path) -> None:

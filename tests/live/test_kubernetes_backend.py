@@ -13,10 +13,11 @@ import pytest
 from kubernetes_validate import ValidationError
 
 from autoscaler.kubernetes_backend import DELETION_COST, KubernetesBackend
-from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.stack import pipelines, read_stack
 from contracts.stage import StageRef
+from state import keys
+from state.store import RedisStore
 from tests.fake_cluster import FakeGateway, FakeKubernetes, Request, Served, node, pod
 from tests.kustomize import objects
 from tests.live.runtime_helpers import wait_until
@@ -45,7 +46,7 @@ def cluster(km):
     core = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(config))
     backend = KubernetesBackend(settings.replace(namespace=NS), GatewayClient(gw.url, "admin", "secret"), core,
                                 pipelines(read_stack(REPO / "stack.yml")), r)
-    r.delete(keys.key_stages("smollm2"))
+    RedisStore(r).publish_key_stages("smollm2", ())
     try:
         yield backend, fake, gateway, client
     finally:
@@ -67,7 +68,7 @@ def test_a_cached_key_stage_grows_by_a_fork_on_its_node(cluster, km) -> None:
     backend, fake, gateway, keysmanager = cluster
     _, _, r, _ = km
     keysmanager.cache(S1)
-    r.sadd(keys.key_stages("smollm2"), S1.stages)
+    RedisStore(r).publish_key_stages("smollm2", (S1,))
     backend.set_replicas(S1, 2)
     forks = keysmanager.forks()
     assert [(f["function"], f["stages"]) for f in forks] == [("smollm2-s1", "1")]

@@ -6,16 +6,18 @@ from __future__ import annotations
 import redis
 
 from autoscaler.observe import Observer
-from contracts import keys
 from contracts.stage import StageRef
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
+from state import keys
+from state.records import ReplicaRecord, StageSample
+from state.store import RedisStore
 
 REFS = {"m": (StageRef("m", 0, 1), StageRef("m", 1, 3))}
 
 
 def _record(r: redis.Redis, ref: StageRef, t: float, service_ms: float) -> None:
-    r.xadd(keys.records_stream(ref.model, ref.first), {"t": f"{t:.6f}", "q": "2.0", "s": f"{service_ms}"},
+    r.xadd(keys.records_stream(ref.model, ref.first), StageSample("x.0", t, 2.0, service_ms, "live", "pass").encode(),
            id=f"{int(t * 1000)}-0")
 
 
@@ -27,8 +29,8 @@ def test_incremental_reads_see_what_a_fresh_read_sees(tmp_path):
         now = 1_000_000.0
         for k in range(10):
             _record(r, REFS["m"][1], now - 9 + k, 50.0)
-        r.hset(keys.replica("live"), mapping={"cpus": "2"})
-        r.sadd(keys.stage_replicas("m", 1), "live", "expired")  # "expired" has no hash any more
+        RedisStore(r).register(ReplicaRecord("live", "m", 1, 2, "here", 1, cpus=2), ttl_s=60)
+        r.sadd(keys.stage_replicas("m", 1), "expired")  # "expired" has no hash any more
         observer = Observer(r, REFS, window_s=10.0)
         first = observer.observe(now, {"m": [1, 3]}, 2.0)["m"]
         ranged = first.stages[1]

@@ -16,13 +16,13 @@ import redis
 import torch
 from transformers import AutoTokenizer
 
-from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.secrets import bearer
 from contracts.wire import MESSAGE_FIELD, decode_tensors, encode_tensors, unpack
 from pipeline.architectures import mean_pool_normalize
 from pipeline.manifest import Manifest
-from pipeline.registry import live_replicas
+from state import keys
+from state.store import RedisStore
 from tests.live.runtime_helpers import available, reference_greedy, scale_and_wait, wait_until
 from tests.openapi_check import checked
 
@@ -165,7 +165,7 @@ def test_a_direct_invoke_is_bounded_by_its_cost(client, runtime, tensors):
 
 
 def test_garbage_bytes_and_wrong_methods_in_a_direct_invoke(client, runtime, r):
-    before = {i: sorted(x["replica_id"] for x in live_replicas(r, "smollm2", i)) for i in range(3)}
+    before = {i: sorted(x.replica_id for x in RedisStore(r).live_replicas("smollm2", i)) for i in range(3)}
     reply = stage_invoke(client, runtime, "smollm2-s2", b"\x00\x01garbage")
     assert reply.status == 400 and "safetensors" in reply.json()["error"]
     out_of_vocab = stage_invoke(client, runtime, "smollm2-s0", {"input_ids": torch.tensor([[10 ** 6]])})
@@ -173,7 +173,7 @@ def test_garbage_bytes_and_wrong_methods_in_a_direct_invoke(client, runtime, r):
     assert client.request("GET", "/function/smollm2-s1", auth=False).status == 405
     # The same replicas (ids hold their pids) still serve after all of that: none restarted.
     assert client.invoke("smollm2", {"prompt": "Hello", "max_new_tokens": 1}).status == 200
-    assert {i: sorted(x["replica_id"] for x in live_replicas(r, "smollm2", i)) for i in range(3)} == before
+    assert {i: sorted(x.replica_id for x in RedisStore(r).live_replicas("smollm2", i)) for i in range(3)} == before
 
 
 # -- the gateway API and its auth --------------------------------------------------------------
@@ -223,15 +223,15 @@ def test_deploy_and_delete_a_function(client, r, runtime):
                   "envVars": {"QUART_MODEL": "minilm", "QUART_STAGES": "2"}, "labels": {"team": "test"}}
     assert checked(client, "POST", "/system/functions", "/system/functions", deployment).status == 202
     wait_until(lambda: available(client, "minilm-extra") == 1, 120, "minilm-extra to start")
-    wait_until(lambda: len(live_replicas(r, "minilm", 2)) == 2, 30, "two stage-2 replicas")
+    wait_until(lambda: len(RedisStore(r).live_replicas("minilm", 2)) == 2, 30, "two stage-2 replicas")
     assert client.invoke("minilm", {"inputs": ["still answers"]}).status == 200
     assert checked(client, "DELETE", "/system/functions", "/system/functions",
                    {"functionName": "minilm-extra"}).status == 200
-    wait_until(lambda: len(live_replicas(r, "minilm", 2)) == 1, 60, "the extra replica to leave")
+    wait_until(lambda: len(RedisStore(r).live_replicas("minilm", 2)) == 1, 60, "the extra replica to leave")
     assert client.request("GET", "/system/function/minilm-extra").status == 404
     # Its replica exits, and the reconciler does not bring a new one back.
     time.sleep(3)
-    assert len(live_replicas(r, "minilm", 2)) == 1
+    assert len(RedisStore(r).live_replicas("minilm", 2)) == 1
     with open(log_path) as f:
         f.seek(log_start)
         assert f.read().count("started minilm-extra replica") == 1
@@ -290,19 +290,19 @@ def test_scaling_a_stage_while_requests_flow(client, r):
     ids = [x.json()["id"] for x in results]
     assert len(set(ids)) == 75
     # No pass was computed twice at stage 1: each appears once among its records.
-    records = r.xrange(keys.records_stream("smollm2", 1), count=100000)
-    passes = [f[b"id"].decode() for _, f in records if f[b"id"].decode().split(".")[0] in set(ids)]
+    records = [x for x in RedisStore(r).samples("smollm2", 1) if x.request_id.split(".")[0] in set(ids)]
+    passes = [x.request_id for x in records]
     assert len(passes) == len(set(passes)) == sum(len(x.json()["token_ids"]) for x in results)
-    served_by = {f[b"r"] for _, f in records if f[b"id"].decode().split(".")[0] in set(ids)}
+    served_by = {x.replica_id for x in records}
     assert len(served_by) >= 2, "the added replicas never took work"
 
 
 def _holder_of_work(r: redis.Redis, model: str, stage: int, forked: bool | None) -> tuple[int, bytes, bytes] | None:
     """(pid, message id, consumer) of a live replica that holds an unacknowledged work item."""
     for entry in r.xpending_range(keys.stage_stream(model, stage), keys.GROUP, "-", "+", 10):
-        data = r.hgetall(keys.replica(entry["consumer"].decode()))
-        if data and (forked is None or data[b"started_by"].startswith(b"fork") == forked):
-            return int(data[b"pid"]), entry["message_id"], entry["consumer"]
+        rec = RedisStore(r).replica(entry["consumer"].decode())
+        if rec and (forked is None or rec.started_by.startswith("fork") == forked):
+            return rec.pid, entry["message_id"], entry["consumer"]
     return None
 
 
@@ -349,8 +349,7 @@ def kill_holder_during_a_request(client, r, sources, tokenizer, stage: int, fork
     expected = reference_greedy(sources, tokenizer(prompt)["input_ids"], 24)
     assert all(x.json()["token_ids"] == expected for x in results)
     # The item the killed replica held was claimed again (XAUTOCLAIM) and computed by another.
-    done_by = [f[b"r"].decode() for _, f in r.xrange(keys.records_stream("smollm2", stage))
-               if f[b"id"].decode() == pass_id]
+    done_by = [x.replica_id for x in RedisStore(r).samples("smollm2", stage) if x.request_id == pass_id]
     assert done_by and killed not in done_by, (pass_id, killed, done_by)
 
 
@@ -384,11 +383,11 @@ def test_scale_ups_fork_from_the_cache_repeatedly_under_load(client, r, runtime)
     sender = threading.Thread(target=_send_many, args=(client, 40, results, 0.1))
     sender.start()
     for _ in range(3):
-        before = {x["replica_id"] for x in live_replicas(r, "smollm2", 1)}
+        before = {x.replica_id for x in RedisStore(r).live_replicas("smollm2", 1)}
         scale_and_wait(client, r, "smollm2-s1", 2, stage=1)
-        new = [x for x in live_replicas(r, "smollm2", 1) if x["replica_id"] not in before]
-        assert len(new) == 1 and new[0]["started_by"] == "fork-cow"
-        wait_until(lambda rid=new[0]["replica_id"]: r.hget(keys.replica(rid), "first_work_at"), 60,
+        new = [x for x in RedisStore(r).live_replicas("smollm2", 1) if x.replica_id not in before]
+        assert len(new) == 1 and new[0].started_by == "fork-cow"
+        wait_until(lambda rid=new[0].replica_id: RedisStore(r).replica(rid).first_work_at, 60,
                    "the forked replica to take work")
         scale_and_wait(client, r, "smollm2-s1", 1, stage=1)
     sender.join(timeout=300)
@@ -397,7 +396,7 @@ def test_scale_ups_fork_from_the_cache_repeatedly_under_load(client, r, runtime)
 
 def test_kill_9_of_a_forked_replica_holding_work_loses_nothing(client, r, sources, tokenizer):
     scale_and_wait(client, r, "smollm2-s1", 3, stage=1)
-    assert any(x["started_by"] == "fork-cow" for x in live_replicas(r, "smollm2", 1))
+    assert any(x.started_by == "fork-cow" for x in RedisStore(r).live_replicas("smollm2", 1))
     kill_holder_during_a_request(client, r, sources, tokenizer, stage=1, forked=True)
     scale_and_wait(client, r, "smollm2-s1", 1, stage=1)
 

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from contracts import keys
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stack import scale_to_zero_stack
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state import keys
 from tests.live.runtime_helpers import reference_greedy, wait_until
 
 IDLE = "4s"

@@ -9,9 +9,11 @@ from collections import Counter
 import pytest
 import redis
 
-from contracts import keys
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
+from state import keys
+from state.records import ColdStart, Placement, StageSample
+from state.store import RedisStore
 from tests.live.test_autoscaler_live import MODEL, burst, emulated_settings
 
 STAGE3 = f"{MODEL}:3"
@@ -38,16 +40,16 @@ def three_servers(home_settings, tmp_path_factory):
         control.down(settings)
 
 
-def placements(r: redis.Redis) -> list[dict[str, str]]:
-    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.placements())]
+def placements(r: redis.Redis) -> list[Placement]:
+    return RedisStore(r).placements()
 
 
 def test_initial_replicas_are_packed_and_every_placement_is_recorded(three_servers):
     settings, r, clients = three_servers
-    added = [p for p in placements(r) if p["op"] == "add"]
+    added = [p for p in placements(r) if p.op == "add"]
     assert len(added) == 9  # 8 stages and the entry function
-    assert Counter(p["server"] for p in added) == {"vs-0": 9}, "best fit packs the first server"
-    assert all(p["reason"] for p in added)
+    assert Counter(p.server for p in added) == {"vs-0": 9}, "best fit packs the first server"
+    assert all(p.reason for p in added)
     assert [c.stats()["server"] for c in clients] == ["vs-0", "vs-1", "vs-2"]
     # The budget holds: the whole model (14 GB nominal) does not fit, and nothing is evicted trying.
     with pytest.raises(KeysManagerError) as refused:
@@ -61,18 +63,18 @@ def test_a_burst_forks_the_key_stage_on_servers_that_cache_it_and_spreads_it(thr
     before = len(placements(r))
     statuses = burst(f"{settings.gateway.url}/function/{MODEL}", rate=30, seconds=15)
     assert statuses == [200] * len(statuses), {s: statuses.count(s) for s in set(statuses)}
-    grown = [p for p in placements(r)[before:] if p["op"] == "add" and p["stage"] == STAGE3]
+    grown = [p for p in placements(r)[before:] if p.op == "add" and p.stage == STAGE3]
     assert grown, "stage 3 was not scaled up"
     # A replica forks only where the scheduler saw the stage cached (a fork that fails there, say
     # the zygote went away meanwhile, falls back to a cold start on the same server).
-    forks = [p for p in grown if p["started_by"] == "fork-cow"]
-    assert forks and all(p["path"] == "fork" for p in forks), grown
+    forks = [p for p in grown if p.started_by == "fork-cow"]
+    assert forks and all(p.path == "fork" for p in forks), grown
     cached_at_fork = {
-        server: {f[b"zygote"].decode() for _, f in r.xrange(keys.cache_events(server)) if f[b"event"] == b"cache"}
+        server: {e.zygote for e in RedisStore(r).cache_events(server) if e.event == "cache"}
         for server in ("vs-0", "vs-1", "vs-2")}
-    assert all(STAGE3 in cached_at_fork[p["server"]] for p in forks)
+    assert all(STAGE3 in cached_at_fork[p.server] for p in forks)
     # The key stage's replicas (its first one on vs-0 included) sit on more than one server.
-    servers = {p["server"] for p in grown} | {"vs-0"}
+    servers = {p.server for p in grown} | {"vs-0"}
     assert len(servers) >= 2, grown
 
 
@@ -82,18 +84,17 @@ def test_a_ttft_objective_sets_the_cold_start_fetch_deadline_from_what_was_measu
     a real Redis; a stage without the label keeps QUART_COLD_DEADLINE_S."""
     from pathlib import Path
 
-    from pipeline.registry import record_cold_start
     from runtime.functions import FunctionState
     from runtime.placer import Placer
 
     model = "deadline-test"
     stages = [StageRef(model, 0, 1), StageRef(model, 1, 2)]
     r.delete(keys.coldstarts(model), *[keys.records_stream(model, s.first) for s in stages])
-    record_cold_start(r, stages[1], {"fetched_at": 100.0, "loaded_at": 101.5})
+    RedisStore(r).record_cold_start(stages[1], ColdStart(fetched_at=100.0, loaded_at=101.5))
     for stage, service_ms in ((0, (200, 300, 400)), (1, (100, 700, 900))):
         for ms in service_ms:
-            r.xadd(keys.records_stream(model, stage), {"id": "x.0.0", "k": "prefill", "s": str(ms), "q": "0", "t": "0"})
-        r.xadd(keys.records_stream(model, stage), {"id": "x.0.1", "k": "decode", "s": "9000", "q": "0", "t": "0"})
+            r.xadd(keys.records_stream(model, stage), StageSample("x.0.0", 0.0, 0.0, ms, "r", "prefill").encode())
+        r.xadd(keys.records_stream(model, stage), StageSample("x.0.1", 0.0, 0.0, 9000, "r", "decode").encode())
 
     def function(stage: StageRef, labels: dict) -> FunctionState:
         return FunctionState({"service": f"{model}-s{stage.first}", "image": "quart/stage:0.1.0", "labels": labels,

@@ -3,6 +3,7 @@ the clock is the caller's, missing data means no decision, bounds are applied on
 are published as the stage functions' ranges, and one failing change holds back no other."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -50,7 +51,7 @@ def test_no_observation_no_decision_and_memory_kept():
 def test_the_clock_is_the_callers():
     c = Controller({"a": A}, {"a": Static(1)})
     [actions] = c.step(123.5, {"a": state("a", 3)})
-    assert actions.state.now == 123.5 and actions.record()["t"] == "123.500"
+    assert actions.state.now == 123.5 and actions.record().t == 123.5
 
 
 def test_key_stages_are_published_as_the_functions_ranges():
@@ -59,7 +60,7 @@ def test_key_stages_are_published_as_the_functions_ranges():
     c = Controller({"a": A}, {"a": Quart()})
     [actions] = c.step(1.0, {"a": state("a", 3, lam=30.0, queue=(0, 50, 0))})
     assert StageRef("a", 1, 3) in actions.key_stages
-    assert "1-3" in actions.record()["key"]
+    assert "1-3" in actions.record().key
 
 
 def test_quart_cv_prediction_is_batched_over_models_and_equals_one_at_a_time():
@@ -108,3 +109,36 @@ def test_no_replica_is_added_where_no_core_is_idle(name, cpu_free, observed, sta
     [actions] = c.step(5.0, {"a": PipelineState(**{**vars(observed_state), "cpu_free": cpu_free})})
     assert actions.decision.replicas() == [want] * 3
     assert ("held" in actions.decision.stages[0].reason) == (static > observed and want == observed)
+
+
+def test_policies_sharing_a_forecast_are_predicted_together_and_each_decides_on_its_part():
+    calls: list[list[str]] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Counted:
+        """A CV forecast that notes which models each call predicted (and predicts CV 1 everywhere)."""
+        def predict(self, states):
+            calls.append([s.model for s in states])
+            return [[1.0] * len(s.stages) for s in states]
+
+    shared = Counted()
+    policies = {"a": _ForecastBy(Quart(), shared), "b": _ForecastBy(Quart(), shared), "c": Static(2)}
+    c = Controller({"a": A, "b": B, "c": (StageRef("c", 0, 1),)}, policies)
+    steps = c.step(1.0, {"a": state("a", 3), "b": state("b", 2), "c": state("c", 1)})
+    assert calls == [["a", "b"]]                       # one pass for both QUART models, none for the baseline
+    assert [s.model for s in steps] == ["a", "b", "c"]
+    assert [s.decision.policy for s in steps] == ["quart", "quart", "static"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForecastBy:
+    """A policy with its forecast swapped for another (to count the controller's calls)."""
+    policy: Quart
+    by: object
+
+    def forecast(self):
+        return self.by
+
+    def decide(self, state, memory=None, predicted=None):
+        assert predicted is not None, "the controller hands each policy its part of the forecast"
+        return self.policy.decide(state, memory, predicted)

@@ -14,7 +14,7 @@ from scheduler.evaluate import apply, dispersion
 from scheduler.fetch import admits, progress
 from scheduler.kl import descend, kl_divergence, round_counts
 from scheduler.placement import Scheduler, SchedulerParams
-from scheduler.state import Change, ClusterState, Fetch, Replica, Server
+from scheduler.state import Change, ClusterState, Fetch, Replica, Server, ServerView, cluster_state
 
 KEY = "m:3"
 
@@ -178,3 +178,14 @@ def test_params_change_the_trade_off():
     assert placed[0].server == "s0"
     placed = Scheduler(SchedulerParams(cache_weight=0.5)).schedule(state, [Change(KEY, 1)]).placements
     assert placed[0].server == "s1"
+
+
+def test_one_cluster_view_for_every_backend():
+    """Draining replicas keep their slots but leave the scheduler's count; a full cache is memory pressure."""
+    views = [ServerView("a", 4, 1e9, frozenset({"m:0"}), 900), ServerView("b", 4, 1e9, cached_bytes=100)]
+    replicas = [(Replica("r1", "m:0", "a"), False), (Replica("r2", "m:0", "a"), True), (Replica("r3", "m:1", "b"), True)]
+    state = cluster_state(views, replicas, ["m:0"], 5.0, cache_budget=900)
+    assert [(s.name, s.slots, s.memory_pressure) for s in state.servers] == [("a", 3, True), ("b", 3, False)]
+    assert [r.id for r in state.replicas] == ["r1"] and state.key_stages == {"m:0"} and state.now == 5.0
+    unbounded = cluster_state(views, [], [], 0.0, cache_budget=0)
+    assert not any(s.memory_pressure for s in unbounded.servers) and [s.slots for s in unbounded.servers] == [4, 4]

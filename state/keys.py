@@ -60,14 +60,11 @@ def cache_events(server: str) -> str:
     return f"{PREFIX}:cache-events:{server}"
 
 
-def key_stages(model: str) -> str:
-    """The autoscaler's current key stages of a model: a set of StageRef.stages ("2", "1-3"), the
-    ranges of the stage functions that are key.
-    Every KeysManager caches the key stages it does not hold yet."""
-    return f"{PREFIX}:key-stages:{model}"
-
-
-KEY_STAGES_PATTERN = f"{PREFIX}:key-stages:*"
+def key_stages() -> str:
+    """Hash: model -> JSON list of its key stages' ranges (StageRef.stages: "2", "1-3"), the
+    autoscaler's current key stages. One index, read whole: every KeysManager caches the key
+    stages it does not hold yet, and the placer spreads them."""
+    return f"{PREFIX}:key-stages"
 
 
 def stage_cpus(stage: StageRef) -> str:
