@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if not GatewayClient(settings.gateway.url).healthy():
             raise SystemExit(f"no gateway at {settings.gateway.url}: start one with `make up`")
         runs = {a.label or settings.autoscaler.policy: one_run(a, settings, requests)}
-    path = write(out, f"Replay of {a.model}", conditions(a, settings, requests), runs)
+    path = write(out, f"Replay of {a.model}", conditions(a, settings, requests), runs, Path(settings.home))
     print(path.read_text().split("![")[0])
     print(f"report: {path}")
     return 0

@@ -1,10 +1,17 @@
 """The evaluation report: one Markdown file with the tables, PNG plots beside it (latency CDF, SLO
-attainment against SLO scale, per-stage timelines, CV and mean queue per stage), the summary as
-JSON and every request as JSON lines, so the figures can be redrawn without re-running."""
+attainment against SLO scale, per-stage timelines, CV and mean queue per stage) and the summary as
+JSON. Every request is kept as JSON lines apart from the report (under QUART_HOME/records: they
+are large, and a report's folder is what gets committed), so the figures can be redrawn without
+re-running where they are present:
+
+    python -m loadgen.report REPORT_DIR [--home QUART_HOME]
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -69,15 +76,16 @@ def plots(out: Path, runs: dict[str, dict]) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for policy, run in runs.items():
-        lat = np.sort([r.latency_s for r in run["records"] if r.ok])
-        if len(lat):
-            ax.plot(lat * 1000, np.arange(1, len(lat) + 1) / len(lat), label=policy)
-    ax.set(xlabel="latency (ms)", ylabel="fraction of answered requests", title="Latency CDF")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    paths.append(_save(fig, out / "latency_cdf.png"))
+    if any(run["records"] for run in runs.values()):   # re-rendered without its records: the CDF stays as drawn
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy, run in runs.items():
+            lat = np.sort([r.latency_s for r in run["records"] if r.ok])
+            if len(lat):
+                ax.plot(lat * 1000, np.arange(1, len(lat) + 1) / len(lat), label=policy)
+        ax.set(xlabel="latency (ms)", ylabel="fraction of answered requests", title="Latency CDF")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        paths.append(_save(fig, out / "latency_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy, run in runs.items():
@@ -125,23 +133,60 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def write(out: Path, title: str, conditions: dict, runs: dict[str, dict]) -> Path:
+def records_dir(home: Path, out: Path) -> Path:
+    """Where a report's per-request records go: QUART_HOME/records/<the report's folder>, by its
+    path inside the repository where it is there (two reports' folders may share a last name)."""
+    from contracts.paths import REPO_ROOT
+    out = out.resolve()
+    name = out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else Path(out.name)
+    return Path(home) / "records" / name
+
+
+def write(out: Path, title: str, conditions: dict, runs: dict[str, dict], home: Path) -> Path:
     """runs: policy -> {"summary": metrics.summarize(...), "timeline": timeline.timeline(...),
-    "records": [Record]}. Returns the Markdown file's path."""
+    "records": [Record]}; the records go under `home` (records_dir). Returns the Markdown file's path."""
     out.mkdir(parents=True, exist_ok=True)
+    records = records_dir(home, out)
+    records.mkdir(parents=True, exist_ok=True)
     for policy, run in runs.items():
-        with open(out / f"records-{policy}.jsonl", "w") as f:
+        with open(records / f"records-{policy}.jsonl", "w") as f:
             for rec in run["records"]:
                 f.write(rec.as_json() + "\n")
     (out / "results.json").write_text(json.dumps(
         {"title": title, "conditions": conditions,
          "runs": {p: {"summary": r["summary"], "timeline": r["timeline"]} for p, r in runs.items()}},
         indent=1, default=lambda x: None))
+    return render(out, home)
+
+
+def render(out: Path, home: Path) -> Path:
+    """The report and plots from results.json, with the per-request records where `home` has them."""
+    data = json.loads((out / "results.json").read_text())
+    records = records_dir(home, out)
+    runs = {p: {**r, "records": load_records(records / f"records-{p}.jsonl")
+                if (records / f"records-{p}.jsonl").exists() else []} for p, r in data["runs"].items()}
     plots(out, runs)
     path = out / "report.md"
-    path.write_text(markdown(title, conditions, runs))
+    path.write_text(markdown(data["title"], data["conditions"], runs))
     return path
 
 
 def load_records(path: Path) -> list[Record]:
     return [Record(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from contracts.config import load_settings
+    parser = argparse.ArgumentParser(description="Draws a report again from its results.json (and its records, where kept).")
+    parser.add_argument("report", type=Path, help="the report's folder (holding results.json)")
+    parser.add_argument("--home", default=None, help="QUART_HOME, under whose records/ the per-request records are")
+    a = parser.parse_args(argv)
+    if not (a.report / "results.json").exists():
+        print(f"{a.report} holds no results.json", file=sys.stderr)
+        return 2
+    print(f"report: {render(a.report, Path(load_settings(home=a.home).home))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

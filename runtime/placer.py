@@ -112,6 +112,6 @@ class Placer:
             records.append(Placement("unplaced", stage, why))
         self._unplaced = unplaced
         for record in records:
+            record = replace(record, contention=schedule.contention, t=time.time())
             log.info("%s", record)
-            self.store.add_placement(replace(record, contention=schedule.contention, t=time.time()),
-                                     self.settings.data.records_maxlen)
+            self.store.add_placement(record, self.settings.data.records_maxlen)

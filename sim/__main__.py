@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         conditions = {"simulated": True, "preset": a.preset, "models": ",".join(m.name for m in models),
                       "arrivals": a.arrivals, "rate_rps": a.rate, "cv": a.cv, "duration_s": a.duration,
                       "seed": a.seed, **{k: v for k, v in dataclasses.asdict(cfg).items() if k != "seed"}}
-        path = write(Path(a.out), "Simulated replay", conditions, runs)
+        path = write(Path(a.out), "Simulated replay", conditions, runs, Path(settings.home))
         print(f"report: {path}")
     return 0
 

@@ -18,6 +18,7 @@ import pytest
 from contracts.paths import REPO_ROOT as REPO
 from loadgen import arrivals as arr
 from loadgen.client import run
+from loadgen.report import records_dir
 from loadgen.requests import Request
 from runtime.ports import free_port
 
@@ -92,8 +93,17 @@ def test_compare_runs_every_policy_and_writes_one_report(tmp_path, home_settings
         s = run_["summary"]
         assert s["sent"] == s["ok"] > 0 and s["replica_seconds"] > 0
         assert len(run_["timeline"]["cv"]) == 8 and len(run_["timeline"]["replicas"]) == 8
-        assert len((out / f"records-{policy}.jsonl").read_text().splitlines()) == s["sent"]
+        # The per-request records are kept in QUART_HOME, not in the report's folder.
+        kept = records_dir(tmp_path / "home", out) / f"records-{policy}.jsonl"
+        assert len(kept.read_text().splitlines()) == s["sent"] and not (out / f"records-{policy}.jsonl").exists()
     report = (out / "report.md").read_text()
     assert "| quart |" in report and "| static |" in report
     for png in ("latency_cdf.png", "slo_attainment.png", "timelines.png", "stages.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    # Drawn again from results.json and the kept records, as it was.
+    (out / "report.md").unlink()
+    (out / "latency_cdf.png").unlink()
+    again = subprocess.run([sys.executable, "-m", "loadgen.report", str(out), "--home", str(tmp_path / "home")],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (out / "report.md").read_text() == report and (out / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"
