@@ -54,7 +54,7 @@ def backend(settings: Settings, models: dict[str, Pipeline], r: redis.Redis) -> 
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
-    return KubernetesBackend(settings, gateway, kubernetes.client.CoreV1Api(), models, r)
+    return KubernetesBackend(settings, gateway, kubernetes.client.CoreV1Api(), models, RedisStore(r))
 
 
 def status(settings: Settings, watch: bool) -> int:

@@ -25,8 +25,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import redis
-
 from autoscaler.backends import GatewayFunctions
 from contracts.config import REPLICAS_PER_CORE, Settings
 from contracts.http_client import GatewayClient
@@ -38,7 +36,7 @@ from pipeline.sizes import stage_bytes
 from scheduler.placement import Scheduler, SchedulerParams
 from scheduler.state import Change, ClusterState, Replica, Schedule, ServerView, cluster_state, fetches_under_way
 from state.records import Placement
-from state.store import RedisStore
+from state.store import Store
 
 log = logging.getLogger("quart.kubernetes")
 KEYSMANAGER_SELECTOR = "app.kubernetes.io/name=quart-keysmanager"
@@ -85,14 +83,13 @@ class KubernetesBackend(GatewayFunctions):
     """A model's whole-model function (GatewayFunctions) is scaled through the gateway: its pods
     are cold starts that kube-scheduler places."""
     def __init__(self, settings: Settings, gateway: GatewayClient, core, pipelines: dict[str, Pipeline],
-                 r: redis.Redis, scheduler: Scheduler | None = None) -> None:
+                 store: Store, scheduler: Scheduler | None = None) -> None:
         """`core`: a kubernetes.client.CoreV1Api."""
         self.settings = settings
         self.gateway = self.client = gateway
         self.core = core
         self.pipelines = pipelines
-        self.redis = r
-        self.store = RedisStore(r)
+        self.store = store
         self.namespace = settings.gateway.namespace
         self.scheduler = scheduler or Scheduler(SchedulerParams.from_settings(settings))
         self.stage_of = {fn: stage for p in pipelines.values() for stage, fn in zip(p.stages, p.functions)}

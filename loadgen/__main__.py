@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import redis
 
 from autoscaler.policy.controller import POLICIES
 from contracts.config import Settings, add_arguments, exit_on_config_error, settings_from_args
@@ -35,6 +34,7 @@ from loadgen.metrics import summarize
 from loadgen.report import write
 from loadgen.requests import PromptPool, Request, build, kind_of
 from loadgen.timeline import Sampler, stage_arrivals, timeline
+from state.store import RedisStore
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -141,10 +141,10 @@ def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) 
     model = requests[0].model
     found = pipelines(read_stack(Path(settings.stack_file))).get(model)
     stages = found.num_stages if found else 0
-    r = redis.Redis.from_url(settings.redis_url)
+    store = RedisStore.from_url(settings.redis_url)
     profiled = profile_latency(settings.gateway.url, requests[0])
     tpot_slo = a.tpot_slo_ms / 1000.0 if a.tpot_slo_ms else (2.0 * profiled.tpot_s if profiled.tpot_s else None)
-    sampler = Sampler(r, model, stages).start()
+    sampler = Sampler(store, model, stages).start()
     try:
         records, start = replay(settings.gateway.url, requests, timeout_s=settings.data.request_timeout_s + 30,
                                 progress=not a.no_progress)
@@ -152,7 +152,7 @@ def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) 
     finally:
         sampler.stop()
     duration = max(req.at for req in requests) or 1.0
-    t = timeline(sampler, stage_arrivals(r, model, stages, start), start)
+    t = timeline(sampler, stage_arrivals(store, model, stages, start), start)
     return {"summary": summarize(records, profiled.latency_s, duration, sampler.replica_seconds(),
                                  warm_ttft_s=profiled.ttft_s, tpot_slo_s=tpot_slo),
             "timeline": t, "records": records}

@@ -10,17 +10,16 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import redis
 
 from contracts.loops import start_thread
-from state.store import RedisStore
+from state.store import Store
 
 log = logging.getLogger("quart.loadgen")
 
 
 @dataclass
 class Sampler:
-    r: redis.Redis
+    store: Store | None     # None: samples given (the simulator's)
     model: str
     stages: int
     period_s: float = 0.5
@@ -30,9 +29,8 @@ class Sampler:
 
     def sample(self) -> None:
         now = time.time()
-        store = RedisStore(self.r)
-        replicas = [len(store.live_replicas(self.model, i)) for i in range(self.stages)]
-        queues = [store.backlog(self.model, i).waiting for i in range(self.stages)]
+        replicas = [len(self.store.live_replicas(self.model, i)) for i in range(self.stages)]
+        queues = [self.store.backlog(self.model, i).waiting for i in range(self.stages)]
         self.samples.append((now, replicas, queues))
 
     def start(self) -> Sampler:
@@ -50,9 +48,8 @@ class Sampler:
         return float(sum(sum(replicas) for _, replicas, _ in self.samples) * self.period_s)
 
 
-def stage_arrivals(r: redis.Redis, model: str, stages: int, since: float) -> list[np.ndarray]:
+def stage_arrivals(store: Store, model: str, stages: int, since: float) -> list[np.ndarray]:
     """When work reached each stage (the records' enqueue times), from `since` on."""
-    store = RedisStore(r)
     return [np.sort(np.array([x.arrived_at for x in store.samples(model, i, since) if x.arrived_at >= since]))
             for i in range(stages)]
 

@@ -15,13 +15,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import redis
-
 from contracts.config import Settings
 from contracts.stage import StageRef
 from pipeline.manifest import Manifest, StageInfo
 from pipeline.model_fetch import FetchError, ensure_manifest, open_url, partial_path, shard_url
-from state.store import RedisStore
+from state.store import RedisStore, Unavailable
 
 log = logging.getLogger("quart.shard_reader")
 CHUNK = 4 << 20
@@ -110,9 +108,9 @@ def start_failures_recorded(settings: Settings, stage: StageRef) -> Iterator[Non
         yield
     except (FetchError, FileNotFoundError) as exc:
         try:
-            RedisStore(redis.Redis.from_url(settings.redis_url, socket_timeout=5)).record_start_failure(
+            RedisStore.from_url(settings.redis_url, timeout_s=5).record_start_failure(
                 stage, str(exc), settings.data.request_timeout_s)
-        except redis.RedisError as down:
+        except Unavailable as down:
             log.warning("could not record why %s failed to start: %s", stage, down)
         raise
 

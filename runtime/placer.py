@@ -8,8 +8,6 @@ import logging
 import time
 from dataclasses import replace
 
-import redis
-
 from contracts.config import Settings
 from contracts.stack import ttft_slo_s
 from pipeline.sizes import stage_bytes
@@ -18,18 +16,17 @@ from scheduler.coldstart import fetch_deadline_s
 from scheduler.placement import Scheduler, SchedulerParams
 from scheduler.state import Change, ClusterState, Fetch, Replica, Schedule, ServerView, cluster_state, fetches_under_way
 from state.records import Placement
-from state.store import RedisStore, after_fetch_s
+from state.store import Store, after_fetch_s
 
 log = logging.getLogger("quart.placer")
 
 
 class Placer:
-    def __init__(self, settings: Settings, processes: ProcessManager, r: redis.Redis,
+    def __init__(self, settings: Settings, processes: ProcessManager, store: Store,
                  scheduler: Scheduler | None = None) -> None:
         self.settings = settings
         self.processes = processes
-        self.redis = r
-        self.store = RedisStore(r)
+        self.store = store
         self.scheduler = scheduler or Scheduler(SchedulerParams.from_settings(settings))
         self.servers = settings.virtual_server_names()
         self._bytes: dict[str, int] = {}

@@ -100,8 +100,9 @@ class LocalProvider:
         # Deleted functions whose replicas are still finishing their work.
         self._draining: list[FunctionState] = []
         self.processes = ProcessManager(settings, keys)
-        self.placer = Placer(settings, self.processes, r)
-        self.idler = Idler(RedisStore(r), lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s)
+        store = RedisStore(r)
+        self.placer = Placer(settings, self.processes, store)
+        self.idler = Idler(store, lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s)
         self.registry = CollectorRegistry()
         self.invocations = Counter("gateway_function_invocation", "Function invocations",
                                    ("function_name", "code"), registry=self.registry)

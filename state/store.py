@@ -29,6 +29,9 @@ from state.records import (
     encode_key_stages,
 )
 
+# What a store raises when it cannot be reached (a caller that must outlive it catches this).
+Unavailable = redis.RedisError
+
 Stage = tuple[str, int]  # (model, stage index): the unit a stage's stream and replica set belong to
 
 
@@ -93,8 +96,8 @@ class RedisStore:
         self.r = r
 
     @classmethod
-    def from_url(cls, url: str) -> RedisStore:
-        return cls(redis.Redis.from_url(url))
+    def from_url(cls, url: str, timeout_s: float | None = None) -> RedisStore:
+        return cls(redis.Redis.from_url(url, socket_timeout=timeout_s))
 
     # -- replicas ----------------------------------------------------------------------------
 

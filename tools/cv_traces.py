@@ -12,10 +12,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-import redis
 
 from loadgen.arrivals import gamma_gaps
-from state.store import RedisStore
+from state.store import Store
 
 
 def tandem_chain(rng: np.random.Generator, arrivals: np.ndarray, means: list[float], cvs: list[float],
@@ -78,11 +77,11 @@ def synthetic(count: int, seed: int = 0, stages: int = 8, window_s: float = 60.0
     return samples[:count]
 
 
-def recorded(r: redis.Redis, model: str, num_stages: int, window_s: float, replicas: list[int]) -> list[dict]:
+def recorded(store: Store, model: str, num_stages: int, window_s: float, replicas: list[int]) -> list[dict]:
     """Windows from a running pipeline's stage records (capped streams: the most recent items)."""
     times, means, cvs = [], [], []
     for stage in range(num_stages):
-        entries = RedisStore(r).samples(model, stage)
+        entries = store.samples(model, stage)
         t = np.sort(np.array([x.arrived_at for x in entries]))
         service = np.array([x.service_ms for x in entries]) / 1000.0
         times.append(t)

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import redis
 import torch
 
 from autoscaler.policy.smoother import CVAttention, predecessors, stage_features
 from autoscaler.policy.state import StageState
 from contracts.config import add_arguments, exit_on_config_error, settings_from_args
+from state.store import RedisStore
 from tools.cv_traces import read_jsonl, recorded, synthetic, write_jsonl
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         settings = exit_on_config_error(lambda: settings_from_args(args))
         replicas = [int(x) for x in args.replicas.split(",")] if args.replicas else [1] * args.stages
-        samples = recorded(redis.Redis.from_url(settings.redis_url), args.record, args.stages,
+        samples = recorded(RedisStore.from_url(settings.redis_url), args.record, args.stages,
                            args.window_s, replicas)
     if args.save_windows:
         write_jsonl(samples, args.save_windows)

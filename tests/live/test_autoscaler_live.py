@@ -84,7 +84,7 @@ def test_a_burst_scales_the_key_stage_and_the_surplus_goes_after(emulated):
 
     during = [d for d in decisions(r, started) if d.t <= burst_end]
     first_key = next(d for d in during if "3" in d.key)  # key stages are published as ranges
-    assert first_key["t"] - started < 10, "stage 3 was not marked key within a few ticks"
+    assert first_key.t - started < 10, "stage 3 was not marked key within a few ticks"
     scaled = next(d for d in during if d.decided[3] > 1)
     assert scaled.t - first_key.t <= 3
     reason = next(s for s in scaled.stages if s["stage"] == "3")

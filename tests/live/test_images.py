@@ -134,6 +134,7 @@ def test_manifests_run_under_podman_kube_play(images, home_settings, partitioned
     podman(settings, "secret", "rm", "quart-secrets", check=False)
     podman(settings, "secret", "create", "quart-secrets", str(tmp_path / "secret.json"))
     try:
+        podman(settings, "kube", "down", str(play), check=False)   # what an interrupted run left behind
         podman(settings, "kube", "play", str(play))
         km = HttpClient(f"http://127.0.0.1:{settings.cache.port}")
         wait_until(km.healthy, 120, "the KeysManager pod")

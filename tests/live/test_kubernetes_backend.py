@@ -45,7 +45,7 @@ def cluster(km):
     config = kubernetes.client.Configuration(host=k8s.url)
     core = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(config))
     backend = KubernetesBackend(settings.replace(namespace=NS), GatewayClient(gw.url, "admin", "secret"), core,
-                                pipelines(read_stack(REPO / "stack.yml")), r)
+                                pipelines(read_stack(REPO / "stack.yml")), RedisStore(r))
     RedisStore(r).publish_key_stages("smollm2", ())
     try:
         yield backend, fake, gateway, client

@@ -101,7 +101,7 @@ def test_a_ttft_objective_sets_the_cold_start_fetch_deadline_from_what_was_measu
                               "envVars": {"QUART_MODEL": model, "QUART_STAGES": stage.stages}}, Path("."), 1)
 
     labelled = [function(s, {"com.quart.ttft-slo": "10s"}) for s in stages]
-    placer = Placer(runtime, None, r)
+    placer = Placer(runtime, None, RedisStore(r))
     assert placer.deadline_s(labelled[1], labelled) == pytest.approx(10 - 1.5 - 0.3 - 0.7)
     assert placer.deadline_s(labelled[0], labelled) == pytest.approx(10 - 0.3 - 0.7)  # no cold start recorded
     plain = function(stages[0], {})
