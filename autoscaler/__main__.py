@@ -14,8 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import redis
-
 from autoscaler.backends import Backend, GatewayBackend, LocalBackend
 from autoscaler.loop import ControlLoop
 from contracts.config import Settings, add_arguments, exit_on_config_error, settings_from_args
@@ -26,9 +24,9 @@ from state.store import RedisStore
 
 def run(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    r = redis.Redis.from_url(settings.redis_url)
+    store = RedisStore.from_url(settings.redis_url)
     models = pipelines(read_stack(Path(settings.stack_file)))
-    loop = exit_on_config_error(lambda: ControlLoop(settings, backend(settings, models, r), r, models))
+    loop = exit_on_config_error(lambda: ControlLoop(settings, backend(settings, models, store), store, models))
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     logging.getLogger("quart.autoscaler").info("policy %s, %s backend, every %.1f s over %s",
@@ -39,12 +37,12 @@ def run(settings: Settings) -> int:
     return 0
 
 
-def backend(settings: Settings, models: dict[str, Pipeline], r: redis.Redis) -> Backend:
+def backend(settings: Settings, models: dict[str, Pipeline], store: RedisStore) -> Backend:
     """The configured mechanism (QUART_BACKEND): the embedded runtime's, any gateway's, or a
     Kubernetes cluster's (credentials in the pod, else ~/.kube/config)."""
     gateway = GatewayClient.for_settings(settings)
     if settings.autoscaler.backend == "local":
-        return LocalBackend(gateway, models, RedisStore(r))
+        return LocalBackend(gateway, models, store)
     if settings.autoscaler.backend == "gateway":
         return GatewayBackend(gateway, models)
     import kubernetes
@@ -54,16 +52,16 @@ def backend(settings: Settings, models: dict[str, Pipeline], r: redis.Redis) -> 
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
-    return KubernetesBackend(settings, gateway, kubernetes.client.CoreV1Api(), models, RedisStore(r))
+    return KubernetesBackend(settings, gateway, kubernetes.client.CoreV1Api(), models, store)
 
 
 def status(settings: Settings, watch: bool) -> int:
-    r = redis.Redis.from_url(settings.redis_url)
+    store = RedisStore.from_url(settings.redis_url)
     models = pipelines(read_stack(Path(settings.stack_file)))
     while True:
         lines = []
         for model in models:
-            last = RedisStore(r).decisions(model, count=1)
+            last = store.decisions(model, count=1)
             if not last:
                 lines.append(f"{model}: no decision yet")
                 continue

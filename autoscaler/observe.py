@@ -1,92 +1,151 @@
-"""Builds each model's observed state from what the data plane leaves in Redis: per stage
-function its records (arrival time at the stage, queue wait, service time, replica), its stream
-(items still waiting: stream IDs are arrival times) and its registered replicas. Every stage of
-every model is read in two pipelined round trips per tick, and of each stage's records only those
-that arrived since the last tick (the window's earlier ones are kept here)."""
+"""Builds each model's observed state from what the data plane leaves in the state store: per
+stage function its records (arrival time at the stage, queue wait, service time, replica), its
+queue (items still waiting: their arrival times) and its live replicas. Every stage of every model
+is read in one batch per tick (`Store.stage_windows`), and of each stage's records only those
+written since the last tick (the window's earlier ones are kept here).
+
+For the rules beside the policy (autoscaler/policy/arbitration.py) it also builds, per model that
+has them, the layout's view (requests entering the model per window, whole and stage replicas
+serving) and the idle rule's (the gateway's activity, the work waiting, and the sleep mark)."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
-import redis
 
-from autoscaler.policy.state import PipelineState
+from autoscaler.policy.arbitration import ModelRules
+from autoscaler.policy.idle import ModelActivity
+from autoscaler.policy.layout import LayoutState
+from autoscaler.policy.state import PipelineState, StageState
 from autoscaler.policy.window import Window, stage_state
 from contracts.stage import StageRef
 from contracts.stage_graph import Edges
-from state import keys
-from state.records import StageSample
-from state.store import RedisStore
+from state.records import Activity, ReplicaRecord, StageSample, StageWindow
+from state.store import Store
 
 
 @dataclass
 class _Records:
     """The records of one stage seen so far in the window."""
-    last_id: bytes | None = None
+    cursor: str | None = None
     rows: deque[StageSample] = field(default_factory=deque)
+    new_starts: int = 0      # requests started among the records the latest tick read
 
-    def add(self, entries: list, since_ms: int) -> None:
-        for entry_id, f in entries:
-            if entry_id == self.last_id:
-                continue  # the range starts at the last id read, inclusive
-            self.rows.append(StageSample.decode(entry_id, f))
-            self.last_id = entry_id
+    def add(self, window: StageWindow, since_ms: int) -> None:
+        self.rows.extend(window.samples)
+        self.cursor = window.cursor
+        self.new_starts = sum(x.starts_request for x in window.samples)
         while self.rows and self.rows[0].at_ms < since_ms:
             self.rows.popleft()
+
+
+@dataclass
+class _Arrivals:
+    """Requests entering a model, counted per window (HydraServe's sliding window); the first
+    look only marks where counting starts."""
+    window_s: float
+    keep: int
+    counts: tuple[int, ...] = ()
+    current: int = 0
+    started: float | None = None
+
+    def add(self, now: float, starts: int) -> None:
+        if self.started is None:
+            self.started = now
+            return
+        while now >= self.started + self.window_s:
+            self.counts = (*self.counts, self.current)[-self.keep:]
+            self.current, self.started = 0, self.started + self.window_s
+        self.current += starts
 
 
 @dataclass
 class Observer:
     """Remembers each stage's last known service time, so that a stage with no traffic in the
     window still has one."""
-    r: redis.Redis
+    store: Store
     pipelines: dict[str, tuple[StageRef, ...]]
     window_s: float
     graphs: dict[str, Edges] = field(default_factory=dict)  # the models that are not chains
+    rules: dict[str, ModelRules] = field(default_factory=dict)  # the models with layout or idle rules
     service_s: dict[StageRef, float] = field(default_factory=dict)
     records: dict[StageRef, _Records] = field(default_factory=dict)
+    arrivals: dict[str, _Arrivals] = field(default_factory=dict)
+    awake_since: dict[str, float] = field(default_factory=dict)  # first seen, or last seen waking
+    asleep: set[str] = field(default_factory=set)
 
-    def observe(self, now: float, desired: dict[str, list[int]], slo_s: float) -> dict[str, PipelineState]:
-        """Every model's state; `desired`: the replicas each stage function is asked to have."""
-        since_ms = int((now - self.window_s) * 1000)
+    def observe(self, now: float, desired: dict[str, list[int]], slo_s: float,
+                whole_desired: dict[str, int] | None = None) -> dict[str, PipelineState]:
+        """Every model's state; `desired`: the replicas each stage function is asked to have;
+        `whole_desired`: those of each model's whole-model function."""
+        since_s = now - self.window_s
         refs = [ref for model in self.pipelines for ref in self.pipelines[model]]
-        pipe = self.r.pipeline(transaction=False)
+        seen = {ref: self.records.setdefault(ref, _Records()) for ref in refs}
+        windows = self.store.stage_windows({(ref.model, ref.first): seen[ref].cursor for ref in refs}, since_s)
+        windows = {ref: windows[(ref.model, ref.first)] for ref in refs}
         for ref in refs:
-            stream = keys.stage_stream(ref.model, ref.first)
-            seen = self.records.setdefault(ref, _Records())
-            pipe.xrange(keys.records_stream(ref.model, ref.first), min=seen.last_id or f"{since_ms}-0")
-            pipe.xrange(stream, min=f"{since_ms}-0")
-            pipe.xlen(stream)
-            pipe.xpending(stream, keys.GROUP)
-            pipe.smembers(keys.stage_replicas(ref.model, ref.first))
-        raw = pipe.execute(raise_on_error=False)
-        per_ref = {ref: raw[5 * i:5 * i + 5] for i, ref in enumerate(refs)}
-        live = RedisStore(self.r).live_of({(ref.model, ref.first): per_ref[ref][4] for ref in refs})
-        cpus = {ref: [float(x.cpus) for x in live[(ref.model, ref.first)]] for ref in refs}
+            seen[ref].add(windows[ref], int(since_s * 1000))
         out = {}
         for model, stages in self.pipelines.items():
-            states = tuple(self._stage(i, ref, now, since_ms, desired[model][i], per_ref[ref], cpus[ref])
-                           for i, ref in enumerate(stages))
+            states = tuple(self._stage(i, ref, now, desired[model][i], windows[ref]) for i, ref in enumerate(stages))
             out[model] = PipelineState(model, states, slo_s=slo_s, entry_rate=states[0].arrival_rate, now=now,
                                        edges=self.graphs.get(model))
-        return out
+        return self._with_rules(now, out, desired, whole_desired or {}, windows) if self.rules else out
 
-    def _stage(self, index: int, ref: StageRef, now: float, since_ms: int, replicas: int, raw: list,
-               live_cpus: list[float]):
-        new, waiting, length, pending, _ = raw
-        # A stream or group that does not exist yet reads as an error here: nothing waits.
-        seen = self.records[ref]
-        seen.add([] if isinstance(new, Exception) else new, since_ms)
-        waiting = [] if isinstance(waiting, Exception) else waiting
-        in_flight = 0 if isinstance(pending, Exception) else int(pending["pending"])
-        queued = max(0, (0 if isinstance(length, Exception) else length) - in_flight)
-        rows = seen.rows
-        arrivals = [x.arrived_at for x in rows if x.arrived_at >= now - self.window_s]
-        arrivals += [int(i.split(b"-")[0]) / 1000.0 for i, _ in waiting]  # stream IDs are arrival times
+    def _stage(self, index: int, ref: StageRef, now: float, replicas: int, window: StageWindow) -> StageState:
+        rows = self.records[ref].rows
+        arrivals = [x.arrived_at for x in rows if x.arrived_at >= now - self.window_s] + list(window.backlog.arrivals)
         service = np.array([x.service_ms for x in rows]) / 1000.0
         wait = np.array([x.wait_ms for x in rows]) / 1000.0
         if len(service):
             self.service_s[ref] = float(service.mean())
         return stage_state(index, self.window_s, Window.of(np.array(arrivals), service, wait),
-                           self.service_s.get(ref, 0.0), replicas, live_cpus, queued, in_flight)
+                           self.service_s.get(ref, 0.0), replicas, [float(x.cpus) for x in window.replicas],
+                           window.backlog.waiting, window.backlog.in_flight)
+
+    # -- what the rules beside the policy read ---------------------------------------------------
+
+    def _with_rules(self, now: float, states: dict[str, PipelineState], desired: dict[str, list[int]],
+                    whole_desired: dict[str, int], windows: dict[StageRef, StageWindow]) -> dict[str, PipelineState]:
+        ruled = [m for m in self.rules if m in states]
+        sleepy = [m for m in ruled if self.rules[m].sleepers]
+        asleep = self.store.asleep(sleepy) if sleepy else set()
+        activity = self.store.activity() if sleepy else {}
+        for m in self.asleep - asleep:
+            self.awake_since[m] = now  # woken: its idle time starts again
+        self.asleep = asleep
+        for m in ruled:
+            rules, state = self.rules[m], states[m]
+            live = {ref: windows[ref].replicas for ref in self.pipelines[m]}
+            layout = self._layout(now, m, state, live, whole_desired.get(m, 0)) if rules.layout else None
+            idle = self._activity(now, m, state, desired[m], activity.get(m)) if rules.sleepers else None
+            states[m] = replace(state, layout=layout, activity=idle, asleep=m in asleep)
+        return states
+
+    def _layout(self, now: float, model: str, state: PipelineState,
+                live: dict[StageRef, tuple[ReplicaRecord, ...]], whole_desired: int) -> LayoutState:
+        rule, stages = self.rules[model].layout, self.pipelines[model]
+        arrivals = self.arrivals.setdefault(model, _Arrivals(rule.window_s, rule.windows))
+        arrivals.add(now, self.records[stages[0]].new_starts)
+        at_first = live[stages[0]]  # whole replicas register at the first stage too
+        serving = tuple(sum(not x.draining and x.serves(ref) for x in live[ref]) for ref in stages)
+        whole = sum(x.stage_end == stages[-1].last and not x.draining for x in at_first)
+        busy = state.stages[0].queue_length + sum(x.sequences for x in at_first)
+        return LayoutState(self.store.layout(model), arrivals.counts, arrivals.current, busy, whole_desired, whole,
+                           serving)
+
+    def _activity(self, now: float, model: str, state: PipelineState, desired: list[int],
+                  seen: Activity | None) -> ModelActivity:
+        """Idle since the gateway's latest request, or (behind a gateway that does not say) the
+        latest request entering the model, or since this observer first saw it or saw it woken."""
+        sleepers = self.rules[model].sleepers
+        rows = self.records[self.pipelines[model][0]].rows
+        last = max(self.awake_since.setdefault(model, now), rows[-1].arrived_at if rows else 0.0,
+                   seen.last_request_at if seen else 0.0)
+        work = (seen.in_flight if seen else 0) + sum(_work(state.stages[i]) for i in sleepers)
+        return ModelActivity(last, self.rules[model].idle_s, sum(desired[i] for i in sleepers), work)
+
+
+def _work(stage: StageState) -> int:
+    return stage.queue_length + stage.in_flight

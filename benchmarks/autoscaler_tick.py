@@ -122,7 +122,7 @@ def live_tick(controller: Controller, refs: dict[str, tuple[StageRef, ...]], rep
                     store.register(ReplicaRecord(f"{ref.model}-s{ref.stages}.bench.1", ref.model, ref.first, ref.last,
                                                  "bench", 1), ttl_s=3600)
             pipe.execute()
-            observer = Observer(r, refs, window_s=window_s)
+            observer = Observer(store, refs, window_s=window_s)
             desired = {m: [1] * len(s) for m, s in refs.items()}
             observer.observe(start, desired, 2.0)  # the first tick reads the whole window
             reads, ticks = [], []

@@ -24,6 +24,11 @@ WHOLE_LABEL = "com.quart.whole"
 # fetches must end in time for it (scheduler/coldstart.fetch_deadline_s).
 TTFT_SLO_LABEL = "com.quart.ttft-slo"
 SCALE_MAX_LABEL = "com.openfaas.scale.max"
+# OpenFaaS's scale-to-zero labels: a function so labelled goes to zero replicas once its model has
+# been idle for the duration (default 15 m, as OpenFaaS's), and back on the next request.
+ZERO_LABEL = "com.openfaas.scale.zero"
+ZERO_DURATION_LABEL = "com.openfaas.scale.zero-duration"
+DEFAULT_ZERO_DURATION_S = 15 * 60.0
 VARIABLE_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -35,6 +40,26 @@ def parse_duration(text: str) -> float:
     if not text or "".join(n + u for n, u in parts) != text:
         raise ValueError(f"{text!r} is not a duration like 30s, 15m or 1h30m")
     return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+@dataclass(frozen=True)
+class ZeroScaling:
+    """A function's scale-to-zero labels."""
+    enabled: bool = False
+    idle_s: float = DEFAULT_ZERO_DURATION_S
+
+    @classmethod
+    def from_labels(cls, labels: Mapping[str, str]) -> ZeroScaling:
+        """ValueError naming the label whose value is wrong."""
+        raw = labels.get(ZERO_LABEL, "false").strip().lower()
+        if raw not in ("true", "false"):
+            raise ValueError(f"label {ZERO_LABEL}={labels[ZERO_LABEL]!r} must be true or false")
+        duration = labels.get(ZERO_DURATION_LABEL)
+        try:
+            idle_s = parse_duration(duration) if duration is not None else DEFAULT_ZERO_DURATION_S
+        except ValueError as exc:
+            raise ValueError(f"label {ZERO_DURATION_LABEL}: {exc}") from None
+        return cls(raw == "true", idle_s)
 
 
 def ttft_slo_s(labels: Mapping[str, str]) -> float | None:
@@ -132,6 +157,17 @@ class Pipeline:
     source: str = ""                  # where its checkpoint comes from (QUART_MODEL_SOURCE; default: its name)
     whole: str | None = None          # the function serving [0, num_stages) that it may consolidate into
     whole_max: int = 1                # replicas that function may have (its com.openfaas.scale.max)
+    zero: tuple[ZeroScaling, ...] = ()  # each stage function's scale-to-zero labels (none: never)
+
+    @property
+    def sleepers(self) -> tuple[StageRef, ...]:
+        """The stage functions labelled to scale to zero."""
+        return tuple(ref for ref, z in zip(self.stages, self.zero) if z.enabled)
+
+    @property
+    def idle_s(self) -> float:
+        """How long the model must be idle before its sleepers go to zero: the shortest of theirs."""
+        return min((z.idle_s for z in self.zero if z.enabled), default=DEFAULT_ZERO_DURATION_S)
 
     @property
     def num_stages(self) -> int:
@@ -170,7 +206,9 @@ def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
             end = f.stage.last
         out[model] = Pipeline(model, tuple(f.stage for f in fns), tuple(f.name for f in fns),
                               emulated=next((e for f in fns if (e := f.deployment["envVars"].get("QUART_EMULATE"))), ""),
-                              source=model_source(functions, model), **_whole(wholes.pop(model, None), end))
+                              source=model_source(functions, model),
+                              zero=tuple(ZeroScaling.from_labels(f.deployment.get("labels") or {}) for f in fns),
+                              **_whole(wholes.pop(model, None), end))
     if wholes:
         raise ValueError(f"{sorted(wholes)}: a function labelled {WHOLE_LABEL} but no stage functions")
     return out

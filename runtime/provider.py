@@ -19,19 +19,18 @@ import redis
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from autoscaler.policy.idle import ZeroScaling
 from contracts.config import Settings
 from contracts.http_errors import json_errors
 from contracts.loops import every
 from contracts.openai_errors import error_body
 from contracts.requests import BadRequest, load_json
-from contracts.stack import NAME_RE, SOURCE_VAR, StackFunction, identity, ttft_slo_s
+from contracts.stack import NAME_RE, SOURCE_VAR, StackFunction, ZeroScaling, identity, ttft_slo_s
 from keysmanager.client import KeysClient
 from pipeline.families import Unsupported, check_folder
 from pipeline.manifest import Manifest
 from pipeline.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager
-from runtime.idler import Idler
+from runtime.activator import Activator
 from runtime.placer import Placer
 from runtime.state_file import save as save_state
 from runtime.state_file import state_path
@@ -102,7 +101,7 @@ class LocalProvider:
         self.processes = ProcessManager(settings, keys)
         store = RedisStore(r)
         self.placer = Placer(settings, self.processes, store)
-        self.idler = Idler(store, lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s)
+        self.activator = Activator(store, lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s)
         self.registry = CollectorRegistry()
         self.invocations = Counter("gateway_function_invocation", "Function invocations",
                                    ("function_name", "code"), registry=self.registry)
@@ -237,7 +236,7 @@ class LocalProvider:
             self.processes.refresh(fn)
             await self._probe(fn)
         self._draining = [fn for fn in self._draining if fn.replicas]
-        await asyncio.to_thread(self.idler.step, list(self.functions.values()))
+        await asyncio.to_thread(self.activator.publish)
         self.converge()
         self._save_state()
         if self.settings.containers.run and time.monotonic() >= self._cpus_checked + CPUS_CHECK_S:
@@ -469,13 +468,13 @@ class LocalProvider:
         name = fn.name
         started = time.time()
         model = identity(fn.deployment)[0]
-        self.idler.started(model)
+        self.activator.started(model)
         try:
-            if fn.stage is None and self.idler.wake(list(self.functions.values()), model, started):
+            if fn.stage is None and self.activator.wake(list(self.functions.values()), model, started):
                 self.converge()  # the stages start now; the entry holds the request meanwhile
             response = await self._forward(fn, request, tail, body)
         finally:
-            self.idler.finished(model)
+            self.activator.finished(model)
         fn.invocations += 1
         code = str(response.status)
         self.invocations.labels(name, code).inc()

@@ -94,6 +94,12 @@ def asleep(model: str) -> str:
     return f"{PREFIX}:asleep:{model}"
 
 
+def activity() -> str:
+    """Hash: model -> JSON of what the gateway saw of its requests lately (the latest one's time,
+    and how many are in flight), for the autoscaler's idle rule; the gateway writes it each second."""
+    return f"{PREFIX}:activity"
+
+
 def waking(model: str) -> str:
     """Set (to the time, expiring) while a model's stages start from zero: its entry admits
     requests to queue behind the first instead of refusing them for the queue they find."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from contracts.stage import StageRef
 from state.records import (
     PIPELINED,
+    Activity,
     Backlog,
     CacheEvent,
     ColdStart,
@@ -19,6 +20,7 @@ from state.records import (
     Placement,
     ReplicaRecord,
     StageSample,
+    StageWindow,
     StartFailure,
     ZygoteRecord,
 )
@@ -30,7 +32,8 @@ class MemoryStore:
     clock: Callable[[], float] = time.time
     _replicas: dict[str, tuple[ReplicaRecord, float]] = field(default_factory=dict)  # id -> (record, expires at)
     _members: dict[Stage, set[str]] = field(default_factory=dict)
-    _samples: dict[Stage, list[StageSample]] = field(default_factory=dict)
+    _samples: dict[Stage, list[tuple[int, StageSample]]] = field(default_factory=dict)  # (sequence, sample)
+    _written: int = 0
     _key_stages: dict[str, tuple[StageRef, ...]] = field(default_factory=dict)
     _zygotes: dict[str, dict[str, ZygoteRecord]] = field(default_factory=dict)  # server -> stage key -> zygote
     _backlogs: dict[Stage, Backlog] = field(default_factory=dict)
@@ -43,6 +46,7 @@ class MemoryStore:
     _stage_cpus: dict[StageRef, float] = field(default_factory=dict)
     _asleep: set[str] = field(default_factory=set)
     _waking_until: dict[str, float] = field(default_factory=dict)
+    _activity: dict[str, Activity] = field(default_factory=dict)
 
     # -- replicas ----------------------------------------------------------------------------
 
@@ -97,15 +101,29 @@ class MemoryStore:
 
     def add_sample(self, model: str, stage: int, sample: StageSample, maxlen: int) -> None:
         rows = self._samples.setdefault((model, stage), [])
-        rows.append(replace(sample, at_ms=int(self.clock() * 1000)))
+        self._written += 1
+        rows.append((self._written, replace(sample, at_ms=int(self.clock() * 1000))))
         del rows[:-maxlen]
 
     def samples(self, model: str, stage: int, since_s: float = 0.0) -> list[StageSample]:
-        rows = self._samples.get((model, stage), [])
+        rows = [r for _, r in self._samples.get((model, stage), [])]
         return rows[bisect.bisect_left([r.at_ms for r in rows], int(since_s * 1000)):]
 
     def latest_samples(self, model: str, stage: int, count: int) -> list[StageSample]:
-        return self._samples.get((model, stage), [])[::-1][:count]
+        return [r for _, r in self._samples.get((model, stage), [])][::-1][:count]
+
+    def stage_windows(self, cursors: dict[Stage, str | None], since_s: float) -> dict[Stage, StageWindow]:
+        out = {}
+        live = self.live_among(cursors)
+        for (model, stage), cursor in cursors.items():
+            rows = self._samples.get((model, stage), [])
+            new = [(n, r) for n, r in rows if n > int(cursor)] if cursor else \
+                [(n, r) for n, r in rows if r.at_ms >= int(since_s * 1000)]
+            backlog = self.backlog(model, stage)
+            out[(model, stage)] = StageWindow(tuple(r for _, r in new), str(new[-1][0]) if new else cursor,
+                                              replace(backlog, arrivals=tuple(t for t in backlog.arrivals if t >= since_s)),
+                                              tuple(live[(model, stage)]))
+        return out
 
     # -- key stages, zygotes, queues -------------------------------------------------------------
 
@@ -176,6 +194,12 @@ class MemoryStore:
 
     def waking(self, model: str) -> bool:
         return self._waking_until.get(model, 0.0) > self.clock()
+
+    def set_activity(self, activity: dict[str, Activity]) -> None:
+        self._activity.update(activity)
+
+    def activity(self) -> dict[str, Activity]:
+        return dict(self._activity)
 
     # -- logs of what the control plane did ------------------------------------------------------
 

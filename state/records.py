@@ -19,7 +19,7 @@ def _text(raw: Raw) -> dict[str, str]:
             for k, v in raw.items()}
 
 
-def _stream_ms(entry_id: bytes | str) -> int:
+def stream_ms(entry_id: bytes | str) -> int:
     """A stream ID's milliseconds: when the entry was added (Redis assigns IDs from its clock)."""
     return int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
 
@@ -137,12 +137,29 @@ class StageSample:
         data = _text(raw)
         return cls(request_id=data.get("id", ""), arrived_at=float(data["t"]), wait_ms=float(data.get("q", "0")),
                    service_ms=float(data.get("s", "0")), replica_id=data.get("r", ""), kind=data.get("k", "pass"),
-                   batch=int(data.get("b", "1")), at_ms=_stream_ms(entry_id))
+                   batch=int(data.get("b", "1")), at_ms=stream_ms(entry_id))
 
     @property
     def starts_request(self) -> bool:
         """A request entering the model (a single pass or a generation's prefill), not one of its steps."""
         return self.kind in ("prefill", "pass")
+
+
+@dataclass(frozen=True)
+class Activity:
+    """A model's requests as the gateway sees them: when the latest came or was answered, and how
+    many it is answering now (a generation's decode steps pass through no shared stream, so the
+    streams alone would look idle)."""
+    last_request_at: float
+    in_flight: int = 0
+
+    def encode(self) -> str:
+        return json.dumps({"last": self.last_request_at, "in_flight": self.in_flight})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Activity:
+        data = json.loads(raw)
+        return cls(float(data["last"]), int(data.get("in_flight", 0)))
 
 
 @dataclass(frozen=True)
@@ -167,6 +184,17 @@ class Backlog:
     waiting: int = 0
     in_flight: int = 0
     arrivals: tuple[float, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class StageWindow:
+    """What one stage function holds for the autoscaler's window, read in one batch with every
+    other stage's: its records after the ones already read, the cursor to read on from, its queue
+    (with the arrival times of its stream's items in the window), and its live replicas."""
+    samples: tuple[StageSample, ...]
+    cursor: str | None
+    backlog: Backlog
+    replicas: tuple[ReplicaRecord, ...]
 
 
 def encode_key_stages(stages: tuple[StageRef, ...]) -> str:

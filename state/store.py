@@ -15,6 +15,7 @@ from state import keys
 from state.records import (
     PIPELINED,
     PROGRESS,
+    Activity,
     Backlog,
     CacheEvent,
     ColdStart,
@@ -23,10 +24,12 @@ from state.records import (
     Placement,
     ReplicaRecord,
     StageSample,
+    StageWindow,
     StartFailure,
     ZygoteRecord,
     decode_key_stages,
     encode_key_stages,
+    stream_ms,
 )
 
 # What a store raises when it cannot be reached (a caller that must outlive it catches this).
@@ -48,6 +51,7 @@ class Store(Protocol):
     def add_sample(self, model: str, stage: int, sample: StageSample, maxlen: int) -> None: ...
     def samples(self, model: str, stage: int, since_s: float = 0.0) -> list[StageSample]: ...
     def latest_samples(self, model: str, stage: int, count: int) -> list[StageSample]: ...
+    def stage_windows(self, cursors: dict[Stage, str | None], since_s: float) -> dict[Stage, StageWindow]: ...
     def publish_key_stages(self, model: str, stages: tuple[StageRef, ...]) -> None: ...
     def key_stages(self) -> list[StageRef]: ...
     def cached_stages(self, server: str) -> tuple[frozenset[str], int]: ...
@@ -59,6 +63,8 @@ class Store(Protocol):
     def set_stage_cpus(self, stage: StageRef, cpus: float) -> None: ...
     def stage_cpus(self, stage: StageRef) -> float | None: ...
     def set_asleep(self, model: str, now: float) -> None: ...
+    def set_activity(self, activity: dict[str, Activity]) -> None: ...
+    def activity(self) -> dict[str, Activity]: ...
     def set_awake(self, model: str) -> None: ...
     def wake(self, model: str, now: float, waking_ttl_s: float) -> None: ...
     def asleep(self, models: list[str]) -> set[str]: ...
@@ -89,6 +95,18 @@ def progress_fields(changes: dict) -> dict[str, str]:
         else:
             out[name] = str(value)
     return out
+
+
+def _window(cursor: str | None, records: list | Exception, stream: list | Exception, length: int | Exception,
+            pending: dict | Exception, live: list[ReplicaRecord]) -> StageWindow:
+    # A stream or group that does not exist yet reads as an error here: nothing in it.
+    records = [] if isinstance(records, Exception) else records
+    samples = tuple(StageSample.decode(i, f) for i, f in records)
+    in_flight = 0 if isinstance(pending, Exception) else int(pending["pending"])
+    waiting = max(0, (0 if isinstance(length, Exception) else length) - in_flight)
+    arrivals = () if isinstance(stream, Exception) else tuple(stream_ms(i) / 1000.0 for i, _ in stream)
+    return StageWindow(samples, records[-1][0].decode() if records else cursor, Backlog(waiting, in_flight, arrivals),
+                       tuple(live))
 
 
 class RedisStore:
@@ -181,6 +199,24 @@ class RedisStore:
     def latest_samples(self, model: str, stage: int, count: int) -> list[StageSample]:
         """A stage's `count` latest records, newest first."""
         return [StageSample.decode(i, f) for i, f in self.r.xrevrange(keys.records_stream(model, stage), count=count)]
+
+    def stage_windows(self, cursors: dict[Stage, str | None], since_s: float) -> dict[Stage, StageWindow]:
+        """Per stage, in two pipelined round trips for all of them: its records after `cursor`
+        (None: those written since `since_s`), its queue with the arrival times (stream IDs are
+        arrival times) of its stream's items since `since_s`, and its live replicas."""
+        since = f"{int(since_s * 1000)}-0"
+        pipe = self.r.pipeline(transaction=False)
+        for (model, stage), cursor in cursors.items():
+            stream = keys.stage_stream(model, stage)
+            pipe.xrange(keys.records_stream(model, stage), min=f"({cursor}" if cursor else since)
+            pipe.xrange(stream, min=since)
+            pipe.xlen(stream)
+            pipe.xpending(stream, keys.GROUP)
+            pipe.smembers(keys.stage_replicas(model, stage))
+        raw = pipe.execute(raise_on_error=False)
+        per = {stage: raw[5 * i:5 * i + 5] for i, stage in enumerate(cursors)}
+        live = self.live_of({stage: got[4] for stage, got in per.items()})
+        return {stage: _window(cursors[stage], *got[:4], live[stage]) for stage, got in per.items()}
 
     # -- key stages ----------------------------------------------------------------------------
 
@@ -288,6 +324,14 @@ class RedisStore:
 
     def waking(self, model: str) -> bool:
         return bool(self.r.exists(keys.waking(model)))
+
+    def set_activity(self, activity: dict[str, Activity]) -> None:
+        """Every model's activity at the gateway, in one write."""
+        if activity:
+            self.r.hset(keys.activity(), mapping={m: a.encode() for m, a in activity.items()})
+
+    def activity(self) -> dict[str, Activity]:
+        return {m.decode(): Activity.decode(raw) for m, raw in self.r.hgetall(keys.activity()).items()}
 
     # -- logs of what the control plane did ------------------------------------------------------
 

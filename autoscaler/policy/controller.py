@@ -1,8 +1,11 @@
 """The one control step that the live loop and the cluster simulator both run:
-`Controller.step(now, observations) -> [Actions]`. It runs each model's policy (QUART's CV
-prediction batched over every model that shares a CV-attention model), applies the replica
-bounds once, and says what changes: replica counts, CPUs, the key stages to publish, and the
-decision's log record. No I/O: the caller observes, and carries the actions out with `enact`.
+`Controller.step(now, observations) -> [Actions]`, the one decider of replica counts. Per model it
+first rules between the autoscaling policy and the layout and idle rules
+(autoscaler/policy/arbitration.py), then runs the policy where the ruling leaves it the stage
+functions (QUART's CV prediction batched over every model that shares a CV-attention model),
+applies the replica bounds once, and says what changes: replica counts, CPUs, the key stages to
+publish, the whole function's replicas, the layout and sleep, and the decision's log record. No
+I/O: the caller observes, and carries the actions out with `enact`.
 
 Like Knative's MultiScaler, a model with no observation this tick gets no decision (its policy
 memory is kept), rather than a decision made on missing data."""
@@ -13,17 +16,20 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
+from autoscaler.policy.arbitration import POLICY, ModelRules, Ruling, rule
 from autoscaler.policy.backlog_flow import BacklogFlow
 from autoscaler.policy.baselines import BASELINES
 from autoscaler.policy.compensator import Compensator, CPUFit, load_fits, within_total
 from autoscaler.policy.contract import Forecast, Policy
 from autoscaler.policy.corrector import Corrector, PIDConfig
 from autoscaler.policy.cpu_guard import hold_without_cpu
+from autoscaler.policy.layout import LayoutDecision, LayoutRule
 from autoscaler.policy.quart import Quart
 from autoscaler.policy.smoother import CVAttention, Smoother
 from autoscaler.policy.state import Decision, PipelineState
 from contracts import artefacts
 from contracts.config import Bounds, ConfigError, Settings, from_params
+from contracts.stack import Pipeline
 from contracts.stage import StageRef
 from state.records import DecisionRecord
 
@@ -86,23 +92,43 @@ def _variant_params(policy: str, tick_s: float, params: dict) -> tuple[PIDConfig
     return pid, from_params(BacklogFlow, {k: v for k, v in params.items() if k in flow_fields}, "QUART_POLICY_PARAMS")
 
 
+def model_rules(settings: Settings, pipeline: Pipeline) -> ModelRules:
+    """A model's layout and idle rules, from its stack file's functions and the settings."""
+    a = settings.autoscaler
+    layout = LayoutRule(a.layout_windows, settings.batching.max_batch, pipeline.whole_max,
+                        a.layout_window_s) if pipeline.whole else None
+    return ModelRules(layout, tuple(pipeline.stages.index(ref) for ref in pipeline.sleepers), max(1, a.bounds.r_min),
+                      pipeline.idle_s)
+
+
 @dataclass(frozen=True)
 class Actions:
-    """What one model's decision changes, and its record."""
+    """What one model's decision and ruling change, and its record. `decision` is None where the
+    ruling left the policy out (a model asleep, or served whole)."""
     state: PipelineState
-    decision: Decision
+    decision: Decision | None
     stages: tuple[StageRef, ...]
     replicas: tuple[tuple[StageRef, int], ...]     # stage function -> new replica count
     cpus: tuple[tuple[StageRef, int], ...]         # stage function -> new CPUs per replica
     key_stages: tuple[StageRef, ...]
+    whole: int | None = None                       # the whole-model function's new replica count
+    layout: LayoutDecision | None = None           # a change of layout, to record
+    asleep: bool | None = None                     # True: put to sleep; False: woken
 
     @property
     def model(self) -> str:
         return self.state.model
 
+    @property
+    def empty(self) -> bool:
+        return self.decision is None and not self.replicas and self.whole is None and self.layout is None \
+            and self.asleep is None
+
     def record(self) -> DecisionRecord:
-        """The decision as the live loop logs it (the stream quart:decisions:<model>)."""
+        """The decision as the live loop logs it (the stream quart:decisions:<model>); only for
+        actions with a decision."""
         state, decision = self.state, self.decision
+        assert decision is not None
         return DecisionRecord(state.now, decision.policy, tuple(s.replicas for s in state.stages),
                               tuple(decision.replicas()), tuple(s.stages for s in self.key_stages),
                               tuple({"stage": ref.stages, "observed_replicas": s.replicas, "replicas": d.replicas,
@@ -112,6 +138,10 @@ class Actions:
 
     def log_line(self) -> tuple[int, str]:
         """INFO with the reasons of the stages that change; DEBUG when nothing changes."""
+        if self.decision is None:
+            what = f"layout {self.layout.layout} ({self.layout.reason})" if self.layout else \
+                "asleep" if self.asleep else "woken" if self.asleep is False else "held"
+            return logging.INFO, f"{self.model}: {what}; " + ", ".join(f"s{ref.stages} -> {n}" for ref, n in self.replicas)
         changed = [(ref, s, d) for ref, s, d in zip(self.stages, self.state.stages, self.decision.stages)
                    if s.replicas != d.replicas]
         text = "; ".join(f"s{ref.stages} {s.replicas}->{d.replicas} "
@@ -136,29 +166,34 @@ class Controller:
     bounds: Bounds = field(default_factory=Bounds)
     memory: dict[str, object] = field(default_factory=dict)
     cpu_total: int = 0          # R_total (QUART_CPU_TOTAL); 0: no bound
+    rules: dict[str, ModelRules] = field(default_factory=dict)  # layout and idle rules, per model that has them
 
     @classmethod
     def from_settings(cls, settings: Settings, pipelines: dict[str, tuple[StageRef, ...]],
-                      fits: dict[str, dict[int, CPUFit]] | None = None) -> Controller:
+                      fits: dict[str, dict[int, CPUFit]] | None = None,
+                      rules: dict[str, ModelRules] | None = None) -> Controller:
         """`fits`: CPU fits per model where the caller has them (the simulator, from the service
-        law it simulates); the others' come from the artefacts."""
+        law it simulates); the others' come from the artefacts. `rules`: the models' layout and
+        idle rules (`model_rules`)."""
         # One CV model for every model's policy, so that their predictions batch together.
         cfg = settings.autoscaler
         quart = cfg.policy in VARIANTS and not cfg.ablated("attention")
         cv_model = load_cv_model(settings) if quart else None
         fits = fits or {}
         return cls(pipelines, {m: make_policy(settings, m, cv_model, fits.get(m)) for m in pipelines},
-                   settings.autoscaler.bounds, cpu_total=cfg.cpu_total)
+                   settings.autoscaler.bounds, cpu_total=cfg.cpu_total, rules=rules or {})
 
     def step(self, now: float, observations: dict[str, PipelineState]) -> list[Actions]:
         states = {m: replace(observations[m], bounds=self.bounds, now=now)
                   for m in self.pipelines if m in observations and observations[m].stages}
-        decided = self._decide(states)
+        rulings = {m: rule(s, self.rules[m]) if m in self.rules else POLICY for m, s in states.items()}
+        decided = self._decide({m: s for m, s in states.items() if rulings[m].policy})
         if self.cpu_total > 0 and decided:
             models = list(decided)
             bounded = within_total([states[m] for m in models], [decided[m] for m in models], self.cpu_total)
             decided = dict(zip(models, bounded))
-        return [self._actions(states[m], decided[m]) for m in self.pipelines if m in decided]
+        actions = (self._actions(states[m], decided.get(m), rulings[m]) for m in self.pipelines if m in states)
+        return [a for a in actions if not a.empty]
 
     def _decide(self, states: dict[str, PipelineState]) -> dict[str, Decision]:
         # One forecast for every model whose policies share it (QUART's CV attention: one batched pass).
@@ -172,16 +207,20 @@ class Controller:
                 out[m], self.memory[m] = self.policies[m].decide(states[m], self.memory.get(m), part)
         return out
 
-    def _actions(self, state: PipelineState, decision: Decision) -> Actions:
-        decision = hold_without_cpu(state, decision.bounded(self.bounds))
+    def _actions(self, state: PipelineState, decision: Decision | None, ruling: Ruling) -> Actions:
         refs = self.pipelines[state.model]
+        ruled = tuple((refs[i], n) for i, n in ruling.replicas if n != state.stages[i].replicas)
+        changes = dict(whole=ruling.whole, layout=ruling.layout, asleep=ruling.asleep)
+        if decision is None:
+            return Actions(state, None, refs, ruled, (), (), **changes)
+        decision = hold_without_cpu(state, decision.bounded(self.bounds))
         replicas = tuple((ref, d.replicas) for ref, s, d in zip(refs, state.stages, decision.stages)
                          if d.replicas != s.replicas)
         # CPUs change only by whole cores, and never below one.
         cpus = tuple((ref, int(round(d.cpus))) for ref, s, d in zip(refs, state.stages, decision.stages)
                      if round(d.cpus) != round(s.cpus) and d.cpus >= 1)
         keys = tuple(ref for ref, d in zip(refs, decision.stages) if d.key)
-        return Actions(state, decision, refs, replicas, cpus, keys)
+        return Actions(state, decision, refs, replicas, cpus, keys, **changes)
 
 
 class Mechanism(Protocol):
@@ -189,20 +228,32 @@ class Mechanism(Protocol):
     def publish_key_stages(self, model: str, stages: tuple[StageRef, ...]) -> None: ...
     def set_replicas(self, stage: StageRef, replicas: int) -> None: ...
     def set_cpus(self, stage: StageRef, cpus: int) -> None: ...
+    def set_whole(self, model: str, replicas: int) -> None: ...
+    def set_layout(self, model: str, change: LayoutDecision) -> None: ...
+    def set_asleep(self, model: str, asleep: bool) -> None: ...
 
 
 def enact(mechanism: Mechanism, actions: Actions, log: logging.Logger) -> list[str]:
-    """Key stages first (the scheduler places the replicas asked for next by them), then every
-    replica and CPU change. A change that fails is logged and the others still go through: one
-    stage's error never holds back another stage's or another model's. Returns the failures."""
+    """Key stages first (the scheduler places the replicas asked for next by them), then the whole
+    function's and every stage's replica and CPU change, then the layout and sleep marks (set
+    once the counts they describe are asked for). A change that fails is logged and the others
+    still go through: one stage's error never holds back another stage's or another model's.
+    Returns the failures."""
     failures = []
-    mechanism.publish_key_stages(actions.model, actions.key_stages)
-    changes = [(mechanism.set_replicas, ref, n) for ref, n in actions.replicas] + \
+    model = actions.model
+    if actions.decision is not None:
+        mechanism.publish_key_stages(model, actions.key_stages)
+    changes = ([(mechanism.set_whole, model, actions.whole)] if actions.whole is not None else []) + \
+              [(mechanism.set_replicas, ref, n) for ref, n in actions.replicas] + \
               [(mechanism.set_cpus, ref, n) for ref, n in actions.cpus]
-    for apply, ref, n in changes:
+    for apply, target, n in changes:
         try:
-            apply(ref, n)
+            apply(target, n)
         except (RuntimeError, OSError, ValueError) as exc:
-            failures.append(f"{ref}: {exc}")
-            log.warning("%s %s to %d failed: %s", apply.__name__, ref, n, exc)
+            failures.append(f"{target}: {exc}")
+            log.warning("%s %s to %d failed: %s", apply.__name__, target, n, exc)
+    if actions.layout is not None:
+        mechanism.set_layout(model, actions.layout)
+    if actions.asleep is not None:
+        mechanism.set_asleep(model, actions.asleep)
     return failures

@@ -8,32 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contracts.stack import parse_duration
-
-ZERO_LABEL = "com.openfaas.scale.zero"
-ZERO_DURATION_LABEL = "com.openfaas.scale.zero-duration"
-DEFAULT_ZERO_DURATION_S = 15 * 60.0
-
-
-@dataclass(frozen=True)
-class ZeroScaling:
-    """A function's scale-to-zero labels."""
-    enabled: bool = False
-    idle_s: float = DEFAULT_ZERO_DURATION_S
-
-    @classmethod
-    def from_labels(cls, labels: dict[str, str]) -> ZeroScaling:
-        """ValueError naming the label whose value is wrong."""
-        raw = labels.get(ZERO_LABEL, "false").strip().lower()
-        if raw not in ("true", "false"):
-            raise ValueError(f"label {ZERO_LABEL}={labels[ZERO_LABEL]!r} must be true or false")
-        duration = labels.get(ZERO_DURATION_LABEL)
-        try:
-            idle_s = parse_duration(duration) if duration is not None else DEFAULT_ZERO_DURATION_S
-        except ValueError as exc:
-            raise ValueError(f"label {ZERO_DURATION_LABEL}: {exc}") from None
-        return cls(raw == "true", idle_s)
-
 
 @dataclass(frozen=True)
 class ModelActivity:

@@ -22,6 +22,7 @@ class LayoutRule:
     windows: int = 4              # windows the peak is taken over; a model this long warm may consolidate
     per_replica: int = 16         # requests one whole replica serves at once (its batch)
     max_whole: int = 1            # whole replicas the model may have
+    window_s: float = 30.0        # how long each window is
 
 
 @dataclass(frozen=True)

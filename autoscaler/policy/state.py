@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autoscaler.policy.idle import ModelActivity
+from autoscaler.policy.layout import LayoutState
 from contracts.config import Bounds
 from contracts.stage_graph import chain
 
@@ -63,6 +65,12 @@ class PipelineState:
     # Cores idle on the host(s) the model's replicas compute on; None where that does not bound
     # them (emulated compute) or is not measured.
     cpu_free: float | None = None
+    # What the model-level rules beside the policy read (autoscaler/policy/arbitration.py): its
+    # layout, where it has a whole-model function; its activity, where stage functions may scale
+    # to zero; and whether they are asleep now.
+    layout: LayoutState | None = None
+    activity: ModelActivity | None = None
+    asleep: bool = False
 
     def graph(self) -> tuple[tuple[int, int], ...]:
         if self.edges is not None:

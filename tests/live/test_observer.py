@@ -31,7 +31,7 @@ def test_incremental_reads_see_what_a_fresh_read_sees(tmp_path):
             _record(r, REFS["m"][1], now - 9 + k, 50.0)
         RedisStore(r).register(ReplicaRecord("live", "m", 1, 2, "here", 1, cpus=2), ttl_s=60)
         r.sadd(keys.stage_replicas("m", 1), "expired")  # "expired" has no hash any more
-        observer = Observer(r, REFS, window_s=10.0)
+        observer = Observer(RedisStore(r), REFS, window_s=10.0)
         first = observer.observe(now, {"m": [1, 3]}, 2.0)["m"]
         ranged = first.stages[1]
         assert ranged.arrival_rate == 1.0 and abs(ranged.service_time_s - 0.05) < 1e-9
@@ -41,7 +41,7 @@ def test_incremental_reads_see_what_a_fresh_read_sees(tmp_path):
         for k in range(5):                       # five seconds pass, five records arrive at 0.1 s
             _record(r, REFS["m"][1], now + 1 + k, 100.0)
         later = observer.observe(now + 5, {"m": [1, 3]}, 2.0)["m"]
-        fresh = Observer(r, REFS, window_s=10.0).observe(now + 5, {"m": [1, 3]}, 2.0)["m"]
+        fresh = Observer(RedisStore(r), REFS, window_s=10.0).observe(now + 5, {"m": [1, 3]}, 2.0)["m"]
         assert later == fresh
         assert later.stages[1].arrival_rate == 1.1     # 6 old ones still in [now - 5, now], 5 new
     finally:

@@ -16,6 +16,7 @@ from state import keys
 from state.memory import MemoryStore
 from state.records import (
     PIPELINED,
+    Activity,
     CacheEvent,
     ColdStart,
     DecisionRecord,
@@ -180,6 +181,27 @@ def test_the_redis_store_counts_a_stages_waiting_and_taken_work(redis_client):
     assert (s.backlog("m", 0).waiting, s.backlog("m", 0).in_flight) == (2, 1)
 
 
+def test_stage_windows_read_on_from_their_cursor(store):
+    """The autoscaler's read of every stage at once: records since the window's start at first,
+    then only those written after the cursor; the queue; the live replicas."""
+    s, advance = store
+    s.register(replica("m-s0.here.1", first=0, last=1), ttl_s=60)
+    for k in range(3):
+        s.add_sample("m", 0, StageSample(f"x.{k}", 0.0, 1.0, 10.0, "r", "pass"), maxlen=100)
+        advance(0.01)
+    first = s.stage_windows({("m", 0): None, ("m", 1): None}, since_s=0.0)
+    assert [x.request_id for x in first[("m", 0)].samples] == ["x.0", "x.1", "x.2"]
+    assert first[("m", 1)].samples == () and first[("m", 1)].cursor is None
+    assert [x.replica_id for x in first[("m", 0)].replicas] == ["m-s0.here.1"] and first[("m", 1)].replicas == ()
+    assert first[("m", 0)].backlog.waiting == 0
+    cursor = first[("m", 0)].cursor
+    assert s.stage_windows({("m", 0): cursor}, since_s=0.0)[("m", 0)].samples == ()   # nothing new: nothing read
+    s.add_sample("m", 0, StageSample("x.3", 0.0, 1.0, 10.0, "r", "pass"), maxlen=100)
+    later = s.stage_windows({("m", 0): cursor}, since_s=0.0)[("m", 0)]
+    assert [x.request_id for x in later.samples] == ["x.3"] and later.cursor != cursor
+    assert s.stage_windows({("m", 0): None}, since_s=time.time() + 3600)[("m", 0)].samples == ()
+
+
 def test_the_control_planes_logs_read_back_in_order(store):
     s, advance = store
     s.add_placement(Placement("add", "m:1", "fewest replicas", "vs-0", "cold", "m-s1.vs-0.5", "cold", "light", 1.0), 100)
@@ -227,3 +249,11 @@ def test_stage_cpus_and_the_sleep_flags(store):
     assert s.asleep(["a", "b"]) == set() and s.waking("a") and not s.waking("b")
     advance(1.3)
     assert not s.waking("a")                             # waking lasts the entry's request timeout, then ends
+
+
+def test_the_gateways_activity_per_model(store):
+    s, _ = store
+    assert s.activity() == {}
+    s.set_activity({"a": Activity(10.5, 2), "b": Activity(11.0)})
+    s.set_activity({"a": Activity(12.25, 0)})            # a later write replaces that model's only
+    assert s.activity() == {"a": Activity(12.25, 0), "b": Activity(11.0, 0)}

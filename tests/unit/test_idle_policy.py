@@ -1,9 +1,10 @@
-"""Scale to zero's labels and rule (autoscaler/policy/idle.py)."""
+"""Scale to zero's labels (contracts/stack.py) and rule (autoscaler/policy/idle.py)."""
 from __future__ import annotations
 
 import pytest
 
-from autoscaler.policy.idle import DEFAULT_ZERO_DURATION_S, ModelActivity, ZeroScaling, decide, parse_duration
+from autoscaler.policy.idle import ModelActivity, decide
+from contracts.stack import DEFAULT_ZERO_DURATION_S, ZeroScaling, parse_duration
 
 
 def test_go_durations():

@@ -94,7 +94,7 @@ def test_units_import_each_other_without_cycles():
 # imports redis fails here.
 TRANSPORT = {"pipeline.replica", "pipeline.pipeline_client", "pipeline.join", "runtime.redis_server"}
 STILL_ON_REDIS = {
-    "autoscaler.__main__", "autoscaler.layout", "autoscaler.loop", "autoscaler.observe", "keysmanager.zygote",
+    "keysmanager.zygote",
     "runtime.provider", "runtime.server",
     "benchmarks.autoscaler_tick", "benchmarks.coldstart", "benchmarks.consolidation", "benchmarks.containers",
     "benchmarks.faults", "benchmarks.hop", "benchmarks.kv_migration", "benchmarks.policies_burst",

@@ -1,0 +1,74 @@
+"""Who sets a model's replica counts this tick: the one arbitration rule between the autoscaling
+policy and the two model-level rules, layout (autoscaler/policy/layout.py: consolidate into the
+whole-model function, split back) and idling (autoscaler/policy/idle.py: scale to zero and back).
+Pure: the observed state in, a ruling out; the `Controller` runs it for every model before the
+policy and carries the ruling out with the policy's decision, through `enact`.
+
+In order:
+1. A model asleep (its labelled stage functions put to zero for idleness) is the idle rule's: it
+   wakes them when work waits in their streams, and is otherwise left at zero. (A request on its
+   way in wakes them at the gateway, OpenFaaS's scale from zero; that clears the mark.)
+2. A model whose layout is, or goes, whole or splitting is the layout rule's: the whole-model
+   function serves it, and the stage functions are set by the layout alone.
+3. A pipelined model idle for its zero-duration is put to sleep.
+4. Otherwise the autoscaling policy sets the stage functions; the layout rule may set the whole
+   function beside them (consolidating starts it; staying pipelined keeps it at zero)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoscaler.policy import idle
+from autoscaler.policy import layout as layouts
+from autoscaler.policy.layout import LayoutDecision, LayoutRule
+from autoscaler.policy.state import PipelineState
+from state.records import PIPELINED, SPLITTING, WHOLE
+
+
+@dataclass(frozen=True)
+class ModelRules:
+    """A model's rules beside its policy."""
+    layout: LayoutRule | None = None   # None: no whole-model function to consolidate into
+    sleepers: tuple[int, ...] = ()     # its stage functions (by index) labelled to scale to zero
+    wake_to: int = 1                   # replicas each sleeper wakes to
+    idle_s: float = 0.0                # how long the model must be idle before they sleep
+
+
+@dataclass(frozen=True)
+class Ruling:
+    policy: bool                                  # the autoscaling policy sets the stage functions
+    replicas: tuple[tuple[int, int], ...] = ()    # stage function index -> replicas the rules set
+    whole: int | None = None                      # replicas for the whole function; None: leave it
+    layout: LayoutDecision | None = None          # a change of layout, to record
+    asleep: bool | None = None                    # True: put to sleep; False: woken; None: as it is
+
+
+POLICY = Ruling(True)
+HOLD = Ruling(False)
+
+
+def rule(state: PipelineState, rules: ModelRules) -> Ruling:
+    if state.asleep:
+        return _asleep(state, rules)
+    change = layouts.decide(state.layout, rules.layout) if rules.layout and state.layout else None
+    current = change.layout if change else state.layout.layout if state.layout else PIPELINED
+    if current in (WHOLE, SPLITTING):
+        if change is None:
+            return HOLD
+        stages = () if change.stages is None else tuple((i, change.stages) for i in range(len(state.stages)))
+        return Ruling(False, stages, change.whole, change)
+    whole = change.whole if change else None
+    if current == PIPELINED and rules.sleepers and state.activity is not None \
+            and idle.decide(state.now, state.activity) == "sleep":
+        return Ruling(False, tuple((i, 0) for i in rules.sleepers), whole, change, asleep=True)
+    return Ruling(True, (), whole, change)
+
+
+def _asleep(state: PipelineState, rules: ModelRules) -> Ruling:
+    activity = state.activity
+    if activity is None:
+        return HOLD
+    if idle.decide(state.now, activity) == "wake":
+        return Ruling(False, tuple((i, rules.wake_to) for i in rules.sleepers), asleep=False)
+    if activity.replicas > 0:
+        return Ruling(False, asleep=False)  # scaled up by hand: the autoscaler's again from the next tick
+    return HOLD

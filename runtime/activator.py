@@ -1,0 +1,63 @@
+"""The embedded gateway's side of scale to zero, OpenFaaS's gateway's: it notes each model's
+requests, publishes them each second (the autoscaler's idle rule decides when a model's stage
+functions sleep, and wakes them when work waits in their streams: autoscaler/policy/arbitration.py),
+and wakes every sleeping stage function of a model at once when a request comes for it, on the
+request's way in (OpenFaaS's scale from zero), while the entry holds the request."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from contracts.stack import ZeroScaling, is_whole
+from runtime.functions import FunctionState
+from state.records import PIPELINED, Activity
+from state.store import Store
+
+log = logging.getLogger("quart.activator")
+PUBLISH_S = 1.0
+
+
+class Activator:
+    def __init__(self, store: Store, initial: Callable[[FunctionState], int], waking_ttl_s: float) -> None:
+        """`initial(fn)`: the replicas a function wakes to (its minimum); `waking_ttl_s`: how long
+        the entry may admit requests behind a cold start (its request timeout)."""
+        self.store, self.initial, self.waking_ttl_s = store, initial, waking_ttl_s
+        self.last_request: dict[str, float] = {}
+        self.in_flight: dict[str, int] = {}
+        self._published = 0.0
+
+    def touched(self, model: str, now: float | None = None) -> None:
+        self.last_request[model] = time.time() if now is None else now
+
+    def started(self, model: str) -> None:
+        """A request of `model` came in: it counts as work until it is answered (a generation's
+        decode steps pass through no shared stream, so the streams alone would look idle)."""
+        self.touched(model)
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+
+    def finished(self, model: str) -> None:
+        self.touched(model)  # idleness counts from the last answer
+        self.in_flight[model] -= 1
+
+    def wake(self, functions: list[FunctionState], model: str, now: float | None = None) -> bool:
+        """Every sleeping stage function of `model` back to its minimum; True if any was asleep."""
+        now = time.time() if now is None else now
+        asleep = [fn for fn in functions if fn.stage is not None and fn.stage.model == model and not fn.desired
+                  and not is_whole(fn) and ZeroScaling.from_labels(fn.deployment.get("labels") or {}).enabled]
+        if not asleep or self.store.layout(model) != PIPELINED:  # at zero for the layout, not for idleness
+            return False
+        for fn in asleep:
+            fn.desired = self.initial(fn)
+        self.store.wake(model, now, self.waking_ttl_s)
+        self.touched(model, now)
+        log.info("woke %s: %s", model, ", ".join(f"{fn.name}={fn.desired}" for fn in asleep))
+        return True
+
+    def publish(self, now: float | None = None) -> None:
+        """Once a second: every model's requests, for the autoscaler's idle rule."""
+        now = time.time() if now is None else now
+        if now < self._published + PUBLISH_S:
+            return
+        self._published = now
+        self.store.set_activity({m: Activity(t, self.in_flight.get(m, 0)) for m, t in self.last_request.items()})
