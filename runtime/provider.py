@@ -29,8 +29,8 @@ from keysmanager.client import KeysClient
 from pipeline.families import Unsupported, check_folder
 from pipeline.manifest import Manifest
 from pipeline.sizes import stage_bytes
-from runtime.functions import FunctionState, ProcessManager
 from runtime.activator import Activator
+from runtime.functions import FunctionState, ProcessManager
 from runtime.placer import Placer
 from runtime.state_file import save as save_state
 from runtime.state_file import state_path

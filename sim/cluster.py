@@ -90,6 +90,7 @@ class SimCluster:
         self._ids = 0
         self.placements: list[dict] = []
         self.starts = {"fork": 0, "cold": 0}
+        self.asleep: set[str] = set()          # models whose stage functions sleep at zero
 
     # -- the autoscaler's Backend ------------------------------------------------------------
 
@@ -101,6 +102,19 @@ class SimCluster:
 
     def publish_key_stages(self, model: str, stages: tuple[StageRef, ...]) -> None:
         self.key_stages[model] = stages
+
+    def set_asleep(self, model: str, asleep: bool) -> None:
+        (self.asleep.add if asleep else self.asleep.discard)(model)
+
+    def wake(self, model: str, replicas: int, now: float) -> bool:
+        """The gateway's scale from zero: a request for a sleeping model wakes every stage at once."""
+        if model not in self.asleep:
+            return False
+        self.asleep.discard(model)
+        for st in self.by_model[model]:
+            st.desired = max(st.desired, replicas)
+        self.converge(now)
+        return True
 
     def key_stage_keys(self) -> frozenset[str]:
         return frozenset(s.key for ks in self.key_stages.values() for s in ks)

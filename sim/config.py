@@ -59,6 +59,10 @@ class SimConfig:
     # requests, as the embedded runtime runs it; QUART's testbed evaluation has none.
     admission: bool = False
     initial_replicas: int = 1
+    # > 0: every model's stage functions scale to zero once it has been idle this long (OpenFaaS's
+    # com.openfaas.scale.zero-duration, decided by the Controller's idle rule), and the gateway
+    # wakes them all on the next request's way in; 0: never.
+    idle_s: float = 0.0
     sample_s: float = 0.5
     tail_s: float = 15.0                 # simulated after the last arrival, as loadgen's --tail
     seed: int = 0

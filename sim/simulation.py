@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autoscaler.policy.arbitration import ModelRules
 from autoscaler.policy.controller import Controller, enact
+from autoscaler.policy.idle import ModelActivity
 from autoscaler.policy.state import PipelineState
 from contracts import artefacts
 from contracts.config import Settings, load_settings
@@ -136,9 +138,15 @@ class Simulation:
                                   cache_key_stages=not self.settings.autoscaler.ablated("fork-cache"),
                                   min_residency_s=self.settings.cache.min_residency_s)
         self.slo = {m.name: cfg.slo_x * unloaded_latency(cfg, m) if cfg.slo_x > 0 else cfg.slo_s for m in models}
+        self.wake_to = max(1, self.settings.autoscaler.bounds.r_min)
+        rules = {m.name: ModelRules(sleepers=tuple(range(m.num_stages)), wake_to=self.wake_to, idle_s=cfg.idle_s)
+                 for m in models} if cfg.idle_s > 0 else {}
         self.controller = Controller.from_settings(
             self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models},
-            self._fits_without_artefacts(models))
+            self._fits_without_artefacts(models), rules)
+        # What the gateway sees of each model's requests: the latest one's time, those in flight.
+        self.last_request = {m.name: 0.0 for m in models}
+        self.in_flight = {m.name: 0 for m in models}
 
     def _fits_without_artefacts(self, models: list[SimModel | GenerativeModel]) -> dict[str, dict]:
         """The compensator runs on the fits the live one would (artefacts measured on the emulated
@@ -222,6 +230,9 @@ class Simulation:
 
     def _arrive(self, i: int) -> None:
         m = self.models[self.model_of[i]]
+        self.last_request[m.name] = self.now
+        self.in_flight[m.name] += 1
+        self.cluster.wake(m.name, self.wake_to, self.now)
         t = self._entry(self.now)
         if isinstance(m, SimModel):  # a generative request's own CPU is in its calibrated steps
             self.cluster.background(self.cluster.servers[0], self.cfg.request_cpu_s, self.now, RequestWork())
@@ -334,7 +345,7 @@ class Simulation:
             self._fail(i)
             return
         self.latency[i], self.status[i] = latency, 200
-        self.outstanding -= 1
+        self._answered(i)
 
     def _fail(self, i: int, status: int = 0) -> None:
         """Answers a request with an error: 504 (0) at its deadline, another status at once."""
@@ -344,7 +355,13 @@ class Simulation:
                 admission.answered(i, None, self.now)
             self.latency[i] = self.cfg.request_timeout_s if not status else self.now - self.sent[i]
             self.status[i] = status or TIMEOUT_STATUS
-            self.outstanding -= 1
+            self._answered(i)
+
+    def _answered(self, i: int) -> None:
+        name = self.models[self.model_of[i]].name
+        self.outstanding -= 1
+        self.in_flight[name] -= 1
+        self.last_request[name] = self.now  # idleness counts from the last answer, as the gateway's
 
     def _expire_rest(self) -> None:
         for i in np.flatnonzero(self.status == 0):
@@ -360,12 +377,18 @@ class Simulation:
             observations[m.name] = PipelineState(m.name, states, slo_s=self.slo[m.name],
                                                  edges=m.profile.edges if isinstance(m, SimModel) else None,
                                                  entry_rate=states[0].arrival_rate, now=now,
-                                                 cpu_free=None if isinstance(m, SimModel) else cpu_free)
+                                                 cpu_free=None if isinstance(m, SimModel) else cpu_free,
+                                                 activity=self._activity(m.name, states) if self.cfg.idle_s > 0 else None,
+                                                 asleep=m.name in self.cluster.asleep)
         for actions in self.controller.step(now, observations):
             enact(self.cluster, actions, log)
             self.decisions += 1
         self.cluster.converge(now)
         self.cluster.watch(now)
+
+    def _activity(self, model: str, states: tuple) -> ModelActivity:
+        work = self.in_flight[model] + sum(s.queue_length + s.in_flight for s in states)
+        return ModelActivity(self.last_request[model], self.cfg.idle_s, sum(s.replicas for s in states), work)
 
     def _idle_cores(self, now: float) -> float | None:
         """Cores idle since the last tick where the host's cores are modelled (the live loop reads

@@ -248,3 +248,32 @@ def test_the_data_planes_cpu_shares_the_embedded_runtimes_cores(tmp_path):
     shared = simulate(wide, table1(["llama-7b"]), burst, "static", settings)
     free = simulate(wide.replace(item_cpu_s=0.0, request_cpu_s=0.0), table1(["llama-7b"]), burst, "static", settings)
     assert shared.latency.mean() > free.latency.mean() + 0.25
+
+
+@pytest.mark.parametrize("policy", ["quart", "static"])
+def test_idle_stages_sleep_at_zero_and_the_next_request_wakes_them_all(tmp_path, policy):
+    """Scale to zero in the simulator, decided by the same Controller as live: a model idle for
+    its zero-duration has every stage at zero until the next request, which wakes them all at once
+    (the gateway's scale from zero) and waits for their start; every request is answered."""
+    first = poisson_arrivals(2.0, 20.0, seed=3)
+    arrivals = {"llama-7b": np.concatenate([first, first + 80.0])}
+    cfg = quart_testbed(tail_s=5.0, idle_s=15.0)
+    sim = Simulation(cfg, table1(["llama-7b"]), arrivals, policy, load_settings(environ={}, home=str(tmp_path)))
+    trace = sim.run()
+    t = np.array(trace.samples["llama-7b"]["t"])
+    replicas = np.array(trace.samples["llama-7b"]["replicas"])
+    gap = (t > 20.0 + 15.0 + 2.0) & (t < 80.0)
+    assert gap.any() and (replicas[gap] == 0).all()                 # every stage asleep in the gap
+    assert (replicas[(t > 5.0) & (t < 20.0)] >= 1).all()            # awake while requests come
+    assert int((trace.status == 200).sum()) == len(arrivals["llama-7b"])
+    woken = int(np.searchsorted(arrivals["llama-7b"], 80.0))
+    warm = np.median(trace.latency[:len(first)])
+    assert trace.latency[woken] > warm + cfg.init_s / 2              # the first after the gap waited for a start
+
+
+def test_without_a_zero_duration_nothing_sleeps(tmp_path):
+    first = poisson_arrivals(2.0, 20.0, seed=3)
+    arrivals = {"llama-7b": np.concatenate([first, first + 80.0])}
+    trace = Simulation(quart_testbed(tail_s=5.0), table1(["llama-7b"]), arrivals, "static",
+                       static(1, tmp_path)).run()
+    assert (np.array(trace.samples["llama-7b"]["replicas"]) >= 1).all()
