@@ -40,6 +40,10 @@ class EmulatedRunner:
     def is_last(self) -> bool:
         return self.last == self.manifest.num_stages
 
+    def use_cpus(self, cpus: int) -> None:
+        """Emulated compute runs faster by its parallel fraction on more CPUs."""
+        self.cpus = cpus
+
     def reseed(self) -> None:
         """A forked child must not draw the same service times as its siblings."""
         self._rng = np.random.default_rng()

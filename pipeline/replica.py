@@ -1,7 +1,9 @@
-"""A stage replica: pulls work for its stage range from the stage's Redis Stream through the
-shared consumer group, hands the output to the next stage (or the reply list; in a DAG, to every
-successor, a join's part by pipeline/join.py), and only then acknowledges. Work left pending by a
-dead replica is claimed again after an idle time.
+"""A stage replica's engine loop, in vLLM v1's shape (`EngineCore.step`: schedule, execute,
+update): each turn it gathers the next batch from its transport (pipeline/stage_transport.py:
+Redis in and out), runs it (the runner for single passes; `GenerationStage` for a generative
+model, with its KV cache), and hands every output on by the stage graph (pipeline/stage_routes.py)
+in the same transaction that acknowledges what it took. A second thread keeps the replica's
+registration, its CPUs and its items in hand alive.
 
 A replica of a generative model also reads its own stream: the decode steps of the requests whose
 KV cache it holds (it ran their prefill). It runs everything ready as one batch per step
@@ -15,28 +17,26 @@ import os
 import threading
 import time
 
-import redis
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from contracts.config import Settings
 from contracts.proc_stat import started_at
 from contracts.stage import StageRef
-from contracts.stage_graph import Edges, chain, check_range, predecessors, successors
-from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, decode_tensors, encode_tensors, pack, unpack
+from contracts.stage_graph import Edges, chain
+from contracts.wire import BadRequest, Header, StageTiming, decode_tensors, encode_tensors
 from pipeline.batch_policy import handover_peer, new_item_slots
-from pipeline.cpu_sets import pick_cores
 from pipeline.emulated import EmulatedRunner
 from pipeline.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
-from pipeline.join import Joins
 from pipeline.model_fetch import ensure_manifest
 from pipeline.profiles import profile as emulation_profile
 from pipeline.shard_reader import ShardReader, start_readers
 from pipeline.shard_stream import stream_tensors
+from pipeline.stage_routes import Routes
 from pipeline.stage_runner import StageRunner
-from state import keys
+from pipeline.stage_transport import Commit, Down, Refused, StageTransport, stream_gone
 from state.records import ColdStart, ReplicaRecord, StageSample
-from state.store import RedisStore
+from state.store import Unavailable
 
 log = logging.getLogger("quart.replica")
 
@@ -59,15 +59,6 @@ def stage_graph(runner: StageRunner | EmulatedRunner) -> Edges:
     return profile.graph() if profile is not None else chain(runner.manifest.num_stages)
 
 
-def ensure_group(r: redis.Redis, stream: str) -> None:
-    """Creates the stage's stream and consumer group if they do not exist yet."""
-    try:
-        r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
-    except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
 class Replica:
     def __init__(self, settings: Settings, stage: StageRef, started_by: str = "cold",
                  runner: StageRunner | None = None, readers: dict[int, ShardReader] | None = None) -> None:
@@ -86,33 +77,26 @@ class Replica:
         self.manifest = runner.manifest
         self.stage = stage
         self.model, self.first, self.last = stage.model, first, last
-        self.redis = redis.Redis.from_url(settings.redis_url)
-        self.store = RedisStore(self.redis)
         pid = os.getpid()
         self.info = ReplicaRecord(
             replica_id=f"{self.model}-s{stage.stages}.{settings.server}.{pid}", model=self.model,
             stage_start=first, stage_end=last, server=settings.server, pid=pid,
             device="emulated" if settings.compute.emulate else settings.compute.device, cpus=max(1, settings.compute.threads),
             started_by=started_by, started_at=time.time())
-        self.stream = keys.stage_stream(self.model, first)
-        graph = stage_graph(runner)
-        check_range(graph, first, last)
-        # Where this range's output goes (several: a fan-out; none: the reply), and, at a join
-        # (a stage with several predecessors), the stages whose parts a request brings here.
-        self.next_stages = successors(graph, last - 1)
-        before = predecessors(graph, first)
-        self.join_of = before if len(before) > 1 else []
-        self.next_parts = {s: len(predecessors(graph, s)) for s in self.next_stages}
-        self.joins = Joins(self.redis, self.model, int(settings.data.request_timeout_s * 2000))
-        self.private = keys.replica_stream(self.replica_id)
+        self.routes = Routes(stage_graph(runner), first, last)
         generative = isinstance(runner, StageRunner) and runner.manifest.generative
+        data = settings.data
+        self.transport = StageTransport(
+            settings.redis_url, stage, self.replica_id, generative, records_maxlen=data.records_maxlen,
+            reply_ttl_ms=int(data.request_timeout_s * 2000), reclaim_idle_ms=data.reclaim_idle_ms,
+            stream_ttl_ms=int(data.replica_ttl_s * 1000), on_first_work=self._first_work)
+        self.store = self.transport.store
+        self.stream, self.private = self.transport.shared, self.transport.private
         self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
                                           settings.batching.kv_wait_s, settings.limits) if generative else None
         self._labels = {"model": self.model, "stage": str(first)}
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
-        self._holding: dict[bytes, str] = {}  # taken and not yet acknowledged: message id -> stream
-        self._redeliver = False  # Redis went away mid-turn: take this replica's unacknowledged items again
         self._draining = False
         self._handed_over_at = float("-inf")  # when this replica last handed a sequence to a peer
         self._steps_without_new = 0
@@ -151,23 +135,13 @@ class Replica:
         return runner
 
     def start(self) -> None:
-        self._ensure_streams()
+        self.transport.ensure_streams(self.routes.next_stages)
         self.store.register(self.info, self.settings.data.replica_ttl_s)
         for target in (self._work_loop, self._heartbeat_loop):
             thread = threading.Thread(target=target, name=target.__name__, daemon=True)
             thread.start()
             self._threads.append(thread)
         log.info("replica %s serving %s stages [%d, %d)", self.replica_id, self.model, self.first, self.last)
-
-    def _ensure_streams(self) -> None:
-        """The streams this replica reads and writes, with their consumer groups: at start, and
-        again after a Redis that came back without them."""
-        ensure_group(self.redis, self.stream)
-        for stage in self.next_stages:
-            ensure_group(self.redis, keys.stage_stream(self.model, stage))
-        if self.generation is not None:
-            ensure_group(self.redis, self.private)
-            self.redis.pexpire(self.private, int(self.settings.data.replica_ttl_s * 1000))
 
     def stop(self) -> None:
         """Stops taking new work, finishes what it holds (the item in hand; the requests whose
@@ -191,19 +165,14 @@ class Replica:
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         self.store.deregister(self.info)
-        self.redis.delete(self.private)
-        self.redis.hdel(keys.cpu_sets(self.info.server), self.replica_id)
+        self.transport.close(self.info.server)
         log.info("replica %s stopped", self.replica_id)
 
     def _give_back_waiting(self) -> None:
         """Prefills waiting here for KV room go back to the shared stream for other replicas
         (a draining replica takes no new ones)."""
         waiting, self.generation.waiting = self.generation.waiting, []
-        if waiting:
-            pipe = self.redis.pipeline(transaction=True)
-            for w in waiting:
-                pipe.xadd(self.stream, {MESSAGE_FIELD: pack(w.header, w.tensors)})
-            self._finish(waiting, pipe)
+        self.transport.give_back(waiting)
 
     # -- the work loop -------------------------------------------------------------------------
 
@@ -228,15 +197,15 @@ class Replica:
                     next_expiry = time.monotonic() + 1.0
                     for seq in self.generation.evict_idle(self.settings.data.request_timeout_s):
                         log.info("%s freed idle sequence %s", self.replica_id, seq)
-            except redis.ConnectionError as exc:  # Redis down or loading its file: wait for it
+            except Down as exc:  # Redis down or loading its file: wait for it
                 log.warning("redis unavailable (%s); retrying", exc)
-                self._lost_turn()
+                self.transport.lost_turn({w.msg_id for w in self.generation.waiting} if self.generation else set())
                 self._stop.wait(0.5)
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+            except Refused as exc:
+                if not stream_gone(exc):
                     raise
                 log.warning("%s: a stream or group is gone (%s); creating them again", self.replica_id, exc)
-                self._ensure_streams()
+                self.transport.ensure_streams(self.routes.next_stages)
             except Exception:  # the loop must outlive any one bad turn
                 log.exception("%s: work loop error; continuing", self.replica_id)
                 self._stop.wait(0.5)
@@ -245,115 +214,62 @@ class Replica:
         """Started, and both its threads still running (the watchdog's health check)."""
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
-    def _lost_turn(self) -> None:
-        """What this turn took was neither handed on nor acknowledged (the transaction did not
-        run): it is still pending for this replica in Redis, and is taken again from there once
-        Redis answers; a prefill waiting for KV room stays in hand."""
-        waiting = {w.msg_id for w in self.generation.waiting} if self.generation is not None else set()
-        self._holding = {m: s for m, s in self._holding.items() if m in waiting}
-        self._redeliver = True
-
-    def _pending_again(self) -> list[Work]:
-        """This replica's own unacknowledged items (XREADGROUP from id 0), less those in hand."""
-        streams = {self.stream: "0", **({self.private: "0"} if self.generation is not None else {})}
-        in_hand = set(self._holding)
-        answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, streams, count=self.settings.batching.max_batch)
-        works = []
-        for stream, entries in answer or []:
-            for msg_id, fields in entries:
-                if not fields:  # deleted meanwhile
-                    self.redis.xack(stream, keys.GROUP, msg_id)
-                elif msg_id not in in_hand and (w := self._work(stream.decode(), msg_id, fields)) is not None:
-                    works.append(w)
-        self._redeliver = bool(works)  # more may be pending beyond this read
-        if works:
-            log.info("%s takes %d unacknowledged item(s) again after Redis came back", self.replica_id, len(works))
-        return works
-
     def _gather(self, reclaim: bool) -> list[Work]:
         """The next batch: decode steps and frees first (the private stream), then as many new
         items of the shared stream as there are slots, at least one every few steps so prefills
         never starve; blocks briefly only when there is nothing at all."""
-        if self._redeliver:
-            again = self._pending_again()
+        t = self.transport
+        if t.redeliver:
+            again = t.pending_again(self.settings.batching.max_batch)
             if again:
                 return again
         if self.generation is None:
-            return (self._claim_abandoned() if reclaim else []) or self._read({self.stream: ">"}, 1, self.settings.data.block_ms)
+            return (t.claim_abandoned() if reclaim else []) or t.read({self.stream: ">"}, 1, self.settings.data.block_ms)
         max_batch = self.settings.batching.max_batch
-        works = self._read({self.private: ">"}, max_batch, None)
+        works = t.read({self.private: ">"}, max_batch, None)
         take_new = not self._draining and not self.generation.waiting
         if take_new:
             slots = new_item_slots(max_batch, len(works), self._steps_without_new)
             if slots > 0:
-                new = (self._claim_abandoned() if reclaim else []) or self._read({self.stream: ">"}, slots, None)
+                new = (t.claim_abandoned() if reclaim else []) or t.read({self.stream: ">"}, slots, None)
                 works += new
         if not works:
             # Prefills waiting for room are retried as soon as a free (or anything) arrives.
             streams = {self.private: ">"} if not take_new else {self.private: ">", self.stream: ">"}
-            works = self._read(streams, 1, WAITING_POLL_MS if self.generation.waiting else self.settings.data.block_ms)
+            works = t.read(streams, 1, WAITING_POLL_MS if self.generation.waiting else self.settings.data.block_ms)
         self._steps_without_new = 0 if any(w.stream == self.stream for w in works) else self._steps_without_new + 1
         return works
 
-    def _read(self, streams: dict[str, str], count: int, block: int | None) -> list[Work]:
-        answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, streams, count=count, block=block)
-        return [w for stream, entries in answer or [] for msg_id, fields in entries
-                if (w := self._work(stream.decode(), msg_id, fields)) is not None]
-
-    def _claim_abandoned(self) -> list[Work]:
-        """Takes over one item that a dead replica held for longer than the reclaim idle time."""
-        _, entries, *_ = self.redis.xautoclaim(self.stream, keys.GROUP, self.replica_id,
-                                               min_idle_time=self.settings.data.reclaim_idle_ms,
-                                               start_id="0-0", count=1)
-        for msg_id, fields in entries:
-            if fields:
-                log.info("%s reclaimed %s", self.replica_id, msg_id.decode())
-                work = self._work(self.stream, msg_id, fields)
-                return [work] if work is not None else []
-            self.redis.xack(self.stream, keys.GROUP, msg_id)  # deleted meanwhile
-        return []
-
-    def _work(self, stream: str, msg_id: bytes, fields: dict) -> Work | None:
-        """A message as a work item; None for an unreadable one, dropped loudly (without a
-        readable header there is nobody to answer)."""
-        self._holding[msg_id] = stream
-        if self.first_work_at is None:
-            # When a new replica took its first work: what scale-up latency is measured to.
-            self.first_work_at = time.time()
-            self.store.update_replica(self.replica_id, first_work_at=self.first_work_at,
-                                      **({"coldstart": self.coldstart} if self.coldstart else {}))
-            if self.coldstart:
-                self.store.record_cold_start(self.stage, self.coldstart)
-        try:
-            header, tensors = unpack(fields[MESSAGE_FIELD])
-        except (BadRequest, KeyError, TypeError) as exc:
-            log.error("%s dropped unreadable message %s: %s", self.replica_id, msg_id, exc)
-            self._finish([Work(stream, msg_id, None, {})], self.redis.pipeline(transaction=True))
-            return None
-        return Work(stream, msg_id, header, tensors)
+    def _first_work(self) -> None:
+        """When a new replica took its first work: what scale-up latency is measured to."""
+        self.first_work_at = time.time()
+        self.store.update_replica(self.replica_id, first_work_at=self.first_work_at,
+                                  **({"coldstart": self.coldstart} if self.coldstart else {}))
+        if self.coldstart:
+            self.store.record_cold_start(self.stage, self.coldstart)
 
     def _process(self, work: Work) -> None:
         """One single-pass item (embeddings, emulated stages): compute and hand it on."""
         header = work.header
         if work.received > header.deadline:
             REQUESTS.labels(**self._labels, outcome="expired").inc()
-            self._finish([work], self.redis.pipeline(transaction=True))
+            self.transport.commit().execute([work])
             return
-        tensors = work.tensors
-        if self.join_of:
+        tensors, join_of = work.tensors, self.routes.join_of
+        if join_of:
             try:
-                header, parts = self.joins.collect(header, self.join_of)
+                header, parts = self.transport.joins.collect(header, join_of)
                 tensors = self.runner.join(parts)
             except BadRequest as exc:
                 header.error, header.status = f"stage {self.first}: {exc}", exc.status
         out = self._compute(header, tensors) if header.error is None else {}
         service_ms = (time.time() - work.received) * 1000.0
-        pipe = self.redis.pipeline(transaction=True)
-        self._record(pipe, work, service_ms, 1)
-        self._hand_off(pipe, header, out)
-        if self.join_of:
-            self.joins.done(pipe, header, self.first)
-        self._finish([work], pipe)
+        commit = self.transport.commit()
+        self._record(commit, work, service_ms, 1)
+        self.routes.forward(commit, header, out)
+        if join_of:
+            commit.joined(header, self.first)
+        commit.execute([work])
 
     def _run_generation(self, works: list[Work]) -> None:
         """One continuous-batching step: every decode, free and admitted prefill of `works` (and
@@ -376,7 +292,7 @@ class Replica:
             BATCH.labels(**self._labels).observe(result.batch)
             SERVICE.labels(**self._labels).observe(result.service_s)
         KV_BYTES.labels(**self._labels).set(self.generation.store.used)
-        pipe = self.redis.pipeline(transaction=True)
+        commit = self.transport.commit()
         holders: list[tuple[int | None, Outcome]] = []
         per_item_ms = result.service_s * 1000.0 / max(1, result.batch)
         for o in result.outcomes:
@@ -385,28 +301,27 @@ class Replica:
                 self._handed_over_at = time.monotonic()
             elif o.header.kind != "fork":  # a cache copied, no step run: nothing for the stage's records
                 REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
-                self._record(pipe, o.work, per_item_ms, result.batch)
+                self._record(commit, o.work, per_item_ms, result.batch)
             replica = {PEER: o.peer, INSTALL: o.peer, HOLDER: o.header.route.get(str(self.last))}.get(o.to)
             if replica:
-                # Refused (None) if that replica's stream is gone: checked once the pipe has run.
-                holders.append((len(pipe.command_stack), o))
-                pipe.xadd(keys.replica_stream(replica), {MESSAGE_FIELD: pack(o.header, o.tensors)}, nomkstream=True)
+                # Refused (None) if that replica's stream is gone: checked once the commit has run.
+                holders.append((commit.to_replica(replica, o.header, o.tensors), o))
             elif o.to == NEXT:
-                pipe.xadd(keys.stage_stream(self.model, self.last), {MESSAGE_FIELD: pack(o.header, o.tensors)})  # a chain
+                self.routes.forward(commit, o.header, o.tensors)
             elif o.to == REPLY:
-                self._reply(pipe, o.header, o.tensors)
+                commit.reply(o.header, o.tensors)
             else:
                 holders.append((None, o))  # a step for a holder the route does not name
-        results = self._finish(result.done + expired, pipe)
+        results = commit.execute(result.done + expired)
         lost = [o for index, o in holders if index is None or results[index] is None]
         if lost:
             # The replica holding the next stage's cache (or the peer taking one over) is gone:
             # the entry prefills again.
-            pipe = self.redis.pipeline(transaction=True)
+            commit = self.transport.commit()
             for o in lost:
                 o.header.kind = "lost"
-                self._reply(pipe, o.header, {})
-            pipe.execute()
+                commit.reply(o.header, {})
+            commit.execute([])
 
     def _handover_peer(self) -> tuple[str, str] | None:
         """Where this draining replica's sequences go, and how: a live, not draining replica
@@ -419,15 +334,14 @@ class Replica:
                 if x.replica_id != self.replica_id and x.stage_start == self.first and not x.draining})
         return self._peer
 
-    def _record(self, pipe: redis.client.Pipeline, work: Work, service_ms: float, batch: int) -> None:
+    def _record(self, commit: Commit, work: Work, service_ms: float, batch: int) -> None:
         header = work.header
         queue_ms = work.queued_s * 1000.0
         header.timings.append(StageTiming(self.first, self.replica_id, round(queue_ms, 3), round(service_ms, 3)))
         QUEUE.labels(**self._labels).observe(queue_ms / 1000.0)
         sample = StageSample(header.request_id, work.received - work.queued_s, queue_ms, service_ms, self.replica_id,
                              header.kind, batch)
-        pipe.xadd(keys.records_stream(self.model, self.first), sample.encode(),
-                  maxlen=self.settings.data.records_maxlen, approximate=True)
+        commit.record(sample)
 
     def _compute(self, header: Header, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         INFLIGHT.labels(**self._labels).inc()
@@ -448,73 +362,22 @@ class Replica:
         REQUESTS.labels(**self._labels, outcome="error").inc()
         return {}
 
-    def _hand_off(self, pipe: redis.client.Pipeline, header: Header, out: dict[str, torch.Tensor]) -> None:
-        if header.error is not None or not self.next_stages:
-            self._reply(pipe, header, out)
-            return
-        header.enqueued_at = time.time()
-        for stage, parts in self.next_parts.items():
-            header.stage = stage
-            if parts > 1:
-                self.joins.send_part(pipe, header, out, self.last - 1, parts)
-            else:
-                pipe.xadd(keys.stage_stream(self.model, stage), {MESSAGE_FIELD: pack(header, out)})
-
-    def _reply(self, pipe: redis.client.Pipeline, header: Header, out: dict[str, torch.Tensor]) -> None:
-        pipe.lpush(header.reply_to, pack(header, out))
-        pipe.pexpire(header.reply_to, int(self.settings.data.request_timeout_s * 2000))
-
-    def _finish(self, works: list[Work], pipe: redis.client.Pipeline) -> list:
-        # Acknowledge in the same transaction as the hand-off: both happen or neither does.
-        for w in works:
-            pipe.xack(w.stream, keys.GROUP, w.msg_id)
-            pipe.xdel(w.stream, w.msg_id)
-        results = pipe.execute()
-        for w in works:
-            self._holding.pop(w.msg_id, None)
-        return results
-
     # -- CPUs ----------------------------------------------------------------------------------
 
     def _apply_cpus(self, cpus: int) -> None:
         """Changes this replica's CPUs while it runs: the affinity of every thread of the process
         and torch's thread count (emulated stages scale their service time instead), on cores
         the server's other pinned replicas do not hold where enough are free."""
-        cores = self._claim_cores(cpus)
+        cores = self.transport.claim_cores(self.info.server, self._allowed_cpus, cpus)
         for tid in os.listdir("/proc/self/task"):
             try:
                 os.sched_setaffinity(int(tid), cores)
             except (ProcessLookupError, PermissionError):
                 pass
-        torch.set_num_threads(len(cores))
-        if hasattr(self.runner, "cpus"):
-            self.runner.cpus = cpus
+        self.runner.use_cpus(len(cores))
         self.cpus = self._pinned = cpus
         self.store.update_replica(self.replica_id, cpus=cpus)
         log.info("%s now uses %d CPUs (cores %s)", self.replica_id, cpus, cores)
-
-    def _claim_cores(self, cpus: int) -> list[int]:
-        """Picks and records this replica's cores in the server's hash of pinned replicas (in a
-        WATCH transaction: two replicas pinned at once do not pick the same free cores); entries
-        of replicas that are gone are dropped on the way."""
-        key = keys.cpu_sets(self.info.server)
-        with self.redis.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(key)
-                    held = {rid.decode(): v.decode() for rid, v in pipe.hgetall(key).items()
-                            if rid.decode() != self.replica_id}
-                    gone = [rid for rid in held if not pipe.exists(keys.replica(rid))]
-                    others = [[int(c) for c in v.split(",")] for rid, v in held.items() if rid not in gone]
-                    cores = pick_cores(self._allowed_cpus, others, cpus)
-                    pipe.multi()
-                    if gone:
-                        pipe.hdel(key, *gone)
-                    pipe.hset(key, self.replica_id, ",".join(map(str, cores)))
-                    pipe.execute()
-                    return cores
-                except redis.WatchError:
-                    continue
 
     # -- liveness ------------------------------------------------------------------------------
 
@@ -525,16 +388,11 @@ class Replica:
                 wanted = self.store.stage_cpus(self.stage)
                 if wanted is not None and wanted >= 1:   # a container's fractional quota is the provider's
                     self._wanted_cpus = int(wanted)
-                held = [m for m, stream in list(self._holding.items()) if stream == self.stream]
-                if held:
-                    # Resets the items' idle time, so that long work (or a prefill waiting for
-                    # KV room) is not reclaimed from a replica that is alive.
-                    self.redis.xclaim(self.stream, keys.GROUP, self.replica_id, 0, held, justid=True)
+                self.transport.keep_alive()
                 if self.generation is not None:
-                    self.redis.pexpire(self.private, int(self.settings.data.replica_ttl_s * 1000))
                     self.store.update_replica(self.replica_id, kv_bytes=self.generation.store.used,
                                               sequences=len(self.generation.store.sequences))
-            except redis.RedisError as exc:  # the heartbeat must outlive Redis going away
+            except Unavailable as exc:  # the heartbeat must outlive Redis going away
                 log.warning("heartbeat failed: %s", exc)
 
     # -- direct invoke -------------------------------------------------------------------------

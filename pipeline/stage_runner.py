@@ -75,6 +75,10 @@ class StageRunner:
                     if p.is_floating_point() and p.dtype != self.dtype:
                         p.data = p.data.to(self.dtype)
 
+    def use_cpus(self, cpus: int) -> None:
+        """The threads torch computes this replica's steps on."""
+        torch.set_num_threads(cpus)
+
     def clone_parameters(self) -> None:
         """Gives this process its own copy of every parameter (a non-COW fork's isolation)."""
         with torch.no_grad():

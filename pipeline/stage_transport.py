@@ -1,0 +1,226 @@
+"""A stage replica's transport: everything it exchanges over Redis, and nothing it computes. Work
+comes in from the stage's stream through the shared consumer group (and, for a generative model,
+from the replica's own stream: the steps of the sequences whose cache it holds); what a step
+produces leaves in one transaction with its records and the acknowledgements of what it took
+(`Commit`), so that a hand-off and its acknowledgement both happen or neither does. Items left
+pending by a dead replica are claimed again after an idle time; a replica's own unacknowledged
+items are taken again after Redis comes back. The engine loop (pipeline/replica.py) sees `Work`
+in and a `Commit` out, and the two exceptions below."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import redis
+import torch
+
+from contracts.stage import StageRef
+from contracts.wire import MESSAGE_FIELD, BadRequest, Header, pack, unpack
+from pipeline.cpu_sets import pick_cores
+from pipeline.generation_step import Work
+from pipeline.join import Joins
+from state import keys
+from state.records import StageSample
+from state.store import RedisStore
+
+log = logging.getLogger("quart.replica")
+
+# Redis is down or loading its file: wait for it (what this turn took is taken again after).
+Down = redis.ConnectionError
+# Redis refused a command: a stream or its group vanished (`stream_gone`), or worse.
+Refused = redis.ResponseError
+
+
+def stream_gone(exc: Refused) -> bool:
+    """A stream or its consumer group vanished (a Redis that came back without them)."""
+    return "NOGROUP" in str(exc)
+
+
+def ensure_group(r: redis.Redis, stream: str) -> None:
+    """Creates a stream and its consumer group if they do not exist yet."""
+    try:
+        r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class Commit:
+    """One step's writes, in one transaction: hand-offs, records, replies, acknowledgements."""
+
+    def __init__(self, transport: StageTransport) -> None:
+        self._t = transport
+        self._pipe = transport.redis.pipeline(transaction=True)
+
+    def record(self, sample: StageSample) -> None:
+        self._pipe.xadd(keys.records_stream(self._t.stage.model, self._t.stage.first), sample.encode(),
+                        maxlen=self._t.records_maxlen, approximate=True)
+
+    def to_stage(self, stage: int, header: Header, tensors: dict[str, torch.Tensor]) -> None:
+        self._pipe.xadd(keys.stage_stream(self._t.stage.model, stage), {MESSAGE_FIELD: pack(header, tensors)})
+
+    def part(self, header: Header, tensors: dict[str, torch.Tensor], source: int, parts: int) -> None:
+        """A join's part (pipeline/join.py): the last of `parts` queues the request at the join."""
+        self._t.joins.send_part(self._pipe, header, tensors, source, parts)
+
+    def joined(self, header: Header, stage: int) -> None:
+        self._t.joins.done(self._pipe, header, stage)
+
+    def to_replica(self, replica: str, header: Header, tensors: dict[str, torch.Tensor]) -> int:
+        """To a replica's own stream; refused if that stream is gone (the replica is). Returns
+        the index of the write, whose result `execute` gives (None: refused)."""
+        index = len(self._pipe.command_stack)
+        self._pipe.xadd(keys.replica_stream(replica), {MESSAGE_FIELD: pack(header, tensors)}, nomkstream=True)
+        return index
+
+    def reply(self, header: Header, tensors: dict[str, torch.Tensor]) -> None:
+        self._pipe.lpush(header.reply_to, pack(header, tensors))
+        self._pipe.pexpire(header.reply_to, self._t.reply_ttl_ms)
+
+    def execute(self, works: list[Work]) -> list:
+        """Acknowledges `works` with the rest and runs it all; each write's result."""
+        for w in works:
+            self._pipe.xack(w.stream, keys.GROUP, w.msg_id)
+            self._pipe.xdel(w.stream, w.msg_id)
+        results = self._pipe.execute()
+        for w in works:
+            self._t.holding.pop(w.msg_id, None)
+        return results
+
+
+class StageTransport:
+    def __init__(self, redis_url: str, stage: StageRef, replica_id: str, private: bool, *, records_maxlen: int,
+                 reply_ttl_ms: int, reclaim_idle_ms: int, stream_ttl_ms: int,
+                 on_first_work: Callable[[], None]) -> None:
+        """`private`: the replica also reads its own stream (a generative model's steps);
+        `on_first_work`: called once, when the replica takes its first item."""
+        self.redis = redis.Redis.from_url(redis_url)
+        self.store = RedisStore(self.redis)
+        self.stage, self.replica_id = stage, replica_id
+        self.shared = keys.stage_stream(stage.model, stage.first)
+        self.private = keys.replica_stream(replica_id) if private else None
+        self.joins = Joins(self.redis, stage.model, reply_ttl_ms)
+        self.records_maxlen, self.reply_ttl_ms = records_maxlen, reply_ttl_ms
+        self.reclaim_idle_ms, self.stream_ttl_ms = reclaim_idle_ms, stream_ttl_ms
+        self.holding: dict[bytes, str] = {}  # taken and not yet acknowledged: message id -> stream
+        self.redeliver = False  # Redis went away mid-turn: take this replica's unacknowledged items again
+        self._on_first_work: Callable[[], None] | None = on_first_work
+
+    def ensure_streams(self, next_stages: list[int]) -> None:
+        """The streams this replica reads and writes, with their consumer groups: at start, and
+        again after a Redis that came back without them."""
+        ensure_group(self.redis, self.shared)
+        for stage in next_stages:
+            ensure_group(self.redis, keys.stage_stream(self.stage.model, stage))
+        if self.private is not None:
+            ensure_group(self.redis, self.private)
+            self.redis.pexpire(self.private, self.stream_ttl_ms)
+
+    def commit(self) -> Commit:
+        return Commit(self)
+
+    # -- taking work -----------------------------------------------------------------------------
+
+    def read(self, streams: dict[str, str], count: int, block: int | None) -> list[Work]:
+        answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, streams, count=count, block=block)
+        return [w for stream, entries in answer or [] for msg_id, fields in entries
+                if (w := self._work(stream.decode(), msg_id, fields)) is not None]
+
+    def pending_again(self, count: int) -> list[Work]:
+        """This replica's own unacknowledged items (XREADGROUP from id 0), less those in hand."""
+        streams = {self.shared: "0", **({self.private: "0"} if self.private is not None else {})}
+        in_hand = set(self.holding)
+        answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, streams, count=count)
+        works = []
+        for stream, entries in answer or []:
+            for msg_id, fields in entries:
+                if not fields:  # deleted meanwhile
+                    self.redis.xack(stream, keys.GROUP, msg_id)
+                elif msg_id not in in_hand and (w := self._work(stream.decode(), msg_id, fields)) is not None:
+                    works.append(w)
+        self.redeliver = bool(works)  # more may be pending beyond this read
+        if works:
+            log.info("%s takes %d unacknowledged item(s) again after Redis came back", self.replica_id, len(works))
+        return works
+
+    def claim_abandoned(self) -> list[Work]:
+        """Takes over one item that a dead replica held for longer than the reclaim idle time."""
+        _, entries, *_ = self.redis.xautoclaim(self.shared, keys.GROUP, self.replica_id,
+                                               min_idle_time=self.reclaim_idle_ms, start_id="0-0", count=1)
+        for msg_id, fields in entries:
+            if fields:
+                log.info("%s reclaimed %s", self.replica_id, msg_id.decode())
+                work = self._work(self.shared, msg_id, fields)
+                return [work] if work is not None else []
+            self.redis.xack(self.shared, keys.GROUP, msg_id)  # deleted meanwhile
+        return []
+
+    def lost_turn(self, in_hand: set[bytes]) -> None:
+        """What this turn took was neither handed on nor acknowledged (the transaction did not
+        run): it is still pending for this replica in Redis, and is taken again from there once
+        Redis answers; `in_hand`: the items the engine keeps meanwhile."""
+        self.holding = {m: s for m, s in self.holding.items() if m in in_hand}
+        self.redeliver = True
+
+    def give_back(self, works: list[Work]) -> None:
+        """Items this replica took and will not run go back to the stage's stream for others."""
+        if works:
+            commit = self.commit()
+            for w in works:
+                commit.to_stage(self.stage.first, w.header, w.tensors)
+            commit.execute(works)
+
+    def _work(self, stream: str, msg_id: bytes, fields: dict) -> Work | None:
+        """A message as a work item; None for an unreadable one, dropped loudly (without a
+        readable header there is nobody to answer)."""
+        self.holding[msg_id] = stream
+        if self._on_first_work is not None:
+            first, self._on_first_work = self._on_first_work, None
+            first()
+        try:
+            header, tensors = unpack(fields[MESSAGE_FIELD])
+        except (BadRequest, KeyError, TypeError) as exc:
+            log.error("%s dropped unreadable message %s: %s", self.replica_id, msg_id, exc)
+            self.commit().execute([Work(stream, msg_id, None, {})])
+            return None
+        return Work(stream, msg_id, header, tensors)
+
+    # -- liveness and leaving --------------------------------------------------------------------
+
+    def keep_alive(self) -> None:
+        """Resets the idle time of the shared stream's items in hand, so that long work (or a
+        prefill waiting for KV room) is not reclaimed from a replica that is alive; keeps the
+        private stream from expiring."""
+        held = [m for m, stream in list(self.holding.items()) if stream == self.shared]
+        if held:
+            self.redis.xclaim(self.shared, keys.GROUP, self.replica_id, 0, held, justid=True)
+        if self.private is not None:
+            self.redis.pexpire(self.private, self.stream_ttl_ms)
+
+    def close(self, server: str) -> None:
+        if self.private is not None:
+            self.redis.delete(self.private)
+        self.redis.hdel(keys.cpu_sets(server), self.replica_id)
+
+    def claim_cores(self, server: str, allowed: list[int], cpus: int) -> list[int]:
+        """Picks and records this replica's cores in the server's hash of pinned replicas (in a
+        WATCH transaction: two replicas pinned at once do not pick the same free cores); entries
+        of replicas that are gone are dropped on the way."""
+        key = keys.cpu_sets(server)
+        with self.redis.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    held = {rid.decode(): v.decode() for rid, v in pipe.hgetall(key).items()
+                            if rid.decode() != self.replica_id}
+                    gone = [rid for rid in held if not pipe.exists(keys.replica(rid))]
+                    others = [[int(c) for c in v.split(",")] for rid, v in held.items() if rid not in gone]
+                    cores = pick_cores(allowed, others, cpus)
+                    pipe.multi()
+                    if gone:
+                        pipe.hdel(key, *gone)
+                    pipe.hset(key, self.replica_id, ",".join(map(str, cores)))
+                    pipe.execute()
+                    return cores
+                except redis.WatchError:
+                    continue
