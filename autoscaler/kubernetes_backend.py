@@ -31,8 +31,8 @@ from contracts.http_client import GatewayClient
 from contracts.stack import Pipeline
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
-from pipeline.model_fetch import FetchError, ensure_model
-from pipeline.sizes import stage_bytes
+from models.fetch import FetchError, ensure_model
+from models.sizes import stage_bytes
 from scheduler.placement import Scheduler, SchedulerParams
 from scheduler.state import Change, ClusterState, Replica, Schedule, ServerView, cluster_state, fetches_under_way
 from state.records import Placement

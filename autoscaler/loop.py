@@ -20,7 +20,7 @@ from contracts.config import Settings
 from contracts.loops import every_in_thread
 from contracts.stack import Pipeline
 from contracts.stage import StageRef
-from pipeline.profiles import profile
+from models.profiles import profile
 from state.records import LayoutChange
 from state.store import Store
 

@@ -49,7 +49,7 @@ from contracts.proc_stat import started_at
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, Header, pack, unpack
 from keysmanager.client import KeysClient
-from pipeline.sampling import Sampling
+from models.sampling import Sampling
 from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm-cache", action="store_true", help="leave the page cache as it is between trials")
     args = parser.parse_args(argv)
     settings = load_settings()
-    from pipeline.partition import ensure_partitioned
+    from models.partition import ensure_partitioned
     manifest = ensure_partitioned(settings.models_dir, MODEL, STAGES, "random-llama", "balanced", CONFIG)
     model_bytes = float(sum(s.bytes for s in manifest.stages))
     dropped = not args.warm_cache and drop_page_cache()

@@ -33,8 +33,8 @@ from contracts.http_client import HttpClient
 from contracts.stage import StageRef
 from contracts.wire import encode_tensors
 from keysmanager.client import KeysClient
-from pipeline.manifest import Manifest
-from pipeline.partition import ensure_partitioned
+from models.manifest import Manifest
+from models.partition import ensure_partitioned
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 from state.store import RedisStore

@@ -27,7 +27,7 @@ from contracts.config import load_settings
 from loadgen.arrivals import poisson_arrivals
 from loadgen.client import replay
 from loadgen.requests import Request
-from pipeline.profiles import write_stack
+from models.profiles import write_stack
 from runtime import __main__ as control
 from runtime.ports import free_port
 

@@ -69,7 +69,7 @@ class Unsplit:
     """The unsplit model, timed the way the pipeline is: TTFT, TPOT and batched throughput."""
 
     def __init__(self, settings: Settings, model: str) -> None:
-        from pipeline.sources import load_source
+        from models.sources import load_source
         source, config = SOURCES[model]
         self.source = load_source(source, settings.models_dir / "_sources", config)
         self.model = self.source.model
@@ -134,7 +134,7 @@ def running(model: str, new: int) -> Iterator[Settings]:
                             stack_file=_stack(run_home, model), max_new_tokens=max(new, base.limits.max_new_tokens),
                             request_timeout_s=600.0, cache_stages="none", admit_wait_s=0.0)
     if model != "smollm2":
-        from pipeline.partition import ensure_partitioned
+        from models.partition import ensure_partitioned
         source, config = SOURCES[model]
         ensure_partitioned(settings.models_dir, model, STAGES, source, random_config=config)
     try:

@@ -19,10 +19,10 @@ import torch
 from benchmarks.report import conditions, table, write
 from contracts.config import load_settings
 from contracts.wire import MESSAGE_FIELD, Header, pack, unpack
-from pipeline.batched_decoder import BatchedDecoder, Step
-from pipeline.kv_cache import KVStore
-from pipeline.partition import ensure_partitioned
-from pipeline.stage_runner import StageRunner
+from models.batched_decoder import BatchedDecoder, Step
+from models.kv_cache import KVStore
+from models.partition import ensure_partitioned
+from models.stage_runner import StageRunner
 from runtime.ports import free_port
 from runtime.redis_server import start_redis, wait_for_redis
 from state import keys

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pipeline.model_fetch import served_file, served_files
+from models.fetch import served_file, served_files
 
 CHUNK = 1 << 20
 

@@ -27,7 +27,7 @@ STAGES = 4
 
 
 def _unsplit(settings):
-    from pipeline.sources import load_source
+    from models.sources import load_source
     source = load_source("smollm2", settings.models_dir / "_sources")
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
 

@@ -27,7 +27,7 @@ from contracts.paths import STAGE_HANDLER
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, Header, pack
 from keysmanager.client import KeysClient
-from pipeline.manifest import Manifest
+from models.manifest import Manifest
 from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
@@ -44,7 +44,7 @@ SETTLE_S = 2.0
 
 
 def ensure_models(settings: Settings) -> None:
-    from pipeline.partition import ensure_partitioned
+    from models.partition import ensure_partitioned
     ensure_partitioned(settings.models_dir, "smollm2", 4)
     ensure_partitioned(settings.models_dir, "random-1g", 3, "random-llama", "uniform", RANDOM_1G)
 

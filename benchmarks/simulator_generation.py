@@ -31,7 +31,7 @@ from benchmarks.report import RESULTS, conditions, table, write
 from contracts.config import load_settings
 from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
-from pipeline.partition import ensure_partitioned
+from models.partition import ensure_partitioned
 from sim.calibrate import calibrate
 from sim.config import embedded_runtime
 from sim.models import GenerativeModel

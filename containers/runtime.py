@@ -22,7 +22,7 @@ from containers.launch import container_environment, remove_stack, run_args
 from containers.podman import environment, podman
 from contracts.config import Settings
 
-WATCHDOG = ["python", "-m", "pipeline.watchdog", "--handler", "/home/app/function", "--host", "127.0.0.1"]
+WATCHDOG = ["python", "-m", "engine.watchdog", "--handler", "/home/app/function", "--host", "127.0.0.1"]
 
 
 class ContainerRun(subprocess.Popen):

@@ -400,7 +400,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_DTYPE", "compute.dtype", "stage weights' and KV caches' dtype; auto: the checkpoint's own",
         _one_of("auto", "float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),
-    Var("QUART_EMULATE", "compute.emulate", "an emulation profile (`pipeline/profiles.py`) instead of real weights"),
+    Var("QUART_EMULATE", "compute.emulate", "an emulation profile (`models/profiles.py`) instead of real weights"),
     Var("QUART_KEYSMANAGER_HOST", "cache.host",
         "where the KeysManager listens (`0.0.0.0` in a pod, so the autoscaler and the replicas on its node reach it)"),
     Var("QUART_MODELS_URL", "models_url",

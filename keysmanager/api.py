@@ -23,7 +23,7 @@ needs the runtime's internal token (`Authorization: Bearer ...`); 401 without it
     DELETE /prefetch/{model}           cancel that model's prefetches and free their memory
     GET  /models/{model}               the files of a partitioned model: [{"path", "bytes"}]
     GET  /models/{model}/{path}        one of them (replicas on a cluster fetch their shards here:
-                                       pipeline/model_fetch.py)
+                                       models/fetch.py)
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from contracts.stage import StageRef
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
 from keysmanager.prefetch import NoStore, Prefetcher
-from pipeline.model_fetch import FetchError, served_file, served_files
+from models.fetch import FetchError, served_file, served_files
 
 log = logging.getLogger("quart.keysmanager")
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")

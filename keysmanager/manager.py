@@ -23,8 +23,8 @@ from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from contracts.proc_stat import start_time
 from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
-from pipeline.manifest import Manifest
-from pipeline.profiles import PROFILES as EMULATION_PROFILES
+from models.manifest import Manifest
+from models.profiles import PROFILES as EMULATION_PROFILES
 from state.records import CacheEvent, ZygoteRecord
 from state.store import Store
 
@@ -119,7 +119,7 @@ class KeysManager:
     # -- cache ---------------------------------------------------------------------------------
 
     def emulated(self, model: str) -> bool:
-        """An emulated model (pipeline/emulated.py) has no shards: its zygote holds only the
+        """An emulated model (models/emulated.py) has no shards: its zygote holds only the
         imports, which is what makes a forked replica start fast."""
         return model in EMULATION_PROFILES and not (self.settings.model_dir(model) / "manifest.json").exists()
 

@@ -2,7 +2,7 @@
 replica's shards from the model store (QUART_MODELS_URL) into shared memory while the replica's
 process is still being created. The replica reads a shard as it is written (`<shard>.part`,
 renamed `<shard>` once whole and checked; `<shard>.error` says why one failed:
-`pipeline/shard_reader.py`). A finished prefetch is freed after QUART_PREFETCH_TTL_S, a cancelled
+`models/shard_reader.py`). A finished prefetch is freed after QUART_PREFETCH_TTL_S, a cancelled
 one at once."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from contracts.config import Settings
 from contracts.stage import StageRef
-from pipeline.model_fetch import FetchError, download, ensure_manifest, shard_url
-from pipeline.shard_reader import ERROR, PART, record_prefetch_error
+from models.fetch import FetchError, download, ensure_manifest, shard_url
+from models.shard_reader import ERROR, PART, record_prefetch_error
 
 log = logging.getLogger("quart.prefetch")
 

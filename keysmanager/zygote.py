@@ -33,12 +33,12 @@ import torch
 
 from contracts.config import load_settings
 from contracts.stage import StageRef
-from pipeline import inherited, watchdog
-from pipeline import replica as _replica  # noqa: F401
-from pipeline.emulated import EmulatedRunner
-from pipeline.manifest import Manifest
-from pipeline.profiles import profile as emulation_profile
-from pipeline.stage_runner import StageRunner
+from engine import inherited, watchdog
+from engine import replica as _replica  # noqa: F401
+from models.emulated import EmulatedRunner
+from models.manifest import Manifest
+from models.profiles import profile as emulation_profile
+from models.stage_runner import StageRunner
 
 
 def _reap(*_: object) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.profiles import PROFILES
+from models.profiles import PROFILES
 
 CHARS_PER_TOKEN = 4.0  # English text in a LLaMA-family tokenizer; only used to match lengths
 

@@ -34,7 +34,7 @@ PID_FILE = "runtime.pid"
 def ensure_partitioned(settings: Settings) -> None:
     """Partitions every model of the stack that is not partitioned yet, and profiles the CPU law
     of its stages where QUART's compensator needs it and no profile is there (a user's own model)."""
-    from pipeline.partition import ensure_partitioned as ensure
+    from models.partition import ensure_partitioned as ensure
     for model, pipeline in pipelines(read_stack(Path(settings.stack_file))).items():
         if not pipeline.emulated:  # an emulated model has no weights to partition
             ensure(settings.models_dir, model, pipeline.num_stages, pipeline.source)

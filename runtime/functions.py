@@ -34,7 +34,7 @@ _serial = count()
 def start_watchdog(settings: Settings, handler: Path, env: dict[str, str], port_file: Path | None,
                    log_path: Path) -> subprocess.Popen:
     """A cold replica: a new process that imports everything and loads its stages itself."""
-    cmd = [sys.executable, "-m", "pipeline.watchdog", "--handler", str(handler)]
+    cmd = [sys.executable, "-m", "engine.watchdog", "--handler", str(handler)]
     if port_file is not None:
         cmd += ["--port-file", str(port_file)]
     full_env = child_environment(settings, **env)

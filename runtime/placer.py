@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from contracts.config import Settings
 from contracts.stack import ttft_slo_s
-from pipeline.sizes import stage_bytes
+from models.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager, ReplicaProcess
 from scheduler.coldstart import fetch_deadline_s
 from scheduler.placement import Scheduler, SchedulerParams

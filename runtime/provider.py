@@ -26,9 +26,9 @@ from contracts.openai_errors import error_body
 from contracts.requests import BadRequest, load_json
 from contracts.stack import NAME_RE, SOURCE_VAR, StackFunction, ZeroScaling, identity, ttft_slo_s
 from keysmanager.client import KeysClient
-from pipeline.families import Unsupported, check_folder
-from pipeline.manifest import Manifest
-from pipeline.sizes import stage_bytes
+from models.families import Unsupported, check_folder
+from models.manifest import Manifest
+from models.sizes import stage_bytes
 from runtime.activator import Activator
 from runtime.functions import FunctionState, ProcessManager
 from runtime.placer import Placer

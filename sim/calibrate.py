@@ -22,10 +22,10 @@ import torch
 
 from contracts.config import load_settings
 from loadgen.sharegpt import first_prompts
-from pipeline.batched_decoder import BatchedDecoder
-from pipeline.batched_decoder import Step as EngineStep
-from pipeline.kv_cache import KVStore
-from pipeline.manifest import Manifest
+from models.batched_decoder import BatchedDecoder
+from models.batched_decoder import Step as EngineStep
+from models.kv_cache import KVStore
+from models.manifest import Manifest
 from sim.step_cost import CALIBRATIONS, Calibration, Step, StepCost
 
 DECODES = [[(1, ctx)] * b for ctx in (32, 256) for b in (1, 2, 4, 8, 16)]
@@ -56,7 +56,7 @@ def _inputs(engine: BatchedDecoder, tokens: int) -> torch.Tensor:
 
 
 def calibrate(manifest: Manifest, progress: bool = True) -> Calibration:
-    from pipeline.stage_runner import StageRunner
+    from models.stage_runner import StageRunner
     torch.set_num_threads(1)
     costs, kv, errors = [], [], []
     for i in range(manifest.num_stages):
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> Calibration:
     p.add_argument("--stages", type=int, default=4, help="how the model is split (made if it is not there)")
     p.add_argument("--out", type=Path, default=None, help=f"default: {CALIBRATIONS}/<model>.json")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    from pipeline.partition import ensure_partitioned
+    from models.partition import ensure_partitioned
     manifest = ensure_partitioned(load_settings().models_dir, a.model, a.stages)
     result = calibrate(manifest)
     out = a.out or CALIBRATIONS / f"{a.model}.json"

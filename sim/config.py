@@ -55,7 +55,7 @@ class SimConfig:
     # "SLO ... a multiple of each model inference time") instead of slo_s for all.
     slo_x: float = 0.0
     request_timeout_s: float = 120.0
-    # The entry's admission control (pipeline/admission.py at QUART_ADMIT_WAIT_S) on a model's
+    # The entry's admission control (frontend/admission.py at QUART_ADMIT_WAIT_S) on a model's
     # requests, as the embedded runtime runs it; QUART's testbed evaluation has none.
     admission: bool = False
     initial_replicas: int = 1
@@ -95,7 +95,7 @@ def embedded_runtime(**changes: object) -> SimConfig:
     stage's measured service exceeds its drawn sleep by 0.6 ms, a request spends 5 ms outside
     the stages (benchmarks/results/loadgen-cv1, static policy, stages after the bottleneck); a
     forked replica takes its first item after about 30 ms; a cold replica or a zygote first
-    imports its modules, 5.1 s of one core's work (`import pipeline.replica, pipeline.watchdog`:
+    imports its modules, 5.1 s of one core's work (`import engine.replica, engine.watchdog`:
     4.7 s user + 0.5 s system), sharing the 2 cores with every other start. Its one KeysManager
     warms the stages four at a time, and when a replay starts four of eight are cached (`make up`
     says so). Emulated stages read no parameters. The entry refuses (429) what would queue past

@@ -1,8 +1,8 @@
-"""The simulated data plane of generative models, as the live one runs it (pipeline/replica.py,
-pipeline/generation_step.py, pipeline/entry.py): a request's prefill enters stage 0's shared
+"""The simulated data plane of generative models, as the live one runs it (engine/replica.py,
+engine/generation_step.py, frontend/entry.py): a request's prefill enters stage 0's shared
 queue and passes every stage through its shared queue; the replica that ran it at a stage holds
 its KV cache, and every decode step goes to that replica's own queue. A replica batches its
-decode steps and new prefills under the shared rule (pipeline.batch_policy), admits a prefill
+decode steps and new prefills under the shared rule (engine.batch_policy), admits a prefill
 only into its KV budget (a prefill waits for room up to kv_wait_s, then 429; one that could
 never fit, 413), and costs each batch what its stage's calibration says (sim.step_cost), as
 one core's work where the host's cores are modelled. The last stage hands each token to the
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from contracts.config import Batching
-from pipeline.batch_policy import migration_peer, new_item_slots
+from engine.batch_policy import migration_peer, new_item_slots
 from sim.config import SimConfig
 from sim.models import GenerativeModel
 from sim.stage import Replica, Stage
@@ -161,7 +161,7 @@ class GenerationPlane:
     # -- a replica's batches -----------------------------------------------------------------
 
     def form(self, r: Replica, now: float) -> None:
-        """The replica's next batch, as pipeline.replica's _gather then GenerationStage.run take
+        """The replica's next batch, as engine.replica's _gather then GenerationStage.run take
         it; with nothing to run it goes idle (waiting for shared work unless it is draining)."""
         st = r.stage
         if r in st.idle:

@@ -1,5 +1,5 @@
 """The simulated models: QUART Table 1's five, as 8-stage pipelines with the emulation profiles'
-stage times and parameter sizes (pipeline/emulated.py), plus the activation each stage hands to
+stage times and parameter sizes (models/emulated.py), plus the activation each stage hands to
 the next, which sets the hop's transfer time; and generative models, whose stages' batched steps
 cost what their calibration measured (sim/calibration/<model>.json)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from autoscaler.policy.compensator import CPUFit
 from contracts.stage_graph import chain
-from pipeline.profiles import PROFILES, TABLE1, UNEVEN, Profile
+from models.profiles import PROFILES, TABLE1, UNEVEN, Profile
 from sim.step_cost import Calibration, calibrated
 
 

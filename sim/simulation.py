@@ -20,8 +20,8 @@ from autoscaler.policy.state import PipelineState
 from contracts import artefacts
 from contracts.config import Settings, load_settings
 from contracts.stage import StageRef
+from frontend.admission import Admission
 from loadgen.client import Record
-from pipeline.admission import Admission
 from scheduler.placement import Scheduler, SchedulerParams
 from sim.cluster import Hop, RequestWork, SimCluster
 from sim.config import SimConfig

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from contracts.config import Settings, load_settings
-from pipeline.manifest import Manifest
-from pipeline.partition import ensure_partitioned
-from pipeline.sources import Source, load_source
+from models.manifest import Manifest
+from models.partition import ensure_partitioned
+from models.sources import Source, load_source
 from runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent

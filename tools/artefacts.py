@@ -24,7 +24,7 @@ import torch
 from contracts import artefacts
 from contracts.config import load_settings
 from contracts.stack import pipelines, read_stack
-from pipeline.profiles import PROFILES
+from models.profiles import PROFILES
 from tools import profile_cpu
 from tools.cv_traces import simulated
 from tools.train_smoother import evaluate, split, train
@@ -52,7 +52,7 @@ def make_fits(out: Path, models: list[str]) -> None:
     for name in (m for m in models if m in PROFILES):
         assert profile_cpu.main(["--model", name, "--cpus", "1,2,4,8", "--payloads", "16,64", "--repeats", "15",
                                  "--out", str(out), "--home", settings.home]) == 0
-    from pipeline.partition import ensure_partitioned
+    from models.partition import ensure_partitioned
     stack = pipelines(read_stack(Path(settings.stack_file)))
     cpus = ",".join(str(c) for c in range(1, len(os.sched_getaffinity(0)) + 1))
     for name in (m for m in models if m in REAL):

@@ -7,7 +7,7 @@ Fig. 3b's latency against CPUs).
     python -m tools.profile_cpu --model llama-7b --cpus 1,2,4,8 --out autoscaler/artefacts
 
 A real model runs its stages in this process, one stage at a time, with the CPUs pinned (affinity
-and torch threads) for each measurement. An emulated model (pipeline/profiles.py) runs its
+and torch threads) for each measurement. An emulated model (models/profiles.py) runs its
 emulated stages, whose sleep follows the profile's Amdahl law, at any CPU count."""
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import torch
 from autoscaler.policy.compensator import CPUFit, fit_cpu_profile, save_fits
 from contracts.artefacts import cpu_fits_name, cpu_profile_name
 from contracts.config import Limits, add_arguments, exit_on_config_error, settings_from_args
-from pipeline.emulated import EmulatedRunner
-from pipeline.profiles import PROFILES, WIDTH
+from models.emulated import EmulatedRunner
+from models.profiles import PROFILES, WIDTH
 
 
 def stage_input(runner, tokens: int) -> dict[str, torch.Tensor]:
@@ -75,8 +75,8 @@ def runners(settings, model: str) -> tuple[list, Callable[[object, int], None]]:
         def emulated_cpus(runner: EmulatedRunner, c: int) -> None:
             runner.cpus = c
         return [EmulatedRunner(p, model, i, i + 1, seed=i) for i in range(p.num_stages)], emulated_cpus
-    from pipeline.manifest import Manifest
-    from pipeline.stage_runner import StageRunner
+    from models.manifest import Manifest
+    from models.stage_runner import StageRunner
     manifest = Manifest.load(settings.model_dir(model))
     return [StageRunner(manifest, i, i + 1) for i in range(manifest.num_stages)], lambda _, c: pin(c)
 

@@ -39,7 +39,7 @@ def function_entries(name: str, source: str, stages: int, stack_dir: Path = REPO
 def add(stack_file: Path, name: str, source: str, stages: int, cache: Path) -> None:
     """Appends the model's functions; ValueError (the file unchanged) for a bad name, a name in
     use, or a source that cannot be served."""
-    from pipeline.sources import resolve
+    from models.sources import resolve
     if not NAME_RE.fullmatch(name) or len(name) > 50:
         raise ValueError(f"{name!r} is not a valid model name (lower-case letters, digits and '-')")
     if stages < 1:

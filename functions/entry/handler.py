@@ -2,7 +2,7 @@
 It sends the request through the model's stage functions and answers JSON, or server-sent
 events (a body that is an async iterator of bytes) when a generative request streams."""
 from contracts.config import load_settings, replica_identity
-from pipeline.entry import Entry
+from frontend.entry import Entry
 
 ENTRY = Entry(load_settings(), replica_identity().model)
 

@@ -11,7 +11,7 @@ import sys
 from contracts.config import load_settings, replica_identity
 from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
-from pipeline.shard_reader import start_failures_recorded, start_readers
+from models.shard_reader import start_failures_recorded, start_readers
 
 IDENTITY = replica_identity()
 STAGE = StageRef.parse(IDENTITY.model, IDENTITY.stages)
@@ -19,15 +19,15 @@ SETTINGS = load_settings()
 TOKEN = SETTINGS.internal_api_token()
 # A cold process starts reading its shards now, so that they arrive while torch imports below
 # (HydraServe §5); a fork has torch and its parameters already.
-COLD = "pipeline.inherited" not in sys.modules and not SETTINGS.compute.emulate
+COLD = "engine.inherited" not in sys.modules and not SETTINGS.compute.emulate
 
 with start_failures_recorded(SETTINGS, STAGE):
     READERS = start_readers(SETTINGS, STAGE) if COLD and SETTINGS.coldstart.overlap else None
 
     # Imported only now (torch, transformers): the shards are on their way meanwhile.
     from contracts.wire import CONTENT_TYPE, BadRequest
-    from pipeline.inherited import inherited_runner
-    from pipeline.replica import Replica
+    from engine.inherited import inherited_runner
+    from engine.replica import Replica
 
     REPLICA = Replica(SETTINGS, STAGE, IDENTITY.started_by, runner=inherited_runner(STAGE), readers=READERS)
 REPLICA.start()

@@ -16,9 +16,9 @@ import redis
 
 from contracts.config import Settings
 from contracts.stage import StageRef
+from engine.cpu_sets import pick_cores
 from keysmanager.client import KeysClient
-from pipeline.cpu_sets import pick_cores
-from pipeline.profiles import write_stack
+from models.profiles import write_stack
 from runtime.ports import free_port
 from state import keys
 from state.records import DecisionRecord

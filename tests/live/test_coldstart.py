@@ -19,13 +19,13 @@ from safetensors.torch import load_file
 from contracts.config import child_environment
 from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from contracts.stage import StageRef
+from frontend.pipeline_client import PipelineClient, Progress, StageFailed
 from keysmanager.client import KeysClient, KeysManagerError
-from pipeline.manifest import Manifest
-from pipeline.model_fetch import FetchError
-from pipeline.pipeline_client import PipelineClient, Progress, StageFailed
-from pipeline.sampling import Sampling
-from pipeline.shard_reader import PART, ShardReader, _follow, record_prefetch_error, start_readers
-from pipeline.shard_stream import stream_tensors
+from models.fetch import FetchError
+from models.manifest import Manifest
+from models.sampling import Sampling
+from models.shard_reader import PART, ShardReader, _follow, record_prefetch_error, start_readers
+from models.shard_stream import stream_tensors
 from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from scheduler.coldstart import stage_ranges

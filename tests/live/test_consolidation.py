@@ -17,9 +17,9 @@ from autoscaler.policy.layout import PIPELINED, WHOLE
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stack import consolidating_stack, scale_to_zero_stack
-from pipeline.architectures import architecture
-from pipeline.random_checkpoint import write_random_checkpoint
-from pipeline.sources import bundled_dir
+from models.architectures import architecture
+from models.random_checkpoint import write_random_checkpoint
+from models.sources import bundled_dir
 from runtime import __main__ as control
 from runtime.ports import free_port
 from state.store import RedisStore

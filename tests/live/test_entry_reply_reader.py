@@ -9,7 +9,7 @@ import torch
 
 from contracts.config import load_settings
 from contracts.wire import Header, encode_tensors, pack
-from pipeline.entry import Entry
+from frontend.entry import Entry
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 

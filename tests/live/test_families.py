@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-from pipeline.architectures import architecture
-from pipeline.batched_decoder import BatchedDecoder, Step
-from pipeline.families import DECODER, FAMILIES
-from pipeline.kv_cache import KVStore
-from pipeline.partition import partition
-from pipeline.random_checkpoint import write_random_checkpoint
-from pipeline.sources import SourceError, open_checkpoint, resolve
-from pipeline.stage_runner import StageRunner
+from models.architectures import architecture
+from models.batched_decoder import BatchedDecoder, Step
+from models.families import DECODER, FAMILIES
+from models.kv_cache import KVStore
+from models.partition import partition
+from models.random_checkpoint import write_random_checkpoint
+from models.sources import SourceError, open_checkpoint, resolve
+from models.stage_runner import StageRunner
 from tests.live.runtime_helpers import greedy_reference
 
 DECODERS = sorted(t for t, kind in FAMILIES.items() if kind == DECODER)
@@ -149,7 +149,7 @@ def test_a_hub_id_resolves_from_the_hugging_face_cache(cache, tmp_path, monkeypa
 @pytest.mark.parametrize("model_type", ENCODERS)
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_a_split_encoder_embeds_what_the_unsplit_one_does(model_type, stages, cache, tmp_path):
-    from pipeline.architectures import pool
+    from models.architectures import pool
     ckpt = resolve(f"random-{model_type}", cache, seed=1)
     manifest = partition(ckpt, stages, tmp_path / model_type)
     assert manifest.pooling == {"mode": "mean", "normalize": True}

@@ -272,7 +272,7 @@ def _entry_pids(runtime) -> list[int]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "pipeline.watchdog" in cmd and "functions/entry" in cmd:
+        if "engine.watchdog" in cmd and "functions/entry" in cmd:
             try:
                 env = p.environ()
             except psutil.Error:

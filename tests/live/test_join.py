@@ -10,7 +10,7 @@ import redis
 import torch
 
 from contracts.wire import MESSAGE_FIELD, Header, StageTiming, unpack
-from pipeline.join import Joins
+from engine.join import Joins
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 from state import keys

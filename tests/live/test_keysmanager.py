@@ -17,10 +17,10 @@ from contracts.secrets import bearer
 from contracts.stage import StageRef
 from contracts.wire import decode_tensors, encode_tensors
 from keysmanager.client import KeysClient, KeysManagerError
-from pipeline.manifest import Manifest, sha256_file
-from pipeline.model_fetch import FetchError, ensure_model
-from pipeline.partition import partition
-from pipeline.stage_runner import StageRunner
+from models.fetch import FetchError, ensure_model
+from models.manifest import Manifest, sha256_file
+from models.partition import partition
+from models.stage_runner import StageRunner
 from runtime.functions import start_watchdog
 from state.records import ReplicaRecord
 from state.store import RedisStore
@@ -192,7 +192,7 @@ def test_a_changed_shard_is_never_served_from_the_stale_cache(km, sources, home_
     new = client.cache(StageRef.parse("minilm-swap", "1"))
     assert new["sha256"] != old["sha256"]
     _, port = start_forked(client, children, "minilm-swap", "1")
-    from pipeline.manifest import Manifest
+    from models.manifest import Manifest
     manifest = Manifest.load(out)
     hidden = StageRunner(manifest, 0, 1).run({"input_ids": torch.tensor([[101, 7592, 2088, 102]])})
     torch.testing.assert_close(invoke(client, port, hidden)["hidden"], StageRunner(manifest, 1, 2).run(hidden)["hidden"],

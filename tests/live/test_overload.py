@@ -11,7 +11,7 @@ import pytest
 from contracts.http_client import GatewayClient
 from loadgen.client import replay
 from loadgen.requests import Request
-from pipeline.profiles import write_stack
+from models.profiles import write_stack
 from runtime import __main__ as control
 from runtime.ports import free_port
 

@@ -12,8 +12,8 @@ import openai
 import pytest
 import torch
 
-from pipeline.architectures import architecture, pool
-from pipeline.random_checkpoint import write_random_checkpoint
+from models.architectures import architecture, pool
+from models.random_checkpoint import write_random_checkpoint
 from runtime.ports import free_port
 from tests.live.runtime_helpers import STACK_HEAD, greedy_reference
 from tools import stack as stack_tool

@@ -6,8 +6,8 @@ import json
 import pytest
 from safetensors import safe_open
 
-from pipeline.manifest import Manifest, sha256_file
-from pipeline.stage_runner import StageRunner
+from models.manifest import Manifest, sha256_file
+from models.stage_runner import StageRunner
 
 
 def test_manifest_describes_its_shards(partitioned):

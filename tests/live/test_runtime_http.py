@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 from contracts.http_client import GatewayClient
 from contracts.secrets import bearer
 from contracts.wire import MESSAGE_FIELD, decode_tensors, encode_tensors, unpack
-from pipeline.architectures import mean_pool_normalize
-from pipeline.manifest import Manifest
+from models.architectures import mean_pool_normalize
+from models.manifest import Manifest
 from state import keys
 from state.store import RedisStore
 from tests.live.runtime_helpers import available, reference_greedy, scale_and_wait, wait_until
@@ -79,7 +79,7 @@ def stage_invoke(client, settings, function: str, tensors: dict | bytes):
 
 
 def test_direct_stage_invoke_matches_the_stage(client, runtime, partitioned, tokenizer):
-    from pipeline.stage_runner import StageRunner
+    from models.stage_runner import StageRunner
     manifest = partitioned("smollm2", 4)
     ids = tokenizer("Stage one receives what stage zero made", return_tensors="pt")["input_ids"]
     hidden = StageRunner(manifest, 0, 1).run({"input_ids": ids})["hidden"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.architectures import mean_pool_normalize
-from pipeline.stage_runner import StageRunner
+from models.architectures import mean_pool_normalize
+from models.stage_runner import StageRunner
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 TOLERANCE = 1e-4
@@ -95,8 +95,8 @@ RANDOM_CONFIGS = {
 
 @pytest.mark.parametrize("name", sorted(RANDOM_CONFIGS))
 def test_random_weight_models_of_any_size_split_exactly(name, home_settings, tmp_path):
-    from pipeline.partition import partition
-    from pipeline.sources import load_source
+    from models.partition import partition
+    from models.sources import load_source
     source = load_source(name, home_settings.models_dir / "_sources", RANDOM_CONFIGS[name], seed=3)
     assert source.model.config.hidden_size == RANDOM_CONFIGS[name]["hidden_size"]
     manifest = partition(source.checkpoint, 3, tmp_path / name)

@@ -1,5 +1,5 @@
 """The entry's admission rule, on its own: time in, decision out."""
-from pipeline.admission import MIN_IN_FLIGHT, Admission
+from frontend.admission import MIN_IN_FLIGHT, Admission
 
 
 def serve(a: Admission, t0: float, n: int, gap_s: float, service_s: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from contracts.wire import BadRequest
-from pipeline.entry_requests import check_prompt_length, parse_embed, parse_generate, parse_json
+from frontend.entry_requests import check_prompt_length, parse_embed, parse_generate, parse_json
 
 BAD_GENERATE = [
     ({}, "exactly one"),

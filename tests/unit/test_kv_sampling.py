@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.kv_cache import KVShape, KVStore, NoRoom, split_cache
-from pipeline.sampling import Sampling, next_token
+from models.kv_cache import KVShape, KVStore, NoRoom, split_cache
+from models.sampling import Sampling, next_token
 
 SHAPE = KVShape(layers=2, kv_heads=3, head_dim=4, dtype=torch.float32)
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from pipeline import openai_api as oa
-from pipeline.sampling import Sampling, TokenLogprob
+from frontend import openai_api as oa
+from models.sampling import Sampling, TokenLogprob
 
 
 def parse(data: dict, chat: bool = False) -> oa.OpenAIRequest:

@@ -56,7 +56,7 @@ def test_every_openfaas_path_method_and_property_agrees_with_upstream():
 
 
 def test_the_v1_section_is_generated_from_the_request_models():
-    """What `make docs` writes from pipeline/openai_protocol.py is what the file says; and the
+    """What `make docs` writes from frontend/openai_protocol.py is what the file says; and the
     schemas describe what the models accept and refuse."""
     text = OURS.read_text()
     assert with_v1(text) == text, "docs/openapi.yml's /v1 section is out of date: run `make docs`"

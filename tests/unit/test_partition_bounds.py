@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from pipeline.partition import balanced_bounds, stage_bounds, uniform_bounds
+from models.partition import balanced_bounds, stage_bounds, uniform_bounds
 
 
 def test_uniform_bounds_put_embedding_first_and_head_last():

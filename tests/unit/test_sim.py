@@ -14,7 +14,7 @@ from contracts.config import Settings, load_settings
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from loadgen.arrivals import gamma_arrivals, poisson_arrivals
 from loadgen.metrics import summarize
-from pipeline.profiles import Profile
+from models.profiles import Profile
 from sim.config import SimConfig, embedded_runtime, quart_testbed
 from sim.models import SimModel, table1
 from sim.run import report_run, simulate, stage_timeline

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from contracts.config import load_settings
-from pipeline.batch_policy import GATHER, MIGRATE, PREFILL_EVERY, handover_peer, migration_peer, new_item_slots
+from engine.batch_policy import GATHER, MIGRATE, PREFILL_EVERY, handover_peer, migration_peer, new_item_slots
 from sim.config import SimConfig, embedded_runtime
 from sim.models import GenerativeModel, resolve
 from sim.run import report_run, unloaded_generation

@@ -146,7 +146,7 @@ def test_cpu_fit_with_a_payload_dependent_parallel_part():
 
 
 def test_pinned_replicas_get_cores_of_their_own_while_there_are_free_ones():
-    from pipeline.cpu_sets import pick_cores
+    from engine.cpu_sets import pick_cores
     host = [0, 1, 2, 3]
     assert pick_cores(host, [], 2) == [0, 1]
     assert pick_cores(host, [[0, 1]], 2) == [2, 3]

@@ -7,8 +7,8 @@ import torch
 
 from contracts.stage_graph import chain, check_range, predecessors, successors
 from contracts.wire import BadRequest
-from pipeline.emulated import EmulatedRunner
-from pipeline.profiles import ENSEMBLE, profile
+from models.emulated import EmulatedRunner
+from models.profiles import ENSEMBLE, profile
 
 DAG = ENSEMBLE.graph()
 

@@ -1,7 +1,7 @@
 """Tokens to text: nothing released that could still change, and no part of a stop sequence."""
 from __future__ import annotations
 
-from pipeline.text_stream import TextStream
+from frontend.text_stream import TextStream
 
 
 class CharTokenizer:

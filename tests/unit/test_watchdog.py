@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from aiohttp import web
 
-from pipeline.watchdog import build_app
+from engine.watchdog import build_app
 
 
 def _handler(event, context):

@@ -1,7 +1,7 @@
 """A stage replica's engine loop, in vLLM v1's shape (`EngineCore.step`: schedule, execute,
-update): each turn it gathers the next batch from its transport (pipeline/stage_transport.py:
+update): each turn it gathers the next batch from its transport (engine/transport.py:
 Redis in and out), runs it (the runner for single passes; `GenerationStage` for a generative
-model, with its KV cache), and hands every output on by the stage graph (pipeline/stage_routes.py)
+model, with its KV cache), and hands every output on by the stage graph (engine/routes.py)
 in the same transaction that acknowledges what it took. A second thread keeps the replica's
 registration, its CPUs and its items in hand alive.
 
@@ -25,16 +25,16 @@ from contracts.proc_stat import started_at
 from contracts.stage import StageRef
 from contracts.stage_graph import Edges, chain
 from contracts.wire import BadRequest, Header, StageTiming, decode_tensors, encode_tensors
-from pipeline.batch_policy import handover_peer, new_item_slots
-from pipeline.emulated import EmulatedRunner
-from pipeline.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
-from pipeline.model_fetch import ensure_manifest
-from pipeline.profiles import profile as emulation_profile
-from pipeline.shard_reader import ShardReader, start_readers
-from pipeline.shard_stream import stream_tensors
-from pipeline.stage_routes import Routes
-from pipeline.stage_runner import StageRunner
-from pipeline.stage_transport import Commit, Down, Refused, StageTransport, stream_gone
+from engine.batch_policy import handover_peer, new_item_slots
+from engine.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
+from engine.routes import Routes
+from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
+from models.emulated import EmulatedRunner
+from models.fetch import ensure_manifest
+from models.profiles import profile as emulation_profile
+from models.shard_reader import ShardReader, start_readers
+from models.shard_stream import stream_tensors
+from models.stage_runner import StageRunner
 from state.records import ColdStart, ReplicaRecord, StageSample
 from state.store import Unavailable
 

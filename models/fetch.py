@@ -19,7 +19,7 @@ from pathlib import Path
 
 from contracts.config import Settings
 from contracts.secrets import bearer
-from pipeline.manifest import MANIFEST_NAME, Manifest
+from models.manifest import MANIFEST_NAME, Manifest
 
 log = logging.getLogger("quart.model_fetch")
 CHUNK = 1 << 20

@@ -1,5 +1,5 @@
 """Where a stage range's output goes, by the model's stage graph (contracts/stage_graph.py): on to
-every successor (a join's part where the successor joins several, pipeline/join.py), or the reply
+every successor (a join's part where the successor joins several, engine/join.py), or the reply
 where there is none or the request failed. One path for single passes and for generation steps
 (a generative model's graph is a chain: its one successor)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from contracts.stage_graph import Edges, check_range, predecessors, successors
 from contracts.wire import Header
-from pipeline.stage_transport import Commit
+from engine.transport import Commit
 
 
 class Routes:

@@ -49,12 +49,12 @@ class Manifest:
 
     def config_object(self) -> PretrainedConfig:
         # Imported here: what only reads manifests (the provider's placer) starts without transformers.
-        from pipeline.architectures import config_from_dict
+        from models.architectures import config_from_dict
         return config_from_dict(self.arch, self.config)
 
     @property
     def generative(self) -> bool:
-        from pipeline.families import DECODER, family
+        from models.families import DECODER, family
         return family(self.arch) == DECODER
 
     @property
@@ -80,7 +80,7 @@ class Manifest:
         path = directory / MANIFEST_NAME
         if not path.is_file():
             raise FileNotFoundError(f"no {MANIFEST_NAME} in {directory}: partition the model first "
-                                    f"(python -m pipeline.partition --help)")
+                                    f"(python -m models.partition --help)")
         data = json.loads(path.read_text())
         stages = [StageInfo(**{**s, "units": tuple(s["units"]), "layers": tuple(s["layers"])})
                   for s in data.pop("stages")]

@@ -20,7 +20,7 @@ ATTENTION = "quart"
 @dataclass
 class LayerCall:
     """What one layer's attention needs to know of the step: which cache layer it writes, and
-    each sequence's slice of the flattened tokens (Step objects of `pipeline/batched_decoder.py`)."""
+    each sequence's slice of the flattened tokens (Step objects of `models/batched_decoder.py`)."""
     layer: int
     steps: list
     spans: list[tuple[int, int]]
@@ -62,7 +62,7 @@ def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """transformers' attention-function signature: query [1, heads, T, d], key and value
     [1, kv_heads, T, d] for the step's new tokens; returns [1, T, heads, d]."""
     if quart is None:
-        raise RuntimeError("this model's layers run through pipeline.batched_decoder.BatchedDecoder")
+        raise RuntimeError("this model's layers run through models.batched_decoder.BatchedDecoder")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     outs = []
     for s, (a, b) in zip(quart.steps, quart.spans):

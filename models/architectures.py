@@ -4,7 +4,7 @@ modules (embedding, decoder or encoder layers, norms, rotary embeddings), built 
 layers, so a split model computes what the unsplit one does, with each family's quirks (q/k/v
 bias, q/k norms, fused projections, sliding windows, soft-capping, scaled embeddings, tied heads)
 handled where transformers handles them. Only attention is this project's own
-(`pipeline/decoder_attention.py`): it runs against this server's KV cache."""
+(`models/decoder_attention.py`): it runs against this server's KV cache."""
 from __future__ import annotations
 
 import copy
@@ -18,8 +18,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 
 from contracts.config import Limits
 from contracts.wire import BadRequest, check_size
-from pipeline.decoder_attention import ATTENTION
-from pipeline.families import DECODER, family
+from models.decoder_attention import ATTENTION
+from models.families import DECODER, family
 
 EMBED, HEAD = "embed", "head"
 
@@ -150,7 +150,7 @@ class DecoderStage(StageModule):
         """A padded batch ([B, T], right padding) without a KV cache: each row a prefill of its own.
         Per row, hidden states for the next stage, or the logits of its last position (of every
         position with `full_logits`)."""
-        from pipeline.batched_decoder import BatchedDecoder, run_rows
+        from models.batched_decoder import BatchedDecoder, run_rows
         if self._engine is None:
             self._engine = BatchedDecoder([self])
         return run_rows(self._engine, tensors, full_logits)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible surface of a model's entry function: requests validated by the typed
-models of `pipeline/openai_protocol.py` and made into what the entry runs, and response bodies,
+models of `frontend/openai_protocol.py` and made into what the entry runs, and response bodies,
 stream chunks, log-probabilities and error bodies in OpenAI's shapes. Pure: no I/O, no model."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from contracts.openai_errors import error_body  # noqa: F401 (the entry's error answers)
 from contracts.wire import BadRequest
-from pipeline.openai_protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, OpenAIBody
-from pipeline.sampling import Sampling, TokenLogprob
+from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, OpenAIBody
+from models.sampling import Sampling, TokenLogprob
 
 # Chat roles a model's chat template is given: `developer` is OpenAI's new name for `system`.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}

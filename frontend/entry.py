@@ -24,8 +24,8 @@ from transformers import AutoTokenizer
 
 from contracts.config import Settings
 from contracts.wire import BadRequest, StageTiming
-from pipeline import openai_api as oa
-from pipeline.entry_requests import (
+from frontend import openai_api as oa
+from frontend.entry_requests import (
     EMBED_MAX_TOKENS,
     check_prompt_chars,
     check_prompt_length,
@@ -34,13 +34,13 @@ from pipeline.entry_requests import (
     parse_generate,
     parse_json,
 )
-from pipeline.manifest import Manifest
-from pipeline.model_fetch import ensure_model
-from pipeline.pipeline_client import PipelineClient, Progress, SharedPrompt, StageFailed
-from pipeline.profiles import WIDTH as EMULATED_WIDTH
-from pipeline.profiles import profile as emulation_profile
-from pipeline.sampling import Sampling
-from pipeline.text_stream import TextStream
+from frontend.pipeline_client import PipelineClient, Progress, SharedPrompt, StageFailed
+from frontend.text_stream import TextStream
+from models.fetch import ensure_model
+from models.manifest import Manifest
+from models.profiles import WIDTH as EMULATED_WIDTH
+from models.profiles import profile as emulation_profile
+from models.sampling import Sampling
 
 log = logging.getLogger("quart.entry")
 _TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

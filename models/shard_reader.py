@@ -4,7 +4,7 @@ model store (QUART_MODELS_URL, kept on disk as it arrives). Bytes are hashed as 
 whole is checked against the manifest's sha256 at the end.
 
 It imports no torch, so that a cold replica starts reading before it imports its libraries and the
-two overlap (HydraServe §5); `pipeline/shard_stream.py` makes tensors of the bytes as they arrive."""
+two overlap (HydraServe §5); `models/shard_stream.py` makes tensors of the bytes as they arrive."""
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from contracts.config import Settings
 from contracts.stage import StageRef
-from pipeline.manifest import Manifest, StageInfo
-from pipeline.model_fetch import FetchError, ensure_manifest, open_url, partial_path, shard_url
+from models.fetch import FetchError, ensure_manifest, open_url, partial_path, shard_url
+from models.manifest import Manifest, StageInfo
 from state.store import RedisStore, Unavailable
 
 log = logging.getLogger("quart.shard_reader")

@@ -5,8 +5,8 @@ A module of its own because the zygote runs as `python -m keysmanager.zygote` (i
 from __future__ import annotations
 
 from contracts.stage import StageRef
-from pipeline.emulated import EmulatedRunner
-from pipeline.stage_runner import StageRunner
+from models.emulated import EmulatedRunner
+from models.stage_runner import StageRunner
 
 RUNNER: StageRunner | EmulatedRunner | None = None
 

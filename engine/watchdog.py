@@ -2,8 +2,8 @@
 `handle(event, context)` returning {"statusCode", "body", "headers"}, over HTTP, like the
 template's watchdog does. It also answers the watchdog's health path and Prometheus metrics.
 
-    python -m pipeline.watchdog --handler functions/stage --port-file /tmp/p
-    python -m pipeline.watchdog --handler /home/app/function --host 0.0.0.0 --port 8080   (an image)
+    python -m engine.watchdog --handler functions/stage --port-file /tmp/p
+    python -m engine.watchdog --handler /home/app/function --host 0.0.0.0 --port 8080   (an image)
 
 Optional handler hooks: `ready()` (health), `shutdown()` (called on SIGTERM before exiting,
 so a replica being scaled down finishes its work first).

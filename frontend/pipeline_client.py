@@ -21,8 +21,8 @@ import torch
 
 from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
-from pipeline.admission import Admission
-from pipeline.sampling import Sampling, TokenLogprob, answers
+from frontend.admission import Admission
+from models.sampling import Sampling, TokenLogprob, answers
 from state import keys
 from state.records import StartFailure
 from state.store import RedisStore

@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from contracts.config import Limits
 from contracts.wire import BadRequest
-from pipeline.architectures import StageModule, architecture
-from pipeline.manifest import Manifest, sha256_file
+from models.architectures import StageModule, architecture
+from models.manifest import Manifest, sha256_file
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -30,7 +30,7 @@ def load_stage_module(manifest: Manifest, stage: int, verify: bool = True,
                       tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
                       place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> StageModule:
     """One stage's module with its shard's weights, on the CPU in the shard's dtype; from
-    `tensors` as they arrive (`pipeline/shard_stream.py`; each put in `place` on arrival) instead of
+    `tensors` as they arrive (`models/shard_stream.py`; each put in `place` on arrival) instead of
     the file when given."""
     info = manifest.stages[stage]
     arch = architecture(manifest.arch)

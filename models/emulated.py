@@ -2,7 +2,7 @@
 profile (mean and CV per stage, Gamma-distributed), so a 2-core machine can show many replicas
 "computing" at once. Everything measured with it is labelled emulated.
 
-The profiles (pipeline/profiles.py) come from QUART's Table 1. CPU count scales a service time by
+The profiles (models/profiles.py) come from QUART's Table 1. CPU count scales a service time by
 Amdahl's law with a parallel fraction."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from contracts.config import Limits
 from contracts.wire import BadRequest, check_size
-from pipeline.profiles import WIDTH, Profile
+from models.profiles import WIDTH, Profile
 
 
 class EmulatedManifest:

@@ -10,11 +10,11 @@ import torch
 
 from contracts.config import Limits
 from contracts.wire import BadRequest, Header
-from pipeline.batch_policy import MIGRATE
-from pipeline.batched_decoder import BatchedDecoder, Step
-from pipeline.kv_cache import KVStore, NoRoom, split_cache
-from pipeline.sampling import Sampling, sample
-from pipeline.stage_runner import StageRunner
+from engine.batch_policy import MIGRATE
+from models.batched_decoder import BatchedDecoder, Step
+from models.kv_cache import KVStore, NoRoom, split_cache
+from models.sampling import Sampling, sample
+from models.stage_runner import StageRunner
 
 
 @dataclass

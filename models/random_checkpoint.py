@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.architectures import config_from_dict
-from pipeline.families import DECODER, family
+from models.architectures import config_from_dict
+from models.families import DECODER, family
 
 # Small by default (a test writes one in a second); every size can be overridden.
 DECODER_SIZES = {"hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 256, "num_attention_heads": 4,
@@ -34,7 +34,7 @@ QUIRKS = {
 
 
 def tokenizer_source(model_type: str, cache: Path) -> Path:
-    from pipeline.sources import bundled_dir
+    from models.sources import bundled_dir
     return bundled_dir("smollm2" if family(model_type) == DECODER else "minilm", cache)
 
 

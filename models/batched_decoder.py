@@ -1,7 +1,7 @@
 """One step of a decoder stage over many requests at once, each with its own KV cache (Orca's
 selective batching): the tokens of every request in the step, prefills and decodes alike, go
 through the family's own decoder layers (projections, norms, MLPs) as one flat batch, and only
-attention runs per request, against that request's cache (`pipeline/decoder_attention.py`). No
+attention runs per request, against that request's cache (`models/decoder_attention.py`). No
 padding, and a request alone computes exactly what transformers computes for it."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.decoder_attention import LayerCall
-from pipeline.kv_cache import KVShape, KVStore, Sequence
+from models.decoder_attention import LayerCall
+from models.kv_cache import KVShape, KVStore, Sequence
 
 
 @dataclass
