@@ -34,7 +34,7 @@ from keysmanager.client import KeysClient, KeysManagerError
 from models.fetch import FetchError, ensure_model
 from models.sizes import stage_bytes
 from scheduler.placement import Scheduler, SchedulerParams
-from scheduler.state import Change, ClusterState, Replica, Schedule, ServerView, cluster_state, fetches_under_way
+from scheduler.state import Change, ClusterState, PlacedReplica, ReplicaId, Schedule, ServerView, cluster_state, fetches_under_way
 from state.records import Placement
 from state.store import Store
 
@@ -64,8 +64,8 @@ class Fork:
     since: float
 
     @property
-    def id(self) -> str:
-        return f"fork/{self.node}/{self.pid}"
+    def id(self) -> ReplicaId:
+        return ReplicaId(self.node, self.pid)
 
 
 @dataclass
@@ -159,9 +159,9 @@ class KubernetesBackend(GatewayFunctions):
             fetches = fetches_under_way(starting, self.settings.servers.bandwidth, self.settings.servers.cold_deadline_s,
                                         now)
             servers.append(ServerView(node, slots, self.settings.servers.bandwidth, cached, held, fetches))
-        replicas = [(Replica(f"pod/{p.name}", self.stage_of[p.function].key, p.node, "cold", p.ready, p.started),
+        replicas = [(PlacedReplica(ReplicaId(p.node, name=p.name), self.stage_of[p.function].key, p.node, "cold", p.ready, p.started),
                      p.terminating) for p in view.pods if p.node]
-        replicas += [(Replica(f.id, self.stage_of[f.function].key, f.node, "fork-cow", True, f.since), False)
+        replicas += [(PlacedReplica(f.id, self.stage_of[f.function].key, f.node, "fork-cow", True, f.since), False)
                      for f in view.forks]
         return cluster_state(servers, replicas, (s.key for s in self.store.key_stages()), now,
                              self.settings.servers.cache_bytes)
@@ -190,13 +190,12 @@ class KubernetesBackend(GatewayFunctions):
             self._record("add", p.stage, p.server, p.path, p.reason)
         leaving = []
         for removal in schedule.removals:
-            kind, _, rest = removal.replica.partition("/")
-            if kind == "fork":
-                node, _, pid = rest.rpartition("/")
-                KeysClient.at(view.keysmanagers[node], self.settings).stop(int(pid))
+            replica = removal.replica
+            if replica.name:  # a pod
+                leaving.append(replica.name)
             else:
-                leaving.append(rest)
-            self._record("remove", removal.stage, removal.server, kind, removal.reason)
+                KeysClient.at(view.keysmanagers[replica.server], self.settings).stop(replica.pid)
+            self._record("remove", removal.stage, removal.server, "pod" if replica.name else "fork", removal.reason)
         for pod in leaving:  # the ReplicaSet removes the pods of lowest deletion cost first
             self.core.patch_namespaced_pod(pod, self.namespace, {"metadata": {"annotations": {DELETION_COST: "-1000"}}},
                                            _content_type=MERGE)

@@ -59,7 +59,7 @@ def stage_graph(runner: StageRunner | EmulatedRunner) -> Edges:
     return profile.graph() if profile is not None else chain(runner.manifest.num_stages)
 
 
-class Replica:
+class StageReplica:
     def __init__(self, settings: Settings, stage: StageRef, started_by: str = "cold",
                  runner: StageRunner | None = None, readers: dict[int, ShardReader] | None = None) -> None:
         """`runner`: stages already loaded (inherited from a KeysManager zygote); else loads them,

@@ -23,6 +23,7 @@ from contracts.stack import identity
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 from runtime.watched_process import WatchedProcess, start_time
+from scheduler.state import ReplicaId
 
 log = logging.getLogger("quart.functions")
 # The wait before replacing a replica that exited before it was ready doubles from BACKOFF_S with
@@ -61,8 +62,8 @@ class ReplicaProcess:
         return self.proc.pid
 
     @property
-    def id(self) -> str:
-        return f"{self.server}/{self.pid}"
+    def id(self) -> ReplicaId:
+        return ReplicaId(self.server, self.pid)
 
     def snapshot(self) -> dict:
         return {"pid": self.pid, "start_ticks": start_time(self.pid), "port_file": str(self.port_file),

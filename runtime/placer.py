@@ -14,7 +14,7 @@ from models.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager, ReplicaProcess
 from scheduler.coldstart import fetch_deadline_s
 from scheduler.placement import Scheduler, SchedulerParams
-from scheduler.state import Change, ClusterState, Fetch, Replica, Schedule, ServerView, cluster_state, fetches_under_way
+from scheduler.state import Change, ClusterState, Fetch, PlacedReplica, Schedule, ServerView, cluster_state, fetches_under_way
 from state.records import Placement
 from state.store import Store, after_fetch_s
 
@@ -82,7 +82,7 @@ class Placer:
             cold = [(fn, r) for fn, r in serving if r.server == name and r.started_by == "cold" and not r.ready]
             servers.append(ServerView(name, self.settings.server_slots(), self.settings.servers.bandwidth, cached, held,
                                       self._fetches(cold, deadlines, now)))
-        replicas = [(Replica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started), r.draining_since is not None)
+        replicas = [(PlacedReplica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started), r.draining_since is not None)
                     for fn in functions + draining for r in fn.replicas
                     if r.draining_since is not None or fn in functions]
         return cluster_state(servers, replicas, (s.key for s in self.store.key_stages()), now,
@@ -99,10 +99,10 @@ class Placer:
             fn = by_stage[removal.stage]
             replica = next(r for r in fn.serving() if r.id == removal.replica)
             self.processes.drain(replica)
-            records.append(Placement("remove", removal.stage, removal.reason, removal.server, replica=removal.replica))
+            records.append(Placement("remove", removal.stage, removal.reason, removal.server, replica=str(removal.replica)))
         for p in schedule.placements:
             replica = self.processes.spawn(by_stage[p.stage], p.server, fork=p.path == "fork")
-            records.append(Placement("add", p.stage, p.reason, p.server, p.path, replica.id, replica.started_by))
+            records.append(Placement("add", p.stage, p.reason, p.server, p.path, str(replica.id), replica.started_by))
         unplaced = set(schedule.unplaced)
         for stage, why in unplaced - self._unplaced:
             log.warning("cannot place a replica of %s: %s", stage, why)

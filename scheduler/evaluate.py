@@ -6,15 +6,16 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
 
-from scheduler.state import ClusterState, Replica, Schedule
+from scheduler.state import ClusterState, PlacedReplica, ReplicaId, Schedule
 
 
 def apply(state: ClusterState, schedule: Schedule) -> ClusterState:
     """The cluster after a schedule: its placements added, its removals gone."""
     gone = {r.replica for r in schedule.removals}
     kept = tuple(r for r in state.replicas if r.id not in gone)
-    added = tuple(Replica(f"new-{n}", p.stage, p.server, "fork-cow" if p.path == "fork" else "cold",
-                          ready=False, started_at=state.now) for n, p in enumerate(schedule.placements))
+    added = tuple(PlacedReplica(ReplicaId(p.server, name=f"new-{n}"), p.stage, p.server,
+                                "fork-cow" if p.path == "fork" else "cold", ready=False, started_at=state.now)
+                  for n, p in enumerate(schedule.placements))
     return replace(state, replicas=kept + added)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.state import Change, ClusterState, Replica, Server
+from scheduler.state import Change, ClusterState, PlacedReplica, ReplicaId, Server
 
 
 def cluster(servers: int, slots: int = 4, models: int = 5, stages: int = 8, occupancy: float = 0.4,
@@ -19,8 +19,8 @@ def cluster(servers: int, slots: int = 4, models: int = 5, stages: int = 8, occu
     for n in range(int(occupancy * servers * slots)):
         j = int(rng.choice(np.flatnonzero(used < slots)))
         used[j] += 1
-        replicas.append(Replica(f"r{n}", all_stages[int(rng.integers(len(all_stages)))], names[j],
-                                started_by="cold", started_at=float(n)))
+        replicas.append(PlacedReplica(ReplicaId(names[j], n), all_stages[int(rng.integers(len(all_stages)))], names[j],
+                                      started_by="cold", started_at=float(n)))
     caches = [frozenset(s for s in all_stages if rng.random() < cache_share) for _ in names]
     return ClusterState(tuple(Server(n, slots, bandwidth, c) for n, c in zip(names, caches)),
                         tuple(replicas), frozenset(f"model{m}:3" for m in range(models)), now=0.0)

@@ -24,7 +24,7 @@ import numpy as np
 from contracts.config import Settings, from_params
 from scheduler.fetch import admits
 from scheduler.kl import descend, round_counts
-from scheduler.state import Change, ClusterState, Fetch, Placement, Removal, Replica, Schedule
+from scheduler.state import Change, ClusterState, Fetch, PlacedReplica, Placement, Removal, Schedule
 
 
 @dataclass(frozen=True)
@@ -230,12 +230,12 @@ class Scheduler:
         return out
 
 
-def _removal_key(r: Replica, crowd: Counter, pressure: set[str]) -> tuple:
+def _removal_key(r: PlacedReplica, crowd: Counter, pressure: set[str]) -> tuple:
     frees_memory = r.started_by == "cold" and r.server in pressure
     return (r.ready, -crowd[r.server], not frees_memory, -r.started_at, r.id)
 
 
-def _removal_reason(r: Replica, pressure: set[str]) -> str:
+def _removal_reason(r: PlacedReplica, pressure: set[str]) -> str:
     if not r.ready:
         return "still starting"
     if r.started_by == "cold" and r.server in pressure:

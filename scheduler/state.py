@@ -35,9 +35,23 @@ class Server:
     fetches: tuple[Fetch, ...] = ()
 
 
+@dataclass(frozen=True, order=True, slots=True)
+class ReplicaId:
+    """A replica as the scheduler names it, whatever runs it: a process on a server (the embedded
+    runtime's, the simulator's, or one a node's KeysManager forked), by `pid`; or by `name` (a
+    pod, or a replica a schedule only plans)."""
+    server: str
+    pid: int = 0
+    name: str = ""
+
+    def __str__(self) -> str:
+        return self.name or f"{self.server}/{self.pid}"
+
+
 @dataclass(frozen=True, slots=True)
-class Replica:
-    id: str
+class PlacedReplica:
+    """A stage replica where the scheduler sees it: on which server, how it started, whether it serves."""
+    id: ReplicaId
     stage: str                          # "model:stages"
     server: str
     started_by: str = "cold"            # "cold", "fork-cow", "fork-copy"
@@ -48,7 +62,7 @@ class Replica:
 @dataclass(frozen=True, slots=True)
 class ClusterState:
     servers: tuple[Server, ...]
-    replicas: tuple[Replica, ...] = ()
+    replicas: tuple[PlacedReplica, ...] = ()
     key_stages: frozenset[str] = frozenset()
     now: float = 0.0
 
@@ -65,7 +79,7 @@ class ServerView:
     fetches: tuple[Fetch, ...] = ()
 
 
-def cluster_state(servers: Iterable[ServerView], replicas: Iterable[tuple[Replica, bool]], key_stages: Iterable[str],
+def cluster_state(servers: Iterable[ServerView], replicas: Iterable[tuple[PlacedReplica, bool]], key_stages: Iterable[str],
                   now: float, cache_budget: int = 0) -> ClusterState:
     """The scheduler's picture, by one set of rules for every backend. `replicas`: each with
     whether it drains. A draining replica still holds its slot until it is gone, but is no longer
@@ -99,7 +113,7 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class Removal:
-    replica: str
+    replica: ReplicaId
     stage: str
     server: str
     reason: str

@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from contracts.stage import StageRef
 from keysmanager.cache_policy import WARMING_AT_ONCE, Held, OverBudget, evictions
 from scheduler.placement import Scheduler
-from scheduler.state import Change, ClusterState, Fetch, Schedule, ServerView, cluster_state
-from scheduler.state import Replica as SchedReplica
+from scheduler.state import Change, ClusterState, Fetch, PlacedReplica, ReplicaId, Schedule, ServerView, cluster_state
 from sim.config import SimConfig
 from sim.fluid import Fluid
-from sim.stage import Replica, Stage
+from sim.stage import SimReplica, Stage
 
 
 @dataclass(eq=False)
@@ -72,8 +71,8 @@ class SimCluster:
     "started" events come back through `on_ready`, `on_fluid` and `on_started`."""
 
     def __init__(self, cfg: SimConfig, chains: dict[str, list[Stage]], scheduler: Scheduler,
-                 schedule_event: Callable, start_serving: Callable[[Replica, float], None],
-                 drain_generative: Callable[[Replica, float], None] | None = None,
+                 schedule_event: Callable, start_serving: Callable[[SimReplica, float], None],
+                 drain_generative: Callable[[SimReplica, float], None] | None = None,
                  cache_key_stages: bool = True, min_residency_s: float = 0.0) -> None:
         self.cfg, self.by_model, self.scheduler = cfg, chains, scheduler
         self.stages = {s.key: s for chain in chains.values() for s in chain}
@@ -126,9 +125,9 @@ class SimCluster:
         for sv in self.servers:
             sv.reads.advance(now)
             fetches = tuple(Fetch(p, r.started_at + self.cfg.cold_deadline_s) for r, p in sv.reads.jobs
-                            if isinstance(r, Replica))
+                            if isinstance(r, SimReplica))
             servers.append(ServerView(sv.name, sv.slots, self.cfg.bandwidth, sv.cached(), sv.used, fetches))
-        replicas = [(SchedReplica(r.id, st.key, r.server.name, r.started_by, r.ready, r.started_at), r.draining)
+        replicas = [(PlacedReplica(r.id, st.key, r.server.name, r.started_by, r.ready, r.started_at), r.draining)
                     for st in self.stages.values() for r in st.replicas]
         return cluster_state(servers, replicas, self.key_stage_keys(), now, self.cfg.cache_budget)
 
@@ -149,11 +148,11 @@ class SimCluster:
                 self.on_ready(r, now)
         return schedule
 
-    def start(self, st: Stage, sv: Server, path: str, now: float) -> Replica:
+    def start(self, st: Stage, sv: Server, path: str, now: float) -> SimReplica:
         self._ids += 1
         z = sv.zygotes.get(st.key)
         forked = path == "fork" and z is not None and z.ready
-        r = Replica(f"{sv.name}/{self._ids}", st, sv, "fork-cow" if forked else "cold", now)
+        r = SimReplica(ReplicaId(sv.name, self._ids), st, sv, "fork-cow" if forked else "cold", now)
         st.replicas.append(r)
         sv.used += 1
         if path == "up":
@@ -167,7 +166,7 @@ class SimCluster:
             self._read(sv, r, st.shard_bytes, now)
         return r
 
-    def remove(self, r: Replica, now: float) -> None:
+    def remove(self, r: SimReplica, now: float) -> None:
         """Starting replicas are cancelled, idle ones leave at once, busy ones after their item;
         a generative stage's replica drains through the data plane."""
         sv = r.server
@@ -183,24 +182,24 @@ class SimCluster:
             r.stage.idle.remove(r)
             self.release(r)
 
-    def release(self, r: Replica) -> None:
+    def release(self, r: SimReplica) -> None:
         if r in r.stage.replicas:
             r.stage.replicas.remove(r)
             r.server.used -= 1
 
     # -- start paths -------------------------------------------------------------------------
 
-    def on_ready(self, r: Replica, now: float) -> None:
+    def on_ready(self, r: SimReplica, now: float) -> None:
         if r.draining or r.ready:
             return
         r.ready = True
         self._start_serving(r, now)
 
-    def _read(self, sv: Server, token: Replica | Zygote, nbytes: float, now: float) -> None:
+    def _read(self, sv: Server, token: SimReplica | Zygote, nbytes: float, now: float) -> None:
         sv.reads.add(token, float(nbytes), now)
         self._next(sv, "reads", now)
 
-    def _initialise(self, sv: Server, token: Replica | Zygote, now: float) -> None:
+    def _initialise(self, sv: Server, token: SimReplica | Zygote, now: float) -> None:
         """A runtime start: init_s of one core's work, shared with the others where cores are modelled."""
         if sv.cpu is None:
             self._event(now + self.cfg.init_s, "started", token)
@@ -227,7 +226,7 @@ class SimCluster:
         self._next(sv, phase, now)
 
     def on_started(self, token: object, now: float) -> None:
-        if isinstance(token, Replica):
+        if isinstance(token, SimReplica):
             self.on_ready(token, now)
         elif isinstance(token, Zygote):
             self.on_cached(token, now)

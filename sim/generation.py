@@ -20,7 +20,7 @@ from contracts.config import Batching
 from engine.batch_policy import migration_peer, new_item_slots
 from sim.config import SimConfig
 from sim.models import GenerativeModel
-from sim.stage import Replica, Stage
+from sim.stage import SimReplica, Stage
 from sim.step_cost import Calibration
 
 PREFILL, DECODE = "p", "d"
@@ -41,7 +41,7 @@ class Request:
     def __init__(self, i: int, model: GenerativeModel, prompt: int) -> None:
         self.i, self.model, self.prompt, self.target = i, model, prompt, model.new_tokens
         self.produced = 0
-        self.route: list[Replica | None] = [None] * model.num_stages
+        self.route: list[SimReplica | None] = [None] * model.num_stages
         self.first_at = self.last_at = 0.0
 
     @property
@@ -52,7 +52,7 @@ class Request:
 
 @dataclass(eq=False)
 class Batch:
-    replica: Replica
+    replica: SimReplica
     items: list[tuple]           # (request, handed-off time, kind)
     started: float
 
@@ -107,7 +107,7 @@ class GenerationPlane:
         while st.idle and st.queue:
             self.form(st.idle.pop(), now)
 
-    def enqueue_step(self, r: Replica, item: tuple, now: float) -> None:
+    def enqueue_step(self, r: SimReplica, item: tuple, now: float) -> None:
         self.sim.observe_arrival(r.stage, now)
         r.private.append(item)
         if r.ready and not r.busy:
@@ -160,7 +160,7 @@ class GenerationPlane:
 
     # -- a replica's batches -----------------------------------------------------------------
 
-    def form(self, r: Replica, now: float) -> None:
+    def form(self, r: SimReplica, now: float) -> None:
         """The replica's next batch, as engine.replica's _gather then GenerationStage.run take
         it; with nothing to run it goes idle (waiting for shared work unless it is draining)."""
         st = r.stage
@@ -185,7 +185,7 @@ class GenerationPlane:
         elif not r.draining and not r.waiting:
             st.idle.append(r)
 
-    def _decodes(self, r: Replica, now: float) -> list[tuple]:
+    def _decodes(self, r: SimReplica, now: float) -> list[tuple]:
         """Up to max_batch decode steps from the replica's queue; a draining replica that migrates
         hands each one, with its cache, to its peer instead."""
         peer = self._peer(r) if r.draining and self.batching.drain == "migrate" else None
@@ -200,7 +200,7 @@ class GenerationPlane:
                 out.append(item)
         return out
 
-    def _admit(self, r: Replica, prefills: list[tuple], taken: dict, now: float) -> list[tuple]:
+    def _admit(self, r: SimReplica, prefills: list[tuple], taken: dict, now: float) -> list[tuple]:
         admitted = []
         for item in prefills:
             req = item[0]
@@ -217,13 +217,13 @@ class GenerationPlane:
                 self._end(req, NO_ROOM, now)
         return admitted
 
-    def poll(self, r: Replica, now: float) -> None:
+    def poll(self, r: SimReplica, now: float) -> None:
         """A replica looks again: room was freed, or a prefill waited kv_wait_s for it (it runs now
         or its request gets 429)."""
         if r.ready and not r.busy and r in r.stage.replicas:
             self.form(r, now)
 
-    def _hold(self, r: Replica, req: Request, need: int) -> None:
+    def _hold(self, r: SimReplica, req: Request, need: int) -> None:
         r.held[req.i] = need
         r.kv_used += need
         req.route[r.stage.index] = r
@@ -233,7 +233,7 @@ class GenerationPlane:
     def _need(self, req: Request, st: Stage) -> int:
         return req.capacity * req.model.calibration.kv_bytes_per_position[st.index]
 
-    def _run(self, r: Replica, items: list[tuple], now: float) -> None:
+    def _run(self, r: SimReplica, items: list[tuple], now: float) -> None:
         st = r.stage
         steps = [(item[0].prompt + item[0].produced, 0) if item[2] == PREFILL else (1, item[0].prompt + item[0].produced - 1)
                  for item in items]
@@ -264,7 +264,7 @@ class GenerationPlane:
             self._hand_on(req, r, kind, now)
         self.form(r, now)
 
-    def _hand_on(self, req: Request, r: Replica, kind: str, now: float) -> None:
+    def _hand_on(self, req: Request, r: SimReplica, kind: str, now: float) -> None:
         st = r.stage
         arrive = now + self._hop(req, r.server, req.prompt + req.produced if kind == PREFILL else 1)
         if st.next is None:
@@ -279,7 +279,7 @@ class GenerationPlane:
 
     # -- drains ------------------------------------------------------------------------------
 
-    def drain(self, r: Replica, now: float) -> None:
+    def drain(self, r: SimReplica, now: float) -> None:
         """The cluster removes a replica that holds sequences: it stops taking prefills; with
         nothing running it goes on at once (migrating or finishing what it holds)."""
         if r in r.stage.idle:
@@ -287,12 +287,12 @@ class GenerationPlane:
         if not r.busy:
             self.form(r, now)
 
-    def _peer(self, r: Replica) -> Replica | None:
+    def _peer(self, r: SimReplica) -> SimReplica | None:
         peers = {p.id: p for p in r.stage.replicas if p is not r and p.ready and not p.draining}
         chosen = migration_peer({pid: len(p.held) for pid, p in peers.items()})
         return peers.get(chosen) if chosen else None
 
-    def _migrate(self, item: tuple, r: Replica, peer: Replica, now: float) -> None:
+    def _migrate(self, item: tuple, r: SimReplica, peer: SimReplica, now: float) -> None:
         """The step and its cache go to the peer. A peer without room loses the cache, and the
         entry recomputes the request (λScale §4.4): every cache freed, a prefill of the prompt and
         the tokens made so far from stage 0."""

@@ -27,7 +27,7 @@ from sim.cluster import Hop, RequestWork, SimCluster
 from sim.config import SimConfig
 from sim.generation import EVENTS, GenerationPlane, Outcome
 from sim.models import GenerativeModel, SimModel
-from sim.stage import Replica, Stage
+from sim.stage import SimReplica, Stage
 from sim.unloaded import unloaded_latency
 
 TIMEOUT_STATUS = 504
@@ -286,7 +286,7 @@ class Simulation:
         else:
             st.queue.append(item)
 
-    def _begin(self, r: Replica, item: tuple[int, float], now: float) -> bool:
+    def _begin(self, r: SimReplica, item: tuple[int, float], now: float) -> bool:
         i, handed = item
         if now > self.sent[i] + self.cfg.request_timeout_s:
             self._fail(i)          # the entry answered 504 already; the replica drops it
@@ -300,7 +300,7 @@ class Simulation:
         self.schedule(now + service, "done", r, item)
         return True
 
-    def _done(self, r: Replica, item: tuple[int, float], now: float) -> None:
+    def _done(self, r: SimReplica, item: tuple[int, float], now: float) -> None:
         st = r.stage
         i = item[0]
         r.busy = False
@@ -324,7 +324,7 @@ class Simulation:
         if not hop.to:
             self.schedule(self._entry(now + hop.rest_s), "reply", hop.i)
 
-    def _serve_next(self, r: Replica, now: float) -> None:
+    def _serve_next(self, r: SimReplica, now: float) -> None:
         st = r.stage
         if st.cost is not None:
             self.generation.form(r, now)

@@ -9,20 +9,21 @@ import numpy as np
 
 from autoscaler.policy.state import StageState
 from autoscaler.policy.window import Window, peak_count, stage_state
+from scheduler.state import ReplicaId
 from sim.step_cost import StepCost
 
 DRAWS = 4096
 
 
-class Replica:
-    """`busy`: computing an item (a batch, for a generative stage). A generative stage's replica
-    also has its own queue of decode steps, the sequences whose KV cache it holds (request ->
-    bytes), prefills waiting for KV room (item, taken at), and how many batches ran without a new
-    request (sim.generation)."""
+class SimReplica:
+    """A simulated stage replica. `busy`: computing an item (a batch, for a generative stage). A
+    generative stage's replica also has its own queue of decode steps, the sequences whose KV
+    cache it holds (request -> bytes), prefills waiting for KV room (item, taken at), and how many
+    batches ran without a new request (sim.generation)."""
     __slots__ = ("id", "stage", "server", "started_by", "started_at", "ready", "draining", "busy",
                  "private", "held", "kv_used", "waiting", "steps_without_new")
 
-    def __init__(self, rid: str, stage: Stage, server: object, started_by: str, started_at: float) -> None:
+    def __init__(self, rid: ReplicaId, stage: Stage, server: object, started_by: str, started_at: float) -> None:
         self.id, self.stage, self.server = rid, stage, server
         self.started_by, self.started_at = started_by, started_at
         self.ready = self.draining = self.busy = False
@@ -49,8 +50,8 @@ class Stage:
         self.successors: list[Stage] = []    # every stage this one's output goes to
         self.predecessors = 0                # parts a request brings before it starts here
         self.queue: deque = deque()          # (request, handed-off time)
-        self.idle: list[Replica] = []
-        self.replicas: list[Replica] = []    # every replica holding a slot, draining ones too
+        self.idle: list[SimReplica] = []
+        self.replicas: list[SimReplica] = []    # every replica holding a slot, draining ones too
         # The observation window, with running sums so a tick costs O(1) per item that left it.
         self.arrivals: deque = deque()        # arrival times
         self.gaps = [0.0, 0.0]                # sum and sum of squares of inter-arrival gaps
@@ -69,7 +70,7 @@ class Stage:
         self._pos += 1
         return float(x) * self.mean_s * ((1 - self.parallel) + self.parallel / self.cpus) + self.overhead_s * slowdown
 
-    def serving(self) -> list[Replica]:
+    def serving(self) -> list[SimReplica]:
         return [r for r in self.replicas if not r.draining]
 
     def ready_count(self) -> int:

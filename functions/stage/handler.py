@@ -27,9 +27,9 @@ with start_failures_recorded(SETTINGS, STAGE):
     # Imported only now (torch, transformers): the shards are on their way meanwhile.
     from contracts.wire import CONTENT_TYPE, BadRequest
     from engine.inherited import inherited_runner
-    from engine.replica import Replica
+    from engine.replica import StageReplica
 
-    REPLICA = Replica(SETTINGS, STAGE, IDENTITY.started_by, runner=inherited_runner(STAGE), readers=READERS)
+    REPLICA = StageReplica(SETTINGS, STAGE, IDENTITY.started_by, runner=inherited_runner(STAGE), readers=READERS)
 REPLICA.start()
 
 

@@ -14,9 +14,13 @@ from scheduler.evaluate import apply, dispersion
 from scheduler.fetch import admits, progress
 from scheduler.kl import descend, kl_divergence, round_counts
 from scheduler.placement import Scheduler, SchedulerParams
-from scheduler.state import Change, ClusterState, Fetch, Replica, Server, ServerView, cluster_state
+from scheduler.state import Change, ClusterState, Fetch, PlacedReplica, ReplicaId, Server, ServerView, cluster_state
 
 KEY = "m:3"
+
+
+def replica_at(name: str, stage: str, server: str, *more, **named) -> PlacedReplica:
+    return PlacedReplica(ReplicaId(server, name=name), stage, server, *more, **named)
 
 
 def servers(n: int, slots: int = 4, cached: dict[int, set[str]] | None = None, **kw) -> tuple[Server, ...]:
@@ -105,7 +109,7 @@ def test_the_cache_is_preferred_when_dispersion_allows():
 
 
 def test_dispersion_wins_over_the_cache_when_the_cached_server_is_crowded():
-    crowded = tuple(Replica(f"r{i}", KEY, "s0") for i in range(2))
+    crowded = tuple(replica_at(f"r{i}", KEY, "s0") for i in range(2))
     state = ClusterState(servers(3, slots=8, cached={0: {KEY}}), crowded, frozenset({KEY}))
     placed = Scheduler().schedule(state, [Change(KEY, 1)]).placements
     assert placed[0].server != "s0" and placed[0].path == "cold"
@@ -128,7 +132,7 @@ def test_without_dispersion_key_stage_replicas_are_packed_like_the_rest():
 
 
 def test_other_stages_are_packed_away_from_key_stages():
-    state = ClusterState(servers(3, slots=4), (Replica("k", KEY, "s0"), Replica("a", "m:1", "s1")),
+    state = ClusterState(servers(3, slots=4), (replica_at("k", KEY, "s0"), replica_at("a", "m:1", "s1")),
                          frozenset({KEY}))
     placed = Scheduler().schedule(state, [Change("m:5", 2)]).placements
     # Best fit: the fullest server that hosts no key stage, not s0 where the key stage grows.
@@ -159,20 +163,20 @@ def test_fetch_progress_shares_the_bandwidth():
 
 
 def test_scale_down_keeps_dispersion_and_frees_memory_first():
-    replicas = (Replica("a", KEY, "s0", "fork-cow", started_at=1), Replica("b", KEY, "s0", "fork-cow", started_at=2),
-                Replica("c", KEY, "s1", "cold", started_at=3), Replica("d", KEY, "s1", "fork-cow", started_at=4),
-                Replica("e", KEY, "s2", "fork-cow", started_at=5), Replica("f", KEY, "s0", "fork-cow", ready=False))
+    replicas = (replica_at("a", KEY, "s0", "fork-cow", started_at=1), replica_at("b", KEY, "s0", "fork-cow", started_at=2),
+                replica_at("c", KEY, "s1", "cold", started_at=3), replica_at("d", KEY, "s1", "fork-cow", started_at=4),
+                replica_at("e", KEY, "s2", "fork-cow", started_at=5), replica_at("f", KEY, "s0", "fork-cow", ready=False))
     state = ClusterState((Server("s0", 8), Server("s1", 8, memory_pressure=True), Server("s2", 8)), replicas,
                          frozenset({KEY}))
     removed = Scheduler().schedule(state, [Change(KEY, -3)]).removals
     # The starting one first; then s0 and s1 hold two each, and the cold replica on the server
     # short of memory goes before the others; then s0 is the most crowded, its newest goes.
-    assert [r.replica for r in removed] == ["f", "c", "b"]
+    assert [str(r.replica) for r in removed] == ["f", "c", "b"]
     assert [r.reason for r in removed][0] == "still starting"
 
 
 def test_params_change_the_trade_off():
-    state = ClusterState(servers(2, slots=8, cached={0: {KEY}}), (Replica("r", KEY, "s0"),), frozenset({KEY}))
+    state = ClusterState(servers(2, slots=8, cached={0: {KEY}}), (replica_at("r", KEY, "s0"),), frozenset({KEY}))
     # With a fork worth 2 replicas of dispersion, the cached server takes the second replica.
     placed = Scheduler(SchedulerParams(cache_weight=2.0)).schedule(state, [Change(KEY, 1)]).placements
     assert placed[0].server == "s0"
@@ -183,9 +187,9 @@ def test_params_change_the_trade_off():
 def test_one_cluster_view_for_every_backend():
     """Draining replicas keep their slots but leave the scheduler's count; a full cache is memory pressure."""
     views = [ServerView("a", 4, 1e9, frozenset({"m:0"}), 900), ServerView("b", 4, 1e9, cached_bytes=100)]
-    replicas = [(Replica("r1", "m:0", "a"), False), (Replica("r2", "m:0", "a"), True), (Replica("r3", "m:1", "b"), True)]
+    replicas = [(replica_at("r1", "m:0", "a"), False), (replica_at("r2", "m:0", "a"), True), (replica_at("r3", "m:1", "b"), True)]
     state = cluster_state(views, replicas, ["m:0"], 5.0, cache_budget=900)
     assert [(s.name, s.slots, s.memory_pressure) for s in state.servers] == [("a", 3, True), ("b", 3, False)]
-    assert [r.id for r in state.replicas] == ["r1"] and state.key_stages == {"m:0"} and state.now == 5.0
+    assert [str(r.id) for r in state.replicas] == ["r1"] and state.key_stages == {"m:0"} and state.now == 5.0
     unbounded = cluster_state(views, [], [], 0.0, cache_budget=0)
     assert not any(s.memory_pressure for s in unbounded.servers) and [s.slots for s in unbounded.servers] == [4, 4]
