@@ -28,7 +28,6 @@ from pathlib import Path
 
 # Everything a replica needs, imported before any fork so that a child starts warm.
 import aiohttp  # noqa: F401
-import redis  # noqa: F401
 import torch
 
 from contracts.config import load_settings

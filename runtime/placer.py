@@ -82,9 +82,9 @@ class Placer:
             cold = [(fn, r) for fn, r in serving if r.server == name and r.started_by == "cold" and not r.ready]
             servers.append(ServerView(name, self.settings.server_slots(), self.settings.servers.bandwidth, cached, held,
                                       self._fetches(cold, deadlines, now)))
-        replicas = [(PlacedReplica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started), r.draining_since is not None)
-                    for fn in functions + draining for r in fn.replicas
-                    if r.draining_since is not None or fn in functions]
+        # Every replica of the functions deployed; of those an update replaced, the ones still draining.
+        replicas = [_placed(fn, r) for fn in functions for r in fn.replicas] + \
+                   [_placed(fn, r) for fn in draining for r in fn.replicas if r.draining_since is not None]
         return cluster_state(servers, replicas, (s.key for s in self.store.key_stages()), now,
                              self.settings.servers.cache_bytes)
 
@@ -108,7 +108,12 @@ class Placer:
             log.warning("cannot place a replica of %s: %s", stage, why)
             records.append(Placement("unplaced", stage, why))
         self._unplaced = unplaced
+        records = [replace(record, contention=schedule.contention, t=time.time()) for record in records]
         for record in records:
-            record = replace(record, contention=schedule.contention, t=time.time())
             log.info("%s", record)
-            self.store.add_placement(record, self.settings.data.records_maxlen)
+        self.store.add_placements(records, self.settings.data.records_maxlen)
+
+
+def _placed(fn: FunctionState, r: ReplicaProcess) -> tuple[PlacedReplica, bool]:
+    """A replica as the scheduler sees it, and whether it drains."""
+    return PlacedReplica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started), r.draining_since is not None

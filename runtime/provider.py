@@ -15,7 +15,6 @@ from datetime import datetime
 from pathlib import Path
 
 import aiohttp
-import redis
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -35,7 +34,7 @@ from runtime.placer import Placer
 from runtime.state_file import save as save_state
 from runtime.state_file import state_path
 from runtime.supervisor import Supervisor
-from state.store import RedisStore
+from state.store import Store
 
 log = logging.getLogger("quart.provider")
 VERSION = "0.1.0"
@@ -80,7 +79,7 @@ def _check_env(env: dict[str, str]) -> None:
 
 class LocalProvider:
     def __init__(self, settings: Settings, stack: list[StackFunction], password: str,
-                 keys: dict[str, KeysClient | None], r: redis.Redis,
+                 keys: dict[str, KeysClient | None], store: Store,
                  supervisor: Supervisor | None = None, restarts: dict | None = None) -> None:
         """`keys`: the KeysManager of each virtual server; the scheduler places every replica.
         `supervisor`: the supervised components (runtime/supervisor.py), for /healthz and the
@@ -99,7 +98,6 @@ class LocalProvider:
         # Deleted functions whose replicas are still finishing their work.
         self._draining: list[FunctionState] = []
         self.processes = ProcessManager(settings, keys)
-        store = RedisStore(r)
         self.placer = Placer(settings, self.processes, store)
         self.activator = Activator(store, lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s)
         self.registry = CollectorRegistry()

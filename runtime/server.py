@@ -18,7 +18,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import redis
 from aiohttp import web
 
 from containers import runtime as in_containers
@@ -36,6 +35,7 @@ from runtime.redis_server import start_redis
 from runtime.state_file import load as load_state
 from runtime.state_file import state_path
 from runtime.supervisor import Supervisor
+from state.store import RedisStore
 
 log = logging.getLogger("quart.server")
 LOG_CHECK_S = 10.0
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_images = [f.deployment["image"] for f in stack if f.stage is not None]
         clients = start_keysmanagers(settings, supervisor, components, stage_images[0] if stage_images else "")
         provider = LocalProvider(settings, stack, read_or_create_secret(settings.password_file), clients,
-                                 redis.Redis.from_url(settings.redis_url), supervisor,
+                                 RedisStore.from_url(settings.redis_url), supervisor,
                                  {"restarts": args.restarts, "last_exit": args.last_exit})
         if args.adopt:
             provider.adopt(previous.get("functions", []))

@@ -24,7 +24,7 @@ from state.records import (
     StartFailure,
     ZygoteRecord,
 )
-from state.store import Stage, progress_fields
+from state.store import Stage
 
 
 @dataclass
@@ -65,7 +65,7 @@ class MemoryStore:
         self._replicas[rec.replica_id] = (replace(current, last_seen=now), now + ttl_s)
 
     def update_replica(self, replica_id: str, **progress) -> None:
-        progress_fields(progress)  # the same refusal of identity fields as the Redis store's
+        ReplicaRecord.progress(progress)  # the same refusal of identity fields as the Redis store's
         current = self._current(replica_id)
         if current is not None:
             self._replicas[replica_id] = (replace(current, **progress), self._replicas[replica_id][1])
@@ -204,7 +204,10 @@ class MemoryStore:
     # -- logs of what the control plane did ------------------------------------------------------
 
     def add_placement(self, placement: Placement, maxlen: int) -> None:
-        self._placements.append(placement)
+        self.add_placements([placement], maxlen)
+
+    def add_placements(self, placements: list[Placement], maxlen: int) -> None:
+        self._placements.extend(placements)
         del self._placements[:-maxlen]
 
     def placements(self) -> list[Placement]:

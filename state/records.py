@@ -82,18 +82,17 @@ class ReplicaRecord:
         return (self.stage_start, self.stage_end) == (stage.first, stage.last)
 
     def encode(self) -> dict[str, str]:
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None or value is False:
-                continue  # absent reads as the default
-            if isinstance(value, ColdStart):
-                out[f.name] = value.encode()
-            elif isinstance(value, bool):
-                out[f.name] = "1" if value else "0"
-            else:
-                out[f.name] = str(value)
-        return out
+        # Absent reads as the default.
+        return {f.name: _field(v) for f in fields(self) if (v := getattr(self, f.name)) is not None and v is not False}
+
+    @staticmethod
+    def progress(changes: dict[str, object]) -> dict[str, str]:
+        """What a running replica reports (the PROGRESS fields) as its hash holds them; ValueError
+        for a field of its identity, which does not change while it runs."""
+        unknown = set(changes) - PROGRESS
+        if unknown:
+            raise ValueError(f"a replica's record cannot change {sorted(unknown)} while it runs")
+        return {name: _field(value) for name, value in changes.items()}
 
     @classmethod
     def decode(cls, raw: Raw) -> ReplicaRecord:
@@ -111,6 +110,15 @@ class ReplicaRecord:
 
 # The fields of a replica's record it may change while it runs (Store.update_replica).
 PROGRESS = frozenset({"cpus", "draining", "sequences", "kv_bytes", "first_work_at", "coldstart", "last_seen"})
+
+
+def _field(value: object) -> str:
+    """A replica record's field as its hash holds it."""
+    if isinstance(value, ColdStart):
+        return value.encode()
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from contracts.stage import StageRef
 from state import keys
 from state.records import (
     PIPELINED,
-    PROGRESS,
     Activity,
     Backlog,
     CacheEvent,
@@ -70,6 +69,7 @@ class Store(Protocol):
     def asleep(self, models: list[str]) -> set[str]: ...
     def waking(self, model: str) -> bool: ...
     def add_placement(self, placement: Placement, maxlen: int) -> None: ...
+    def add_placements(self, placements: list[Placement], maxlen: int) -> None: ...
     def placements(self) -> list[Placement]: ...
     def add_decision(self, model: str, record: DecisionRecord, maxlen: int) -> None: ...
     def decisions(self, model: str, count: int | None = None) -> list[DecisionRecord]: ...
@@ -80,21 +80,6 @@ class Store(Protocol):
     def cache_events(self, server: str, since_s: float = 0.0) -> list[CacheEvent]: ...
     def publish_zygote(self, zygote: ZygoteRecord) -> None: ...
     def withdraw_zygote(self, server: str, stage: StageRef) -> None: ...
-
-
-def progress_fields(changes: dict) -> dict[str, str]:
-    unknown = set(changes) - PROGRESS
-    if unknown:
-        raise ValueError(f"a replica's record cannot change {sorted(unknown)} while it runs")
-    out = {}
-    for name, value in changes.items():
-        if isinstance(value, ColdStart):
-            out[name] = value.encode()
-        elif isinstance(value, bool):
-            out[name] = "1" if value else "0"
-        else:
-            out[name] = str(value)
-    return out
 
 
 def _window(cursor: str | None, records: list | Exception, stream: list | Exception, length: int | Exception,
@@ -141,7 +126,7 @@ class RedisStore:
         key = keys.replica(replica_id)
         # Only while registered: an update racing the expiry must not leave a record without identity.
         if self.r.exists(key):
-            self.r.hset(key, mapping=progress_fields(progress))
+            self.r.hset(key, mapping=ReplicaRecord.progress(progress))
 
     def deregister(self, rec: ReplicaRecord) -> None:
         pipe = self.r.pipeline()
@@ -336,7 +321,14 @@ class RedisStore:
     # -- logs of what the control plane did ------------------------------------------------------
 
     def add_placement(self, placement: Placement, maxlen: int) -> None:
-        self.r.xadd(keys.placements(), placement.encode(), maxlen=maxlen, approximate=True)
+        self.add_placements([placement], maxlen)
+
+    def add_placements(self, placements: list[Placement], maxlen: int) -> None:
+        """A placement round's records, in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for placement in placements:
+            pipe.xadd(keys.placements(), placement.encode(), maxlen=maxlen, approximate=True)
+        pipe.execute()
 
     def placements(self) -> list[Placement]:
         return [Placement.decode(f) for _, f in self.r.xrange(keys.placements())]

@@ -207,6 +207,8 @@ def test_the_control_planes_logs_read_back_in_order(store):
     s.add_placement(Placement("add", "m:1", "fewest replicas", "vs-0", "cold", "m-s1.vs-0.5", "cold", "light", 1.0), 100)
     s.add_placement(Placement("unplaced", "m:2", "no free slot", t=2.0), 100)
     assert [p.op for p in s.placements()] == ["add", "unplaced"] and s.placements()[0].server == "vs-0"
+    s.add_placements([Placement("remove", "m:1", "crowded", "vs-0", t=3.0), Placement("add", "m:1", "key", t=4.0)], 100)
+    assert [p.op for p in s.placements()] == ["add", "unplaced", "remove", "add"]
     for t in (1.0, 2.0, 3.0):
         s.add_decision("m", DecisionRecord(t, "quart", (1,), (2,), ("0",), ({"stage": "0", "replicas": 2},)), 100)
     assert [d.t for d in s.decisions("m")] == [3.0, 2.0, 1.0] and [d.t for d in s.decisions("m", count=1)] == [3.0]

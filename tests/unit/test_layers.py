@@ -94,8 +94,6 @@ def test_units_import_each_other_without_cycles():
 # imports redis fails here.
 TRANSPORT = {"engine.transport", "frontend.pipeline_client", "engine.join", "runtime.redis_server"}
 STILL_ON_REDIS = {
-    "keysmanager.zygote",
-    "runtime.provider", "runtime.server",
     "benchmarks.autoscaler_tick", "benchmarks.coldstart", "benchmarks.consolidation", "benchmarks.containers",
     "benchmarks.faults", "benchmarks.hop", "benchmarks.kv_migration", "benchmarks.policies_burst",
     "benchmarks.scaleup", "benchmarks.soak",
