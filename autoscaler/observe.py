@@ -16,7 +16,7 @@ import numpy as np
 
 from autoscaler.policy.arbitration import ModelRules
 from autoscaler.policy.idle import ModelActivity
-from autoscaler.policy.layout import LayoutState
+from autoscaler.policy.layout import ArrivalWindows, LayoutState
 from autoscaler.policy.state import PipelineState, StageState
 from autoscaler.policy.window import Window, stage_state
 from contracts.stage import StageRef
@@ -41,26 +41,6 @@ class _Records:
 
 
 @dataclass
-class _Arrivals:
-    """Requests entering a model, counted per window (HydraServe's sliding window); the first
-    look only marks where counting starts."""
-    window_s: float
-    keep: int
-    counts: tuple[int, ...] = ()
-    current: int = 0
-    started: float | None = None
-
-    def add(self, now: float, starts: int) -> None:
-        if self.started is None:
-            self.started = now
-            return
-        while now >= self.started + self.window_s:
-            self.counts = (*self.counts, self.current)[-self.keep:]
-            self.current, self.started = 0, self.started + self.window_s
-        self.current += starts
-
-
-@dataclass
 class Observer:
     """Remembers each stage's last known service time, so that a stage with no traffic in the
     window still has one."""
@@ -71,7 +51,7 @@ class Observer:
     rules: dict[str, ModelRules] = field(default_factory=dict)  # the models with layout or idle rules
     service_s: dict[StageRef, float] = field(default_factory=dict)
     records: dict[StageRef, _Records] = field(default_factory=dict)
-    arrivals: dict[str, _Arrivals] = field(default_factory=dict)
+    arrivals: dict[str, ArrivalWindows] = field(default_factory=dict)
     awake_since: dict[str, float] = field(default_factory=dict)  # first seen, or last seen waking
     asleep: set[str] = field(default_factory=set)
 
@@ -126,7 +106,7 @@ class Observer:
     def _layout(self, now: float, model: str, state: PipelineState,
                 live: dict[StageRef, tuple[ReplicaRecord, ...]], whole_desired: int) -> LayoutState:
         rule, stages = self.rules[model].layout, self.pipelines[model]
-        arrivals = self.arrivals.setdefault(model, _Arrivals(rule.window_s, rule.windows))
+        arrivals = self.arrivals.setdefault(model, ArrivalWindows(rule.window_s, rule.windows))
         arrivals.add(now, self.records[stages[0]].new_starts)
         at_first = live[stages[0]]  # whole replicas register at the first stage too
         serving = tuple(sum(not x.draining and x.serves(ref) for x in live[ref]) for ref in stages)

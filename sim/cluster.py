@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from autoscaler.policy.layout import LayoutDecision
 from contracts.stage import StageRef
 from keysmanager.cache_policy import WARMING_AT_ONCE, Held, OverBudget, evictions
 from scheduler.placement import Scheduler
@@ -15,6 +16,7 @@ from scheduler.state import Change, ClusterState, Fetch, PlacedReplica, ReplicaI
 from sim.config import SimConfig
 from sim.fluid import Fluid
 from sim.stage import SimReplica, Stage
+from state.records import PIPELINED
 
 
 @dataclass(eq=False)
@@ -89,7 +91,11 @@ class SimCluster:
         self._ids = 0
         self.placements: list[dict] = []
         self.starts = {"fork": 0, "cold": 0}
+        self.now = 0.0                         # the simulation's time when the controller's actions come
         self.asleep: set[str] = set()          # models whose stage functions sleep at zero
+        self.wholes: dict[str, Stage] = {}     # each model's whole-model function, where it has one
+        self.layouts: dict[str, str] = {}      # each such model's layout
+        self.layout_changes: list[tuple[float, str, str, str]] = []   # (when, model, layout, why)
 
     # -- the autoscaler's Backend ------------------------------------------------------------
 
@@ -101,6 +107,18 @@ class SimCluster:
 
     def publish_key_stages(self, model: str, stages: tuple[StageRef, ...]) -> None:
         self.key_stages[model] = stages
+
+    def add_whole(self, whole: Stage) -> None:
+        """A model's whole-model function: placed like any stage, pipelined to start with."""
+        self.wholes[whole.model] = self.stages[whole.key] = whole
+        self.layouts[whole.model] = PIPELINED
+
+    def set_whole(self, model: str, replicas: int) -> None:
+        self.wholes[model].desired = replicas
+
+    def set_layout(self, model: str, change: LayoutDecision) -> None:
+        self.layouts[model] = change.layout
+        self.layout_changes.append((self.now, model, change.layout, change.reason))
 
     def set_asleep(self, model: str, asleep: bool) -> None:
         (self.asleep.add if asleep else self.asleep.discard)(model)

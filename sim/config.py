@@ -63,6 +63,10 @@ class SimConfig:
     # com.openfaas.scale.zero-duration, decided by the Controller's idle rule), and the gateway
     # wakes them all on the next request's way in; 0: never.
     idle_s: float = 0.0
+    # > 0: every single-pass model also has a whole-model function of up to this many replicas,
+    # serving its first stage's queue with every stage at once, and consolidates into it and
+    # splits back by HydraServe's sliding window (the Controller's layout rule); 0: none.
+    whole_max: int = 0
     sample_s: float = 0.5
     tail_s: float = 15.0                 # simulated after the last arrival, as loadgen's --tail
     seed: int = 0

@@ -16,6 +16,7 @@ import numpy as np
 from autoscaler.policy.arbitration import ModelRules
 from autoscaler.policy.controller import Controller, enact
 from autoscaler.policy.idle import ModelActivity
+from autoscaler.policy.layout import ArrivalWindows, LayoutRule, LayoutState
 from autoscaler.policy.state import PipelineState
 from contracts import artefacts
 from contracts.config import Settings, load_settings
@@ -95,9 +96,12 @@ class Simulation:
         self.chains: dict[str, list[Stage]] = {}
         self.hop: dict[str, float] = {}
         self.prompt_rngs: dict[str, np.random.Generator] = {}
+        wholes = []
         for m, child in zip(models, rng_root.spawn(len(models))):
             chain = [self._stage(m, i, np.random.default_rng(g)) for i, g in enumerate(child.spawn(m.num_stages))]
             self.prompt_rngs[m.name] = np.random.default_rng(child.spawn(1)[0])
+            if cfg.whole_max > 0 and isinstance(m, SimModel):
+                wholes.append(self._whole(m, chain, np.random.default_rng(child.spawn(1)[0])))
             for a, b in zip(chain, chain[1:]):
                 a.next = b
             for a, b in m.graph():
@@ -137,16 +141,38 @@ class Simulation:
                                   self.schedule, self._serve_next, self.generation.drain if self.generation else None,
                                   cache_key_stages=not self.settings.autoscaler.ablated("fork-cache"),
                                   min_residency_s=self.settings.cache.min_residency_s)
+        for whole in wholes:
+            self.cluster.add_whole(whole)
         self.slo = {m.name: cfg.slo_x * unloaded_latency(cfg, m) if cfg.slo_x > 0 else cfg.slo_s for m in models}
         self.wake_to = max(1, self.settings.autoscaler.bounds.r_min)
-        rules = {m.name: ModelRules(sleepers=tuple(range(m.num_stages)), wake_to=self.wake_to, idle_s=cfg.idle_s)
-                 for m in models} if cfg.idle_s > 0 else {}
+        rules = {m.name: self._rules(m) for m in models if cfg.idle_s > 0 or m.name in self.cluster.wholes}
         self.controller = Controller.from_settings(
             self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models},
             self._fits_without_artefacts(models), rules)
         # What the gateway sees of each model's requests: the latest one's time, those in flight.
         self.last_request = {m.name: 0.0 for m in models}
         self.in_flight = {m.name: 0 for m in models}
+        self.entered = {m.name: 0 for m in models}     # requests that came in, for the layout's windows
+        self._entered_seen: dict[str, int] = {}
+        self.windows = {m: ArrivalWindows(r.layout.window_s, r.layout.windows) for m, r in rules.items() if r.layout}
+
+    def _rules(self, m: SimModel | GenerativeModel) -> ModelRules:
+        a = self.settings.autoscaler
+        layout = LayoutRule(a.layout_windows, self.settings.batching.max_batch, self.cfg.whole_max, a.layout_window_s) \
+            if m.name in self.cluster.wholes else None
+        sleepers = tuple(range(m.num_stages)) if self.cfg.idle_s > 0 else ()
+        return ModelRules(layout, sleepers, self.wake_to, self.cfg.idle_s)
+
+    def _whole(self, m: SimModel, chain: list[Stage], rng: np.random.Generator) -> Stage:
+        """A model's whole-model function: one replica computes every stage (their summed mean,
+        its profile's CV) on the first stage's queue, as live whole replicas read stage 0's
+        stream, and answers; it reads every stage's shard to start."""
+        p = m.profile
+        whole = Stage(m.name, 0, sum(p.stage_ms(i) for i in range(m.num_stages)) / 1000.0, p.cv, p.parallel_fraction,
+                      self.cfg.service_overhead_s, sum(st.shard_bytes for st in chain), rng)
+        whole.key = StageRef(m.name, 0, m.num_stages).key
+        whole.queue, whole.idle = chain[0].queue, chain[0].idle
+        return whole
 
     def _fits_without_artefacts(self, models: list[SimModel | GenerativeModel]) -> dict[str, dict]:
         """The compensator runs on the fits the live one would (artefacts measured on the emulated
@@ -231,6 +257,7 @@ class Simulation:
     def _arrive(self, i: int) -> None:
         m = self.models[self.model_of[i]]
         self.last_request[m.name] = self.now
+        self.entered[m.name] += 1
         self.in_flight[m.name] += 1
         self.cluster.wake(m.name, self.wake_to, self.now)
         t = self._entry(self.now)
@@ -379,12 +406,22 @@ class Simulation:
                                                  entry_rate=states[0].arrival_rate, now=now,
                                                  cpu_free=None if isinstance(m, SimModel) else cpu_free,
                                                  activity=self._activity(m.name, states) if self.cfg.idle_s > 0 else None,
-                                                 asleep=m.name in self.cluster.asleep)
+                                                 asleep=m.name in self.cluster.asleep,
+                                                 layout=self._layout(m.name, now) if m.name in self.windows else None)
+        self.cluster.now = now
         for actions in self.controller.step(now, observations):
             enact(self.cluster, actions, log)
             self.decisions += 1
         self.cluster.converge(now)
         self.cluster.watch(now)
+
+    def _layout(self, model: str, now: float) -> LayoutState:
+        windows, chain, whole = self.windows[model], self.chains[model], self.cluster.wholes[model]
+        windows.add(now, self.entered[model] - self._entered_seen.get(model, 0))
+        self._entered_seen[model] = self.entered[model]
+        serving = tuple(sum(r.ready and not r.draining for r in st.replicas) for st in chain)
+        return LayoutState(self.cluster.layouts[model], windows.counts, windows.current, len(chain[0].queue),
+                           whole.desired, sum(r.ready and not r.draining for r in whole.replicas), serving)
 
     def _activity(self, model: str, states: tuple) -> ModelActivity:
         work = self.in_flight[model] + sum(s.queue_length + s.in_flight for s in states)
@@ -411,6 +448,8 @@ class Simulation:
             s["t"].append(now)
             s["replicas"].append([st.ready_count() for st in self.chains[m.name]])
             s["queue"].append([len(st.queue) for st in self.chains[m.name]])
+            if m.name in self.cluster.wholes:
+                s.setdefault("whole", []).append(self.cluster.wholes[m.name].ready_count())
 
     def _trace(self) -> Trace:
         return Trace([m.name for m in self.models], self.model_of, self.sent, self.latency, self.status,

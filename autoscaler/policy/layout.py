@@ -75,3 +75,23 @@ def decide(state: LayoutState, rule: LayoutRule) -> LayoutDecision | None:
         if all(state.stages_live):
             return LayoutDecision(PIPELINED, "stages serving: the whole replicas hand their caches over", whole=0)
     return None
+
+
+@dataclass
+class ArrivalWindows:
+    """Requests entering a model, counted per window (HydraServe's sliding window); the first
+    look only marks where counting starts."""
+    window_s: float
+    keep: int
+    counts: tuple[int, ...] = ()
+    current: int = 0
+    started: float | None = None
+
+    def add(self, now: float, starts: int) -> None:
+        if self.started is None:
+            self.started = now
+            return
+        while now >= self.started + self.window_s:
+            self.counts = (*self.counts, self.current)[-self.keep:]
+            self.current, self.started = 0, self.started + self.window_s
+        self.current += starts

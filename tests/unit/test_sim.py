@@ -19,6 +19,7 @@ from sim.config import SimConfig, embedded_runtime, quart_testbed
 from sim.models import SimModel, table1
 from sim.run import report_run, simulate, stage_timeline
 from sim.simulation import Simulation
+from state.records import CONSOLIDATING, PIPELINED, SPLITTING, WHOLE
 
 BARE = SimConfig(servers=1, gpus_per_server=16, hop_s=0.0, entry_s=0.0, hop_bandwidth=0.0, tail_s=0.0,
                  window_s=10.0, request_timeout_s=1e9)
@@ -277,3 +278,29 @@ def test_without_a_zero_duration_nothing_sleeps(tmp_path):
     trace = Simulation(quart_testbed(tail_s=5.0), table1(["llama-7b"]), arrivals, "static",
                        static(1, tmp_path)).run()
     assert (np.array(trace.samples["llama-7b"]["replicas"]) >= 1).all()
+
+
+def test_a_quiet_model_consolidates_and_a_burst_splits_it(tmp_path):
+    """Consolidation in the simulator, decided by the same Controller's layout rule as live: a
+    quiet model consolidates into one whole replica and its stages go to zero; a burst beyond what
+    one whole replica takes brings the stages back and the whole replica goes; every request is
+    answered."""
+    quiet = poisson_arrivals(0.5, 60.0, seed=4)
+    burst = 60.0 + np.sort(np.random.default_rng(5).uniform(0.0, 5.0, 200))
+    arrivals = {"llama-7b": np.concatenate([quiet, burst])}
+    settings = load_settings(environ={"QUART_LAYOUT_WINDOW_S": "5", "QUART_LAYOUT_WINDOWS": "3",
+                                      "QUART_MAX_BATCH": "4"}, home=str(tmp_path))
+    sim = Simulation(quart_testbed(tail_s=60.0, whole_max=1), table1(["llama-7b"]), arrivals, "quart", settings)
+    trace = sim.run()
+    changes = sim.cluster.layout_changes
+    assert [layout for _, _, layout, _ in changes[:4]] == [CONSOLIDATING, WHOLE, SPLITTING, PIPELINED]
+    (_, whole_at, split_at, back_at) = [at for at, _, _, _ in changes[:4]]
+    assert whole_at < 60.0 <= split_at                                                # split by the burst
+    t = np.array(trace.samples["llama-7b"]["t"])
+    whole = np.array(trace.samples["llama-7b"]["whole"])
+    stages = np.array(trace.samples["llama-7b"]["replicas"])
+    calm = (t > whole_at + 5.0) & (t < 60.0)
+    assert calm.any() and (whole[calm] == 1).all() and (stages[calm] == 0).all()   # served whole, stages at zero
+    after = (t > back_at) & (t < (changes[4][0] if len(changes) > 4 else np.inf))
+    assert after.any() and (whole[after] == 0).all() and (stages[after] >= 1).all()  # pipelined again
+    assert int((trace.status == 200).sum()) == len(arrivals["llama-7b"])
