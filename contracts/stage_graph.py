@@ -4,9 +4,12 @@ last stage as its only sink. A stage with several predecessors (a join) runs a r
 parts of all of them are in. Replicas route by it, the autoscaler and the simulator size by it."""
 from __future__ import annotations
 
+from functools import cache
+
 Edges = tuple[tuple[int, int], ...]
 
 
+@cache  # the autoscaler asks for every chain's edges on every tick
 def chain(num_stages: int) -> Edges:
     """The edges of a chain 0 -> 1 -> ... -> num_stages - 1."""
     return tuple((i, i + 1) for i in range(num_stages - 1))
