@@ -147,7 +147,7 @@ class Simulation:
         self.wake_to = max(1, self.settings.autoscaler.bounds.r_min)
         rules = {m.name: self._rules(m) for m in models if cfg.idle_s > 0 or m.name in self.cluster.wholes}
         self.controller = Controller.from_settings(
-            self.settings, {m.name: tuple(StageRef(m.name, i, i + 1) for i in range(m.num_stages)) for m in models},
+            self.settings, {m: tuple(st.ref for st in chain) for m, chain in self.chains.items()},
             self._fits_without_artefacts(models), rules)
         # What the gateway sees of each model's requests: the latest one's time, those in flight.
         self.last_request = {m.name: 0.0 for m in models}
@@ -168,9 +168,8 @@ class Simulation:
         its profile's CV) on the first stage's queue, as live whole replicas read stage 0's
         stream, and answers; it reads every stage's shard to start."""
         p = m.profile
-        whole = Stage(m.name, 0, sum(p.stage_ms(i) for i in range(m.num_stages)) / 1000.0, p.cv, p.parallel_fraction,
+        whole = Stage(StageRef(m.name, 0, m.num_stages), sum(p.stage_ms(i) for i in range(m.num_stages)) / 1000.0, p.cv, p.parallel_fraction,
                       self.cfg.service_overhead_s, sum(st.shard_bytes for st in chain), rng)
-        whole.key = StageRef(m.name, 0, m.num_stages).key
         whole.queue, whole.idle = chain[0].queue, chain[0].idle
         return whole
 
@@ -188,11 +187,11 @@ class Simulation:
 
     def _stage(self, m: SimModel | GenerativeModel, i: int, rng: np.random.Generator) -> Stage:
         if isinstance(m, GenerativeModel):
-            st = Stage(m.name, i, 0.0, 1.0, 0.0, 0.0, m.stage_bytes(i), rng)
+            st = Stage(StageRef(m.name, i, i + 1), 0.0, 1.0, 0.0, 0.0, m.stage_bytes(i), rng)
             st.cost = m.calibration.stages[i]
             return st
         p = m.profile
-        return Stage(m.name, i, p.stage_ms(i) / 1000.0, p.cv, p.parallel_fraction, self.cfg.service_overhead_s,
+        return Stage(StageRef(m.name, i, i + 1), p.stage_ms(i) / 1000.0, p.cv, p.parallel_fraction, self.cfg.service_overhead_s,
                      m.stage_bytes(i), rng)
 
     # -- events ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import numpy as np
 
 from autoscaler.policy.state import StageState
 from autoscaler.policy.window import Window, peak_count, stage_state
+from contracts.stage import StageRef
 from scheduler.state import ReplicaId
 from sim.step_cost import StepCost
 
@@ -38,9 +39,10 @@ class Stage:
     """Service times are Gamma with the profile's mean and CV, scaled by Amdahl's law for the
     stage's CPUs, drawn in blocks from the stage's own generator (deterministic for a seed)."""
 
-    def __init__(self, model: str, index: int, mean_s: float, cv: float, parallel_fraction: float,
+    def __init__(self, ref: StageRef, mean_s: float, cv: float, parallel_fraction: float,
                  overhead_s: float, shard_bytes: int, rng: np.random.Generator) -> None:
-        self.model, self.index, self.key = model, index, f"{model}:{index}"
+        """`ref`: the stage function it simulates (one stage of a pipeline, or a whole model)."""
+        self.ref, self.model, self.index, self.key = ref, ref.model, ref.first, ref.key
         self.mean_s, self.shape, self.parallel = mean_s, 1.0 / (cv * cv), parallel_fraction
         self.overhead_s, self.shard_bytes, self.rng = overhead_s, shard_bytes, rng
         self.cpus = 1
