@@ -30,8 +30,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import redis
-
 from benchmarks.report import RESULTS, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
@@ -57,7 +55,7 @@ def median(xs: list[float]) -> float:
 class Bench:
     def __init__(self, settings: Settings, tokens: int) -> None:
         self.client = GatewayClient.for_settings(settings)
-        self.r = redis.Redis.from_url(settings.redis_url)
+        self.store = RedisStore.from_url(settings.redis_url)
         self.tokens = tokens
         self.prompts = first_prompts(16, seed=3, max_chars=200)
 
@@ -77,14 +75,14 @@ class Bench:
         return time.time()
 
     def serving(self, stage: int, end: int) -> int:
-        return sum(1 for x in RedisStore(self.r).live_replicas(MODEL, stage)
+        return sum(1 for x in self.store.live_replicas(MODEL, stage)
                    if x.stage_end == end and x.stage_start == stage and not x.draining)
 
     def gone(self, name: str) -> bool:
         return self.client.request("GET", f"/system/function/{name}").json()["availableReplicas"] == 0
 
     def holding(self, end: int, count: int, since: float) -> bool:
-        found = [x for x in RedisStore(self.r).live_replicas(MODEL, 0) if x.stage_end == end]
+        found = [x for x in self.store.live_replicas(MODEL, 0) if x.stage_end == end]
         return bool(found) and all(x.last_seen > since for x in found) and \
             sum(x.sequences for x in found) >= count
 
@@ -147,7 +145,7 @@ class Bench:
         from the records of the last stage and of the whole replica."""
         steps: dict[str, dict[int, tuple[float, str]]] = {}
         for stage in (STAGES - 1, 0):
-            for x in RedisStore(self.r).samples(MODEL, stage):
+            for x in self.store.samples(MODEL, stage):
                 rid, _, step = x.request_id.split(".")
                 whole_replica = x.replica_id.startswith(f"{MODEL}-s0-{STAGES}.")
                 if rid in request_ids and (stage == STAGES - 1 or whole_replica):

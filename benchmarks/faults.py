@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import redis
 
 from benchmarks.report import conditions, table, write
 from contracts.config import Settings, load_settings
@@ -84,7 +83,7 @@ def _one(settings: Settings, load: ClosedLoop, fault: str) -> dict:
 
 def _target(settings: Settings, fault: str) -> int:
     if fault == "stage replica":
-        return RedisStore(redis.Redis.from_url(settings.redis_url)).live_replicas(MODEL, 3)[0].pid
+        return RedisStore.from_url(settings.redis_url).live_replicas(MODEL, 3)[0].pid
     fragment = {"entry replica": "functions/entry", "redis": "redis-server", "keysmanager": "-m keysmanager ",
                 "autoscaler": "-m autoscaler run", "provider": "-m runtime.server"}[fault]
     (pid,) = [pid for pid, cmd in control.processes(settings).items() if fragment in cmd]

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import redis
 
 from autoscaler.policy.controller import POLICIES
 from benchmarks.report import conditions, table, write
@@ -64,13 +63,13 @@ def one_policy(policy: str, send_at: np.ndarray, tail_s: float) -> dict:
                             admit_wait_s=0.0)  # the policies alone: every request waits to be served
     if control.up(settings, timeout=600) != 0:
         raise SystemExit(f"the runtime did not come up for {policy}")
-    r = redis.Redis.from_url(settings.redis_url)
+    store = RedisStore.from_url(settings.redis_url)
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.wait(0.5):
-            samples.append((time.time(), sum(len(RedisStore(r).live_replicas(MODEL, i)) for i in range(STAGES))))
+            samples.append((time.time(), sum(len(store.live_replicas(MODEL, i)) for i in range(STAGES))))
     sampler = threading.Thread(target=sample, daemon=True)
     try:
         sampler.start()

@@ -20,8 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import redis
-
 from benchmarks.report import RESULTS, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.paths import REPO_ROOT
@@ -66,11 +64,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _rss_by_role(settings: Settings) -> dict[str, int]:
     """Resident bytes of each process of the runtime, named by what it is."""
-    r = redis.Redis.from_url(settings.redis_url)
+    store = RedisStore.from_url(settings.redis_url)
     replicas = {}
     for model, stages in (("smollm2", 4), ("minilm", 3)):
         for stage in range(stages):
-            for x in RedisStore(r).live_replicas(model, stage):
+            for x in store.live_replicas(model, stage):
                 replicas[x.pid] = f"{model}-s{stage} replica {x.pid}"
     out = {}
     for pid, cmd in control.processes(settings).items():
