@@ -91,7 +91,6 @@ class StageReplica:
             reply_ttl_ms=int(data.request_timeout_s * 2000), reclaim_idle_ms=data.reclaim_idle_ms,
             stream_ttl_ms=int(data.replica_ttl_s * 1000), on_first_work=self._first_work)
         self.store = self.transport.store
-        self.stream, self.private = self.transport.shared, self.transport.private
         self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
                                           settings.batching.kv_wait_s, settings.limits) if generative else None
         self._labels = {"model": self.model, "stage": str(first)}
@@ -224,20 +223,20 @@ class StageReplica:
             if again:
                 return again
         if self.generation is None:
-            return (t.claim_abandoned() if reclaim else []) or t.read({self.stream: ">"}, 1, self.settings.data.block_ms)
+            return (t.claim_abandoned() if reclaim else []) or t.read({t.shared: ">"}, 1, self.settings.data.block_ms)
         max_batch = self.settings.batching.max_batch
-        works = t.read({self.private: ">"}, max_batch, None)
+        works = t.read({t.private: ">"}, max_batch, None)
         take_new = not self._draining and not self.generation.waiting
         if take_new:
             slots = new_item_slots(max_batch, len(works), self._steps_without_new)
             if slots > 0:
-                new = (t.claim_abandoned() if reclaim else []) or t.read({self.stream: ">"}, slots, None)
+                new = (t.claim_abandoned() if reclaim else []) or t.read({t.shared: ">"}, slots, None)
                 works += new
         if not works:
             # Prefills waiting for room are retried as soon as a free (or anything) arrives.
-            streams = {self.private: ">"} if not take_new else {self.private: ">", self.stream: ">"}
+            streams = {t.private: ">"} if not take_new else {t.private: ">", t.shared: ">"}
             works = t.read(streams, 1, WAITING_POLL_MS if self.generation.waiting else self.settings.data.block_ms)
-        self._steps_without_new = 0 if any(w.stream == self.stream for w in works) else self._steps_without_new + 1
+        self._steps_without_new = 0 if any(w.stream == t.shared for w in works) else self._steps_without_new + 1
         return works
 
     def _first_work(self) -> None:

@@ -152,8 +152,7 @@ class Simulation:
         # What the gateway sees of each model's requests: the latest one's time, those in flight.
         self.last_request = {m.name: 0.0 for m in models}
         self.in_flight = {m.name: 0 for m in models}
-        self.entered = {m.name: 0 for m in models}     # requests that came in, for the layout's windows
-        self._entered_seen: dict[str, int] = {}
+        self.entered = {m.name: 0 for m in models}     # requests that came in since the layout counted them
         self.windows = {m: ArrivalWindows(r.layout.window_s, r.layout.windows) for m, r in rules.items() if r.layout}
 
     def _rules(self, m: SimModel | GenerativeModel) -> ModelRules:
@@ -416,8 +415,8 @@ class Simulation:
 
     def _layout(self, model: str, now: float) -> LayoutState:
         windows, chain, whole = self.windows[model], self.chains[model], self.cluster.wholes[model]
-        windows.add(now, self.entered[model] - self._entered_seen.get(model, 0))
-        self._entered_seen[model] = self.entered[model]
+        windows.add(now, self.entered[model])
+        self.entered[model] = 0
         serving = tuple(sum(r.ready and not r.draining for r in st.replicas) for st in chain)
         return LayoutState(self.cluster.layouts[model], windows.counts, windows.current, len(chain[0].queue),
                            whole.desired, sum(r.ready and not r.draining for r in whole.replicas), serving)
