@@ -99,6 +99,7 @@ class ComputeConfig:
     dtype: str = "auto"
     threads: int = 1
     emulate: str = ""
+    prepack: bool = True
 
 
 @dataclass(frozen=True)
@@ -397,9 +398,15 @@ VARIABLES: tuple[Var, ...] = (
         "what a replica being removed does with the KV caches it holds: `migrate` them to a peer, or `finish` their requests",
         _one_of("migrate", "finish")),
     Var("QUART_DEVICE", "compute.device", "where stages compute", _device),
-    Var("QUART_DTYPE", "compute.dtype", "stage weights' and KV caches' dtype; auto: the checkpoint's own",
+    Var("QUART_DTYPE", "compute.dtype",
+        "stage weights' and KV caches' dtype; auto: a 16-bit checkpoint's own, else bfloat16 where the hardware "
+        "computes it natively (AVX512-BF16 or AMX CPUs, GPUs from compute capability 8), float16 on older GPUs, "
+        "float32 elsewhere",
         _one_of("auto", "float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),
+    Var("QUART_PREPACK", "compute.prepack",
+        "linear weights reordered once into oneDNN's layout on the CPU (what torch.compile's freezing does); "
+        "false: plain `F.linear`"),
     Var("QUART_EMULATE", "compute.emulate", "an emulation profile (`models/profiles.py`) instead of real weights"),
     Var("QUART_KEYSMANAGER_HOST", "cache.host",
         "where the KeysManager listens (`0.0.0.0` in a pod, so the autoscaler and the replicas on its node reach it)"),

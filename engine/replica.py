@@ -123,7 +123,8 @@ class StageReplica:
         manifest = ensure_manifest(settings, stage.model, tokenizer=False)
         whole = not settings.coldstart.stream
         runner = StageRunner(manifest, stage.first, stage.last, settings.compute.device, settings.compute.dtype,
-                             tensors=lambda i: stream_tensors(readers[i], whole_first=whole))
+                             tensors=lambda i: stream_tensors(readers[i], whole_first=whole),
+                             prepack=settings.compute.prepack)
         self.coldstart = ColdStart(process_at=started_at(), imported_at=imported, loaded_at=time.time(),
                                    fetch_started_at=min(r.started for r in readers.values()),
                                    fetched_at=max(r.finished for r in readers.values()),

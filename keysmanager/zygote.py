@@ -3,10 +3,12 @@ replicas from them. A *runtime* zygote holds no parameters, only the imported li
 forked from it is a cold start without the process creation and imports (a pre-warmed runtime, as
 serverless platforms keep), which then streams its shard in like any cold replica.
 
-It only loads and holds tensors: it never computes and never initialises CUDA, because a process
-that has run multi-threaded torch kernels can hang its forked children (DESIGN.md §6). A child sets
-its own threads, dtype and device after the fork. Copy-on-write children share the parent's pages;
-a non-COW child clones the parameters first, for isolation.
+It loads its tensors in the dtype the replicas serve and packs their linear weights
+(`models/packed_linear.py`), on one thread, so that no child converts or packs them again; it
+never runs multi-threaded kernels and never initialises CUDA, because a process that has started
+OpenMP's thread pool (or CUDA) can hang its forked children. A child sets its own threads and
+device after the fork. Copy-on-write children share the parent's pages; a non-COW child clones
+the parameters first, for isolation.
 
 Control is a Unix socket that takes one JSON line per connection:
     {"op": "fork", "cow": true, "env": {...}, "handler": "...", "port_file": "...", "log_file": "..."}
@@ -70,7 +72,7 @@ def _become_replica(runner: StageRunner | EmulatedRunner | None, request: dict, 
         if isinstance(runner, StageRunner):
             if not request.get("cow", True):
                 runner.clone_parameters()
-            runner.to(settings.compute.device, settings.compute.dtype)
+            runner.to(settings.compute.device, settings.compute.dtype, settings.compute.prepack)
         else:
             runner.reseed()
         print(f"forked: parameters ready in {(time.perf_counter() - t0) * 1000:.1f} ms "
@@ -155,8 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.emulate:
         runner = EmulatedRunner(emulation_profile(args.emulate), stage.model, stage.first, stage.last)
     else:
+        # One thread: converting and packing the weights here (once, for every child) must not
+        # start a pool of OpenMP threads, which a forked child could not use.
+        torch.set_num_threads(1)
         runner = StageRunner(Manifest.load(settings.model_dir(stage.model)), stage.first, stage.last,
-                             device="cpu", dtype="auto")
+                             device="cpu", dtype=settings.compute.dtype, prepack=settings.compute.prepack)
     assert not torch.cuda.is_initialized()
     serve(runner, args.socket)
     return 0

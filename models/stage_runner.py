@@ -11,19 +11,8 @@ from contracts.config import Limits
 from contracts.wire import BadRequest
 from models.architectures import StageModule, architecture
 from models.manifest import Manifest, sha256_file
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-AUTO = "auto"  # the checkpoint's own dtype
-
-
-def torch_dtype(name: str, manifest: Manifest | None = None) -> torch.dtype:
-    if name == AUTO and manifest is not None:
-        name = manifest.dtype
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)} or {AUTO}") from None
+from models.packed_linear import PackedLinear, can_pack, pack, unpack
+from models.precision import AUTO, serving_dtype
 
 
 def load_stage_module(manifest: Manifest, stage: int, verify: bool = True,
@@ -51,29 +40,42 @@ def load_stage_module(manifest: Manifest, stage: int, verify: bool = True,
 class StageRunner:
     def __init__(self, manifest: Manifest, first: int, last: int, device: str = "cpu",
                  dtype: str = AUTO, verify: bool = True,
-                 tensors: Callable[[int], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
+                 tensors: Callable[[int], Iterable[tuple[str, torch.Tensor]]] | None = None,
+                 prepack: bool = True) -> None:
         """`tensors(stage)`: that stage's tensors as they arrive (a cold start's shard readers);
-        each goes to the device and dtype on arrival. Else the shards are read from disk."""
+        each goes to the device and dtype on arrival. Else the shards are read from disk.
+        `prepack`: linear weights in oneDNN's layout where it helps (`models/packed_linear.py`)."""
         if not 0 <= first < last <= manifest.num_stages:
             raise ValueError(f"stage range [{first}, {last}) outside 0..{manifest.num_stages}")
         self.manifest, self.first, self.last = manifest, first, last
-        want = torch_dtype(dtype, manifest)
+        want = serving_dtype(dtype, manifest.dtype, device)
         place = lambda t: t.to(device, want if t.is_floating_point() else t.dtype)  # noqa: E731
         self.modules = [load_stage_module(manifest, i, verify, tensors(i) if tensors else None, place)
                         for i in range(first, last)]
-        self.to(device, dtype)
+        self.packed = False
+        self.to(device, dtype, prepack)
 
-    def to(self, device: str, dtype: str) -> None:
-        """Moves the parameters (`dtype` "auto": the checkpoint's); a no-op (no copy) where they
-        already are in that form. Buffers keep their dtype: rotary frequencies stay float32, as
-        transformers keeps them in a model loaded in low precision."""
-        self.device, self.dtype = torch.device(device), torch_dtype(dtype, self.manifest)
+    def to(self, device: str, dtype: str, prepack: bool = True) -> None:
+        """Moves the parameters (`dtype` "auto": `models/precision.py`) and packs the linear
+        weights where `prepack` and the device allow; a no-op (no copy) where they already are in
+        that form. Buffers keep their dtype: rotary frequencies stay float32, as transformers
+        keeps them in a model loaded in low precision."""
+        device_, dtype_ = torch.device(device), serving_dtype(dtype, self.manifest.dtype, device)
+        packed = prepack and can_pack(device_, dtype_)
+        if self.packed and (packed, device_, dtype_) == (True, self.device, self.dtype):
+            return
+        self.device, self.dtype = device_, dtype_
         with torch.no_grad():
             for module in self.modules:
+                if self.packed:
+                    unpack(module)
                 module.to(self.device)
                 for p in module.parameters():
                     if p.is_floating_point() and p.dtype != self.dtype:
                         p.data = p.data.to(self.dtype)
+                if packed:
+                    pack(module)
+        self.packed = packed
 
     def use_cpus(self, cpus: int) -> None:
         """The threads torch computes this replica's steps on."""
@@ -85,6 +87,9 @@ class StageRunner:
             for module in self.modules:
                 for p in module.parameters():
                     p.data = p.data.clone()
+                for layer in module.modules():
+                    if isinstance(layer, PackedLinear):
+                        layer.packed = layer.packed.clone()
 
     @property
     def is_last(self) -> bool:

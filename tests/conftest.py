@@ -18,9 +18,14 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_HOME = Path(os.environ.get("QUART_TEST_HOME", REPO / ".quart" / "test"))
 
 
+# The tests that compare with transformers' float32 model to 1e-4 serve float32; the default
+# (bfloat16 where the CPU has it) is tested against the same dtype in tests/live/test_precision.py.
+REFERENCE_DTYPE = "float32"
+
+
 @pytest.fixture(scope="session")
 def home_settings() -> Settings:
-    return load_settings(environ={}, home=str(TEST_HOME))
+    return load_settings(environ={"QUART_DTYPE": REFERENCE_DTYPE}, home=str(TEST_HOME))
 
 
 @pytest.fixture(scope="session")

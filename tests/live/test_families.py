@@ -32,7 +32,7 @@ def cache(home_settings):
     return home_settings.models_dir / "_sources"
 
 
-def engines(manifest, dtype: str = "auto") -> list[BatchedDecoder]:
+def engines(manifest, dtype: str = "float32") -> list[BatchedDecoder]:
     return [BatchedDecoder(StageRunner(manifest, i, i + 1, dtype=dtype).modules) for i in range(manifest.num_stages)]
 
 
@@ -86,17 +86,22 @@ def test_eight_sequences_in_one_step_equal_each_alone(model_type, cache, tmp_pat
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma2"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_checkpoints_run_in_their_own_dtype(model_type, dtype, cache, tmp_path):
-    """QUART_DTYPE=auto keeps a checkpoint's dtype, the KV cache too; the split equals the unsplit
-    model loaded in that dtype."""
+    """QUART_DTYPE=auto keeps a checkpoint's dtype, the KV cache too; the split generates what the
+    unsplit model does in that dtype, and stays close to transformers' model in that dtype (not
+    equal: this project's attention computes its scores in float32 on the CPU)."""
     folder = write_random_checkpoint(model_type, cache, seed=4, dtype=dtype)
     ckpt = open_checkpoint(f"{model_type}-{dtype}", folder)
     assert ckpt.dtype == dtype
     manifest = partition(ckpt, 2, tmp_path / model_type)
     assert manifest.dtype == dtype
-    chain = engines(manifest)
+    chain = engines(manifest, "auto")
     assert chain[0].kv_shape().dtype == getattr(torch, dtype)
-    expected, _ = greedy_reference(ckpt.arch.reference(folder, getattr(torch, dtype)), PROMPT, 4)
-    assert greedy_cached(chain, PROMPT, 4)[0] == expected
+    whole = engines(partition(ckpt, 1, tmp_path / f"{model_type}-1"), "auto")
+    got, logits = greedy_cached(chain, PROMPT, NEW)
+    assert got == greedy_cached(whole, PROMPT, NEW)[0]
+    _, expected = greedy_reference(ckpt.arch.reference(folder, getattr(torch, dtype)), PROMPT, 1)
+    assert int(logits.argmax()) == int(expected.argmax())
+    assert (logits.float() - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
     # Asked for float32, the same shards run widened.
     assert engines(manifest, "float32")[1].kv_shape().dtype == torch.float32
 
@@ -159,7 +164,7 @@ def test_a_split_encoder_embeds_what_the_unsplit_one_does(model_type, stages, ca
         hidden = architecture(model_type).reference(ckpt.folder)(input_ids=ids, attention_mask=mask).last_hidden_state
         tensors = {"input_ids": ids, "attention_mask": mask}
         for i in range(manifest.num_stages):
-            tensors = StageRunner(manifest, i, i + 1).run(tensors)
+            tensors = StageRunner(manifest, i, i + 1, dtype="float32").run(tensors)
     assert (tensors["embeddings"] - pool(hidden, mask)).abs().max().item() <= 1e-5
 
 
@@ -171,7 +176,7 @@ def test_caches_move_between_layouts_mid_generation(model_type, cache, tmp_path)
     sequence that never moved."""
     manifest = partition(resolve(f"random-{model_type}", cache, seed=6), 2, tmp_path / model_type)
     stages = engines(manifest)
-    whole = BatchedDecoder(StageRunner(manifest, 0, 2).modules)
+    whole = BatchedDecoder(StageRunner(manifest, 0, 2, dtype="float32").modules)
     expected, _ = greedy_cached(stages, PROMPT, 10)
     stores = [KVStore(e.kv_shape(), 1 << 30) for e in stages]
     seqs = [store.admit("s", len(PROMPT) + 10) for store in stores]

@@ -82,7 +82,7 @@ def test_forked_replicas_compute_exactly_what_a_cold_one_does(km, partitioned):
     settings, client, r, children = km
     client.cache(StageRef.parse("smollm2", "1"))
     manifest = partitioned("smollm2", 4)
-    hidden = StageRunner(manifest, 0, 1).run({"input_ids": torch.tensor([[504, 3575, 282, 4649, 314]])})
+    hidden = StageRunner(manifest, 0, 1, dtype="float32").run({"input_ids": torch.tensor([[504, 3575, 282, 4649, 314]])})
     _, cow_port = start_forked(client, children, "smollm2", "1", cow=True)
     _, copy_port = start_forked(client, children, "smollm2", "1", cow=False)
     cold_port = start_cold(settings, children, "smollm2", "1")
@@ -96,14 +96,14 @@ def test_forked_replicas_compute_exactly_what_a_cold_one_does(km, partitioned):
 def test_a_cold_replica_forked_from_the_runtime_zygote_loads_its_own_shard(km, partitioned):
     settings, client, r, children = km
     manifest = partitioned("smollm2", 4)
-    hidden = StageRunner(manifest, 0, 2).run({"input_ids": torch.tensor([[504, 3575, 282, 4649, 314]])})
+    hidden = StageRunner(manifest, 0, 2, dtype="float32").run({"input_ids": torch.tensor([[504, 3575, 282, 4649, 314]])})
     answer = client.start_cold(StageRef.parse("smollm2", "2"), "smollm2-s2")
     children.append(answer["pid"])
     assert answer["started_by"] == "cold"
     wait_until(Path(answer["port_file"]).exists, 120, "the replica to listen")
     got = invoke(client, int(Path(answer["port_file"]).read_text()), hidden)["hidden"]
     # (this process sums with more threads than the replica's one: equal up to summation order)
-    torch.testing.assert_close(got, StageRunner(manifest, 2, 3).run(hidden)["hidden"], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(got, StageRunner(manifest, 2, 3, dtype="float32").run(hidden)["hidden"], rtol=1e-4, atol=1e-3)
     mine = [x for x in RedisStore(r).live_replicas("smollm2", 2) if x.pid == answer["pid"]]
     assert [x.started_by for x in mine] == ["cold"]   # it read its shard itself: no zygote holds stage 2
     assert "smollm2:2" not in {f"{z['model']}:{z['stages']}" for z in client.zygotes()}
@@ -194,8 +194,8 @@ def test_a_changed_shard_is_never_served_from_the_stale_cache(km, sources, home_
     _, port = start_forked(client, children, "minilm-swap", "1")
     from models.manifest import Manifest
     manifest = Manifest.load(out)
-    hidden = StageRunner(manifest, 0, 1).run({"input_ids": torch.tensor([[101, 7592, 2088, 102]])})
-    torch.testing.assert_close(invoke(client, port, hidden)["hidden"], StageRunner(manifest, 1, 2).run(hidden)["hidden"],
+    hidden = StageRunner(manifest, 0, 1, dtype="float32").run({"input_ids": torch.tensor([[101, 7592, 2088, 102]])})
+    torch.testing.assert_close(invoke(client, port, hidden)["hidden"], StageRunner(manifest, 1, 2, dtype="float32").run(hidden)["hidden"],
                                rtol=1e-5, atol=1e-5)
 
 

@@ -82,11 +82,11 @@ def test_direct_stage_invoke_matches_the_stage(client, runtime, partitioned, tok
     from models.stage_runner import StageRunner
     manifest = partitioned("smollm2", 4)
     ids = tokenizer("Stage one receives what stage zero made", return_tensors="pt")["input_ids"]
-    hidden = StageRunner(manifest, 0, 1).run({"input_ids": ids})["hidden"]
+    hidden = StageRunner(manifest, 0, 1, dtype="float32").run({"input_ids": ids})["hidden"]
     reply = stage_invoke(client, runtime, "smollm2-s1", {"hidden": hidden})
     assert reply.status == 200, reply.body
     got = decode_tensors(reply.body)["hidden"]
-    expected = StageRunner(manifest, 1, 2).run({"hidden": hidden})["hidden"]
+    expected = StageRunner(manifest, 1, 2, dtype="float32").run({"hidden": hidden})["hidden"]
     # The replica runs one thread and this process several: sums are ordered differently.
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 

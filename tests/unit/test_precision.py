@@ -1,0 +1,26 @@
+"""Which dtype `auto` serves, for each kind of checkpoint and hardware (vLLM's `--dtype auto`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.precision import choose_dtype
+
+
+@pytest.mark.parametrize("requested, checkpoint, device, native, expected", [
+    ("auto", "float32", "cpu", True, torch.bfloat16),      # AVX512-BF16 or AMX
+    ("auto", "float32", "cpu", False, torch.float32),      # bfloat16 would be emulated: slower
+    ("auto", "float32", "cuda", True, torch.bfloat16),
+    ("auto", "float32", "cuda", False, torch.float16),     # a GPU before compute capability 8
+    ("auto", "bfloat16", "cpu", False, torch.bfloat16),    # a 16-bit checkpoint keeps its own
+    ("auto", "float16", "cpu", True, torch.float16),
+    ("float32", "bfloat16", "cpu", True, torch.float32),   # asked for, whatever the hardware
+    ("bf16", "float32", "cpu", False, torch.bfloat16),
+])
+def test_auto_picks_low_precision_where_the_hardware_has_it(requested, checkpoint, device, native, expected):
+    assert choose_dtype(requested, checkpoint, device, native) == expected
+
+
+def test_an_unknown_dtype_is_refused_by_name():
+    with pytest.raises(ValueError, match="int4"):
+        choose_dtype("int4", "float32", "cpu", True)
