@@ -5,17 +5,25 @@ transformers model in this process, on the same ShareGPT prompts, in one run.
     python -m benchmarks generation --model llama1b  # a random-weights LLaMA of about 1 B parameters
     python -m benchmarks generation --model qwen2    # random weights in each family's shape (qwen2,
                                                      # qwen3, mistral, gemma2, gemma3, phi3), ~0.5 B
+    python -m benchmarks generation --reps 5         # repetitions of the one-at-a-time part
 
-One at a time, interleaved: the pipeline's time to first token (TTFT) and time per output token
-(TPOT) as its responses report them, against unsplit `generate(use_cache=True)` (TTFT: its prefill,
-a forward over the prompt; TPOT: the rest of `generate` per further token). Then throughput at
-1, 4, 8 and 16 concurrent requests, against the unsplit model run sequentially and against
-unsplit `generate()` on a left-padded batch of the same prompts. Every stage replica and the
-unsplit model compute with one thread; the pipeline's four replicas share this machine's cores.
-Greedy decoding, a fixed number of new tokens (end of text ignored on both sides)."""
+The pipeline serves the default dtype (`QUART_DTYPE=auto`: bfloat16 where the CPU has it). One at a
+time, interleaved, repeated `--reps` times: the pipeline's time to first token (TTFT) and time
+per output token (TPOT) as its responses report them, against unsplit `generate(use_cache=True)`
+in float32 on one thread and on all of this machine's cores (the pipeline's four replicas share
+them), and in the served dtype on all cores (TTFT: its prefill, a forward over the prompt; TPOT:
+the rest of `generate` per further token). Ratios are medians over the repetitions' medians with
+a 95 % interval of their mean. The memory-bandwidth limit of a decode step is the bytes it reads
+(every weight a step uses, in the served dtype) over this machine's read bandwidth, measured here.
+Then throughput at 1, 4, 8 and 16 concurrent requests, against the unsplit model run sequentially
+and against unsplit `generate()` on a left-padded batch of the same prompts in the served dtype.
+Every stage replica computes with one thread. Greedy decoding, a fixed number of new tokens (end
+of text ignored on both sides)."""
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import shutil
 import tempfile
 import time
@@ -28,11 +36,13 @@ import numpy as np
 import torch
 import yaml
 
-from benchmarks.report import RESULTS, conditions, percentiles, table, write
+from benchmarks.report import RESULTS, conditions, mean_ci95, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from loadgen.sharegpt import first_prompts
+from models.manifest import Manifest
+from models.precision import serving_dtype
 from runtime import __main__ as control
 from runtime.ports import free_port
 
@@ -60,45 +70,73 @@ FAMILY_SHAPES = {
 }
 SOURCES = {"smollm2": ("smollm2", None), "llama1b": ("random-llama", LLAMA_1B),
            **{name: (f"random-{t}", shape) for name, (t, shape) in FAMILY_SHAPES.items()}}
-MODELS = {"smollm2": {"prompts": 10, "levels": (1, 4, 8, 16)},
+MODELS = {"smollm2": {"prompts": 6, "levels": (1, 4, 8, 16)},
           "llama1b": {"prompts": 3, "levels": (1, 4, 8, 16)},
           **{name: {"prompts": 3, "levels": (1, 4, 8)} for name in FAMILY_SHAPES}}
 
 
 class Unsplit:
-    """The unsplit model, timed the way the pipeline is: TTFT, TPOT and batched throughput."""
+    """The unsplit model, timed the way the pipeline is: TTFT, TPOT and batched throughput, in
+    float32 and in the dtype the pipeline serves."""
 
-    def __init__(self, settings: Settings, model: str) -> None:
+    def __init__(self, settings: Settings, model: str, served: torch.dtype) -> None:
         from models.sources import load_source
         source, config = SOURCES[model]
         self.source = load_source(source, settings.models_dir / "_sources", config)
-        self.model = self.source.model
-        # End of text ignored, as the pipeline's requests ask: generate() always makes `new` tokens.
-        self.model.generation_config.eos_token_id = None
+        self.models = {torch.float32: self.source.model.float()}
+        if served != torch.float32:
+            self.models[served] = copy.deepcopy(self.models[torch.float32]).to(served)
+        for m in self.models.values():
+            # End of text ignored, as the pipeline's requests ask: generate() always makes `new` tokens.
+            m.generation_config.eos_token_id = None
 
     @torch.inference_mode()
-    def one(self, ids: list[int], new: int) -> tuple[float, float, list[int]]:
+    def one(self, ids: list[int], new: int, dtype: torch.dtype, threads: int) -> tuple[float, float, list[int]]:
         """(TTFT ms, TPOT ms, tokens) of `generate(use_cache=True)`, greedy, `new` tokens."""
-        x = torch.tensor([ids])
+        model, x = self.models[dtype], torch.tensor([ids])
+        torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        self.model(input_ids=x, logits_to_keep=1)
+        model(input_ids=x, logits_to_keep=1)
         prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
-        out = self.model.generate(x, max_new_tokens=new, do_sample=False, use_cache=True,
-                                  pad_token_id=0)
+        out = model.generate(x, max_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0)
         total = time.perf_counter() - t1
         return prefill * 1000.0, (total - prefill) * 1000.0 / (new - 1), out[0, len(ids):].tolist()
 
     @torch.inference_mode()
-    def padded_batch(self, prompts: list[list[int]], new: int) -> float:
+    def padded_batch(self, prompts: list[list[int]], new: int, dtype: torch.dtype, threads: int) -> float:
         """Tokens per second of one `generate()` over the prompts as a left-padded batch."""
+        torch.set_num_threads(threads)
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         t0 = time.perf_counter()
-        self.model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                            use_cache=True, pad_token_id=0)
+        self.models[dtype].generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                    use_cache=True, pad_token_id=0)
         return len(prompts) * new / (time.perf_counter() - t0)
+
+    def step_bytes(self, dtype: torch.dtype) -> int:
+        """What one decode step reads at least: every weight but the embedding table, of which it
+        reads a row (the head's matrix counted as the head, tied or not)."""
+        model = self.models[torch.float32]
+        embed = model.get_input_embeddings().weight
+        params = sum(p.numel() for p in model.parameters() if p is not embed)
+        head = model.get_output_embeddings()
+        tied = head is not None and head.weight is embed
+        return (params + (embed.numel() if tied else 0)) * torch.empty((), dtype=dtype).element_size()
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
+    """This machine's memory read bandwidth in bytes/s: the best of five sums over a buffer far
+    larger than its caches."""
+    torch.set_num_threads(threads)
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 def _stack(home: Path, model: str) -> str:
@@ -151,37 +189,53 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of the one-at-a-time part (>= 3 for intervals)")
     args = parser.parse_args(argv)
     spec, new = MODELS[args.model], args.new_tokens
-    torch.set_num_threads(1)
-    levels = spec["levels"]
+    levels, cores = spec["levels"], len(os.sched_getaffinity(0))
     texts = first_prompts(spec["prompts"] + max(levels), seed=21, max_chars=300)
     with running(args.model, new) as settings:
-        unsplit = Unsplit(settings, args.model)
+        served = serving_dtype(settings.compute.dtype, Manifest.load(settings.model_dir(args.model)).dtype,
+                               settings.compute.device)
+        unsplit = Unsplit(settings, args.model, served)
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(unsplit.source.tokenizer_dir)
         client = GatewayClient(settings.gateway.url, timeout=900)
-        alone = _one_at_a_time(client, unsplit, tokenizer, args.model, texts[:spec["prompts"]], new)
-        throughput = _throughput(client, unsplit, tokenizer, args.model, texts[spec["prompts"]:], levels, new)
-    return _report(args.model, alone, throughput, new, levels)
+        reps = [_one_at_a_time(client, unsplit, tokenizer, args.model, texts[:spec["prompts"]], new, served, cores, r)
+                for r in range(args.reps)]
+        throughput = _throughput(client, unsplit, tokenizer, args.model, texts[spec["prompts"]:], levels, new, served,
+                                 cores)
+    limit_ms = unsplit.step_bytes(served) / read_bandwidth(cores) * 1000.0
+    return _report(args.model, reps, throughput, new, levels, served, cores, limit_ms, unsplit.step_bytes(served))
 
 
-def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str], new: int) -> dict:
-    out = {"pipe_ttft": [], "pipe_tpot": [], "ref_ttft": [], "ref_tpot": [], "mismatches": 0, "ref_tps": []}
+def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str], new: int,
+                   served: torch.dtype, cores: int, rep: int) -> dict:
+    """Per prompt: the pipeline, then unsplit float32 on one thread and on every core, then
+    unsplit in the served dtype on every core; medians of this repetition."""
+    runs = {"pipeline": [], "fp32 1 thread": [], f"fp32 {cores} threads": [], f"{_name(served)} {cores} threads": []}
+    same_dtype = same_fp32 = 0
     for i, text in enumerate(texts):
-        print(f"  one at a time: prompt {i + 1}/{len(texts)}", flush=True)
+        print(f"  one at a time, repetition {rep + 1}: prompt {i + 1}/{len(texts)}", flush=True)
+        ids = tokenizer(text)["input_ids"]
         answer = pipeline_request(client, model, text, new)
-        ttft, tpot, tokens = unsplit.one(tokenizer(text)["input_ids"], new)
-        out["mismatches"] += answer["token_ids"] != tokens
-        out["pipe_ttft"].append(answer["ttft_ms"])
-        out["pipe_tpot"].append(answer["tpot_ms"])
-        out["ref_ttft"].append(ttft)
-        out["ref_tpot"].append(tpot)
-        out["ref_tps"].append(new / ((ttft + tpot * (new - 1)) / 1000.0))
-    return out
+        runs["pipeline"].append((answer["ttft_ms"], answer["tpot_ms"]))
+        ttft, tpot, fp32 = unsplit.one(ids, new, torch.float32, 1)
+        runs["fp32 1 thread"].append((ttft, tpot))
+        ttft, tpot, _ = unsplit.one(ids, new, torch.float32, cores)
+        runs[f"fp32 {cores} threads"].append((ttft, tpot))
+        ttft, tpot, own = unsplit.one(ids, new, served, cores)
+        runs[f"{_name(served)} {cores} threads"].append((ttft, tpot))
+        same_dtype += answer["token_ids"] == own
+        same_fp32 += answer["token_ids"] == fp32
+    medians = {k: (float(np.median([t for t, _ in v])), float(np.median([p for _, p in v]))) for k, v in runs.items()}
+    return {"medians": medians, "same_dtype": same_dtype, "same_fp32": same_fp32, "prompts": len(texts),
+            "unsplit_seq_tps": new / ((medians[f"fp32 {cores} threads"][0]
+                                       + medians[f"fp32 {cores} threads"][1] * (new - 1)) / 1000.0)}
 
 
-def _throughput(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str], levels, new: int) -> list[dict]:
+def _throughput(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str], levels, new: int,
+                served: torch.dtype, cores: int) -> list[dict]:
     rows = []
     for c in levels:
         print(f"  throughput at {c} concurrent", flush=True)
@@ -189,7 +243,7 @@ def _throughput(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str
         with ThreadPoolExecutor(c) as pool:
             answers = list(pool.map(lambda t: pipeline_request(client, model, t, new), texts[:c]))
         wall = time.perf_counter() - t0
-        batched = unsplit.padded_batch([tokenizer(t)["input_ids"] for t in texts[:c]], new)
+        batched = unsplit.padded_batch([tokenizer(t)["input_ids"] for t in texts[:c]], new, served, cores)
         rows.append({"concurrency": c, "pipeline_tps": sum(len(a["token_ids"]) for a in answers) / wall,
                      "pipeline_tpot_p50": float(np.median([a["tpot_ms"] for a in answers])),
                      "pipeline_ttft_p50": float(np.median([a["ttft_ms"] for a in answers])),
@@ -197,32 +251,69 @@ def _throughput(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str
     return rows
 
 
-def _report(model: str, alone: dict, rows: list[dict], new: int, levels) -> dict:
-    pipe_tpot, ref_tpot = percentiles(alone["pipe_tpot"]), percentiles(alone["ref_tpot"])
-    pipe_ttft, ref_ttft = percentiles(alone["pipe_ttft"]), percentiles(alone["ref_ttft"])
-    sequential = float(np.median(alone["ref_tps"]))
-    tpot_ratio, ttft_ratio = pipe_tpot["p50"] / ref_tpot["p50"], pipe_ttft["p50"] / ref_ttft["p50"]
-    print(table(f"{model}, one request at a time, {new} new tokens, {pipe_tpot['n']} ShareGPT prompts",
-                ["path", "TTFT p50 ms", "TPOT p50 ms", "TPOT p99 ms"],
-                [["unsplit generate(use_cache=True)", ref_ttft["p50"], ref_tpot["p50"], ref_tpot["p99"]],
-                 ["4-stage pipeline", pipe_ttft["p50"], pipe_tpot["p50"], pipe_tpot["p99"]]]))
-    print(f"TPOT ratio {tpot_ratio:.2f}x (target <= 1.3x), TTFT ratio {ttft_ratio:.2f}x (target <= 1.3x), "
-          f"token mismatches {alone['mismatches']}")
-    print(table("throughput (tokens/s)", ["concurrent", "pipeline", "vs sequential unsplit", "unsplit padded batch",
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _ratio(reps: list[dict], path: str, reference: str, index: int) -> tuple[float, float, float]:
+    """(median, mean, 95 % half-width) over repetitions of pipeline/reference (index 0: TTFT, 1: TPOT)."""
+    values = [r["medians"][path][index] / r["medians"][reference][index] for r in reps]
+    mean, half = mean_ci95(values)
+    return float(np.median(values)), mean, half
+
+
+def _verdict(mean: float, half: float, target: float) -> str:
+    if mean + half <= target:
+        return "met"
+    return "missed" if mean - half > target else "not separable from the target"
+
+
+def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, served: torch.dtype, cores: int,
+            limit_ms: float, step_bytes: int) -> dict:
+    paths = list(reps[0]["medians"])
+    same = f"{_name(served)} {cores} threads"
+    fp32_all = f"fp32 {cores} threads"
+    median = {k: [float(np.median([r["medians"][k][i] for r in reps])) for i in (0, 1)] for k in paths}
+    print(table(f"{model}, one request at a time, {new} new tokens, {reps[0]['prompts']} ShareGPT prompts, "
+                f"{len(reps)} repetitions (medians)", ["path", "TTFT ms", "TPOT ms"],
+                [[k, median[k][0], median[k][1]] for k in paths]))
+    checks = [("TPOT pipeline / fp32 generate, same total threads", _ratio(reps, "pipeline", fp32_all, 1), 0.5),
+              ("TPOT pipeline / fp32 generate, 1 thread", _ratio(reps, "pipeline", "fp32 1 thread", 1), None),
+              (f"TPOT pipeline / {same} generate", _ratio(reps, "pipeline", same, 1), None),
+              (f"TTFT pipeline / {same} prefill", _ratio(reps, "pipeline", same, 0), 1.2)]
+    tpots = [r["medians"]["pipeline"][1] for r in reps]
+    bandwidth = (float(np.median(tpots)), *mean_ci95([t / limit_ms for t in tpots]))
+    print(table("ratios over repetitions", ["ratio", "median", "95 % interval", "target", "verdict"],
+                [[name, med, f"{mean - half:.3f}..{mean + half:.3f}", target or "-",
+                  _verdict(mean, half, target) if target else "-"] for name, (med, mean, half), target in checks]
+                + [["TPOT pipeline / bandwidth limit", bandwidth[0] / limit_ms,
+                    f"{bandwidth[1] - bandwidth[2]:.3f}..{bandwidth[1] + bandwidth[2]:.3f}", 2.0,
+                    _verdict(bandwidth[1], bandwidth[2], 2.0)]]))
+    print(f"decode step reads {step_bytes / 1e6:.0f} MB in {_name(served)}: limit {limit_ms:.2f} ms a token on this "
+          f"machine's measured bandwidth ({cores} threads)")
+    agree = sum(r["same_dtype"] for r in reps), sum(r["same_fp32"] for r in reps), sum(r["prompts"] for r in reps)
+    print(f"pipeline tokens equal to unsplit {_name(served)}: {agree[0]}/{agree[2]} prompts; to float32: "
+          f"{agree[1]}/{agree[2]}")
+    sequential = float(np.median([r["unsplit_seq_tps"] for r in reps]))
+    print(table("throughput (tokens/s)", ["concurrent", "pipeline", "vs sequential fp32 unsplit",
+                                          f"unsplit padded batch ({_name(served)})", "pipeline/padded",
                                           "pipeline TPOT p50 ms"],
                 [[r["concurrency"], r["pipeline_tps"], r["pipeline_tps"] / sequential, r["unsplit_batch_tps"],
-                  r["pipeline_tpot_p50"]] for r in rows]))
-    print(f"sequential unsplit: {sequential:.2f} tokens/s")
-    figures = [
-        {"name": "pipeline TTFT p50", "value": pipe_ttft["p50"], "unit": "ms"},
-        {"name": "unsplit prefill (TTFT) p50", "value": ref_ttft["p50"], "unit": "ms"},
-        {"name": "pipeline TPOT p50", "value": pipe_tpot["p50"], "unit": "ms"},
-        {"name": "pipeline TPOT p99", "value": pipe_tpot["p99"], "unit": "ms"},
-        {"name": "unsplit generate TPOT p50", "value": ref_tpot["p50"], "unit": "ms"},
-        {"name": "TPOT ratio pipeline/unsplit", "value": round(tpot_ratio, 3), "unit": "x"},
-        {"name": "TTFT ratio pipeline/unsplit", "value": round(ttft_ratio, 3), "unit": "x"},
-        {"name": "token mismatches alone", "value": alone["mismatches"], "unit": "prompts"},
-        {"name": "unsplit sequential throughput", "value": round(sequential, 3), "unit": "tokens/s"},
+                  r["pipeline_tps"] / r["unsplit_batch_tps"], r["pipeline_tpot_p50"]] for r in rows]))
+    figures = [{"name": f"{k} TTFT median", "value": round(median[k][0], 3), "unit": "ms"} for k in paths]
+    figures += [{"name": f"{k} TPOT median", "value": round(median[k][1], 3), "unit": "ms"} for k in paths]
+    for name, (med, mean, half), target in checks:
+        figures.append({"name": name, "value": round(med, 3), "unit": "x", "ci95": [round(mean - half, 3),
+                        round(mean + half, 3)], "target": target, "verdict": _verdict(mean, half, target) if target else None})
+    figures += [
+        {"name": "decode step bytes", "value": step_bytes, "unit": "bytes"},
+        {"name": "memory-bandwidth limit per token", "value": round(limit_ms, 3), "unit": "ms"},
+        {"name": "TPOT pipeline / bandwidth limit", "value": round(bandwidth[0] / limit_ms, 3), "unit": "x",
+         "ci95": [round(bandwidth[1] - bandwidth[2], 3), round(bandwidth[1] + bandwidth[2], 3)], "target": 2.0,
+         "verdict": _verdict(bandwidth[1], bandwidth[2], 2.0)},
+        {"name": f"prompts with tokens equal to unsplit {_name(served)}", "value": agree[0], "unit": f"of {agree[2]}"},
+        {"name": "prompts with tokens equal to unsplit float32", "value": agree[1], "unit": f"of {agree[2]}"},
+        {"name": "unsplit sequential throughput (fp32, all cores)", "value": round(sequential, 3), "unit": "tokens/s"},
     ]
     for r in rows:
         c = r["concurrency"]
@@ -231,16 +322,19 @@ def _report(model: str, alone: dict, rows: list[dict], new: int, levels) -> dict
             {"name": f"pipeline/sequential unsplit at {c}", "value": round(r["pipeline_tps"] / sequential, 3), "unit": "x"},
             {"name": f"unsplit padded batch throughput at {c}", "value": round(r["unsplit_batch_tps"], 3),
              "unit": "tokens/s"},
+            {"name": f"pipeline/padded batch at {c}", "value": round(r["pipeline_tps"] / r["unsplit_batch_tps"], 3),
+             "unit": "x"},
             {"name": f"pipeline TPOT p50 at {c}", "value": round(r["pipeline_tpot_p50"], 3), "unit": "ms"},
             {"name": f"pipeline TTFT p50 at {c}", "value": round(r["pipeline_ttft_p50"], 3), "unit": "ms"},
         ]
     name = "generation" if model == "smollm2" else f"generation_{model}"
     source, config = SOURCES[model]
     write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,
-                                    prompts=pipe_tpot["n"], levels=list(levels), threads_per_replica=1,
-                                    unsplit_threads=1, dtype="float32",
+                                    prompts=reps[0]["prompts"], repetitions=len(reps), levels=list(levels),
+                                    threads_per_replica=1, unsplit_threads=[1, cores], dtype=_name(served),
+                                    prepack=load_settings().compute.prepack,
                                     decoding="greedy, end of text ignored", max_batch=load_settings().batching.max_batch))
-    _plot(name, model, rows, sequential, ref_tpot["p50"])
+    _plot(name, model, rows, sequential, median[fp32_all][1])
     return {"figures": figures}
 
 
@@ -252,11 +346,11 @@ def _plot(name: str, model: str, rows: list[dict], sequential: float, ref_tpot: 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(c, [r["pipeline_tps"] for r in rows], "o-", label="4-stage pipeline")
     a.plot(c, [r["unsplit_batch_tps"] for r in rows], "s--", label="unsplit generate(), padded batch")
-    a.axhline(sequential, color="grey", linestyle=":", label="unsplit, sequential")
+    a.axhline(sequential, color="grey", linestyle=":", label="unsplit float32, sequential")
     a.set(xlabel="concurrent requests", ylabel="tokens/s", title=f"{model}: throughput")
     a.legend()
     b.plot(c, [r["pipeline_tpot_p50"] for r in rows], "o-", label="4-stage pipeline")
-    b.axhline(ref_tpot, color="grey", linestyle=":", label="unsplit, alone")
+    b.axhline(ref_tpot, color="grey", linestyle=":", label="unsplit float32, alone")
     b.set(xlabel="concurrent requests", ylabel="TPOT p50 (ms)", title=f"{model}: time per output token")
     b.legend()
     fig.tight_layout()
