@@ -36,7 +36,7 @@ class BatchedDecoder:
                        for m in modules]
         self.layers = [layer for _, _, layers, _ in self.blocks for layer in layers]
         self.norm = last.model.norm if last.has_head else None
-        self.head = last.lm_head if last.has_head else None
+        self._last = last
         self.softcap = getattr(first.config, "final_logit_softcapping", None)
         self.width = first.config.hidden_size
         self.kv_heads = first.config.num_key_value_heads
@@ -44,6 +44,12 @@ class BatchedDecoder:
         self.head_dim = self.layers[0].self_attn.head_dim if self.layers else 0
         # Held, not copied: a replica's runner may change its parameters' dtype after this is built.
         self._weight = next(first.parameters())
+
+    @property
+    def head(self) -> torch.nn.Module | None:
+        """Read from the module on each use: a runner moved to another dtype or layout replaces
+        its linear layers (`models/packed_linear.py`)."""
+        return self._last.lm_head if self._last.has_head else None
 
     @property
     def dtype(self) -> torch.dtype:
