@@ -6,6 +6,7 @@ transformers model in this process, on the same ShareGPT prompts, in one run.
     python -m benchmarks generation --model qwen2    # random weights in each family's shape (qwen2,
                                                      # qwen3, mistral, gemma2, gemma3, phi3), ~0.5 B
     python -m benchmarks generation --reps 5         # repetitions of the one-at-a-time part
+    python -m benchmarks generation --quantize int8  # the pipeline on int8 weights (generation_int8.json)
 
 The pipeline serves the default dtype (`QUART_DTYPE=auto`: bfloat16 where the CPU has it). One at a
 time, interleaved, repeated `--reps` times: the pipeline's time to first token (TTFT) and time
@@ -162,7 +163,7 @@ def pipeline_request(client: GatewayClient, model: str, text: str, new: int) -> 
 
 
 @contextmanager
-def running(model: str, new: int) -> Iterator[Settings]:
+def running(model: str, new: int, quantize: str = "") -> Iterator[Settings]:
     """The embedded runtime serving `model` in 4 stages, one replica each and no autoscaler, on
     ports of its own; stopped and its home removed afterwards."""
     base = load_settings()
@@ -170,7 +171,8 @@ def running(model: str, new: int) -> Iterator[Settings]:
     settings = base.replace(home=str(run_home), models=str(base.models_dir), gateway_port=free_port(),
                             redis_port=free_port(), keysmanager_port=free_port(), policy="none",
                             stack_file=_stack(run_home, model), max_new_tokens=max(new, base.limits.max_new_tokens),
-                            request_timeout_s=600.0, cache_stages="none", admit_wait_s=0.0)
+                            request_timeout_s=600.0, cache_stages="none", admit_wait_s=0.0,
+                            quantize=quantize or base.compute.quantize)
     if model != "smollm2":
         from models.partition import ensure_partitioned
         source, config = SOURCES[model]
@@ -190,11 +192,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3, help="repetitions of the one-at-a-time part (>= 3 for intervals)")
+    parser.add_argument("--quantize", choices=["int8"], help="the pipeline's weights in int8 (QUART_QUANTIZE)")
     args = parser.parse_args(argv)
     spec, new = MODELS[args.model], args.new_tokens
     levels, cores = spec["levels"], len(os.sched_getaffinity(0))
     texts = first_prompts(spec["prompts"] + max(levels), seed=21, max_chars=300)
-    with running(args.model, new) as settings:
+    with running(args.model, new, args.quantize or "") as settings:
         served = serving_dtype(settings.compute.dtype, Manifest.load(settings.model_dir(args.model)).dtype,
                                settings.compute.device)
         unsplit = Unsplit(settings, args.model, served)
@@ -205,8 +208,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in range(args.reps)]
         throughput = _throughput(client, unsplit, tokenizer, args.model, texts[spec["prompts"]:], levels, new, served,
                                  cores)
-    limit_ms = unsplit.step_bytes(served) / read_bandwidth(cores) * 1000.0
-    return _report(args.model, reps, throughput, new, levels, served, cores, limit_ms, unsplit.step_bytes(served))
+    step_bytes = unsplit.step_bytes(torch.int8 if args.quantize else served)
+    limit_ms = step_bytes / read_bandwidth(cores) * 1000.0
+    return _report(args.model, reps, throughput, new, levels, served, cores, limit_ms, step_bytes, args.quantize)
 
 
 def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str], new: int,
@@ -269,7 +273,7 @@ def _verdict(mean: float, half: float, target: float) -> str:
 
 
 def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, served: torch.dtype, cores: int,
-            limit_ms: float, step_bytes: int) -> dict:
+            limit_ms: float, step_bytes: int, quantize: str | None) -> dict:
     paths = list(reps[0]["medians"])
     same = f"{_name(served)} {cores} threads"
     fp32_all = f"fp32 {cores} threads"
@@ -289,7 +293,7 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                 + [["TPOT pipeline / bandwidth limit", bandwidth[0] / limit_ms,
                     f"{bandwidth[1] - bandwidth[2]:.3f}..{bandwidth[1] + bandwidth[2]:.3f}", 2.0,
                     _verdict(bandwidth[1], bandwidth[2], 2.0)]]))
-    print(f"decode step reads {step_bytes / 1e6:.0f} MB in {_name(served)}: limit {limit_ms:.2f} ms a token on this "
+    print(f"decode step reads {step_bytes / 1e6:.0f} MB in {quantize or _name(served)}: limit {limit_ms:.2f} ms a token on this "
           f"machine's measured bandwidth ({cores} threads)")
     agree = sum(r["same_dtype"] for r in reps), sum(r["same_fp32"] for r in reps), sum(r["prompts"] for r in reps)
     print(f"pipeline tokens equal to unsplit {_name(served)}: {agree[0]}/{agree[2]} prompts; to float32: "
@@ -327,12 +331,12 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
             {"name": f"pipeline TPOT p50 at {c}", "value": round(r["pipeline_tpot_p50"], 3), "unit": "ms"},
             {"name": f"pipeline TTFT p50 at {c}", "value": round(r["pipeline_ttft_p50"], 3), "unit": "ms"},
         ]
-    name = "generation" if model == "smollm2" else f"generation_{model}"
+    name = ("generation" if model == "smollm2" else f"generation_{model}") + (f"_{quantize}" if quantize else "")
     source, config = SOURCES[model]
     write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,
                                     prompts=reps[0]["prompts"], repetitions=len(reps), levels=list(levels),
                                     threads_per_replica=1, unsplit_threads=[1, cores], dtype=_name(served),
-                                    prepack=load_settings().compute.prepack,
+                                    prepack=load_settings().compute.prepack, quantize=quantize or "none",
                                     decoding="greedy, end of text ignored", max_batch=load_settings().batching.max_batch))
     _plot(name, model, rows, sequential, median[fp32_all][1])
     return {"figures": figures}

@@ -100,6 +100,7 @@ class ComputeConfig:
     threads: int = 1
     emulate: str = ""
     prepack: bool = True
+    quantize: str = ""
 
 
 @dataclass(frozen=True)
@@ -407,6 +408,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_PREPACK", "compute.prepack",
         "linear weights reordered once into oneDNN's layout on the CPU (what torch.compile's freezing does); "
         "false: plain `F.linear`"),
+    Var("QUART_QUANTIZE", "compute.quantize",
+        "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "
+        "half bfloat16's bytes; empty: none", lambda v: None if v in ("", "int8") else "must be int8 or empty"),
     Var("QUART_EMULATE", "compute.emulate", "an emulation profile (`models/profiles.py`) instead of real weights"),
     Var("QUART_KEYSMANAGER_HOST", "cache.host",
         "where the KeysManager listens (`0.0.0.0` in a pod, so the autoscaler and the replicas on its node reach it)"),

@@ -124,7 +124,7 @@ class StageReplica:
         whole = not settings.coldstart.stream
         runner = StageRunner(manifest, stage.first, stage.last, settings.compute.device, settings.compute.dtype,
                              tensors=lambda i: stream_tensors(readers[i], whole_first=whole),
-                             prepack=settings.compute.prepack)
+                             prepack=settings.compute.prepack, quantize=settings.compute.quantize)
         self.coldstart = ColdStart(process_at=started_at(), imported_at=imported, loaded_at=time.time(),
                                    fetch_started_at=min(r.started for r in readers.values()),
                                    fetched_at=max(r.finished for r in readers.values()),

@@ -72,7 +72,8 @@ def _become_replica(runner: StageRunner | EmulatedRunner | None, request: dict, 
         if isinstance(runner, StageRunner):
             if not request.get("cow", True):
                 runner.clone_parameters()
-            runner.to(settings.compute.device, settings.compute.dtype, settings.compute.prepack)
+            compute = settings.compute
+            runner.to(compute.device, compute.dtype, compute.prepack, compute.quantize)
         else:
             runner.reseed()
         print(f"forked: parameters ready in {(time.perf_counter() - t0) * 1000:.1f} ms "
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         # start a pool of OpenMP threads, which a forked child could not use.
         torch.set_num_threads(1)
         runner = StageRunner(Manifest.load(settings.model_dir(stage.model)), stage.first, stage.last,
-                             device="cpu", dtype=settings.compute.dtype, prepack=settings.compute.prepack)
+                             device="cpu", dtype=settings.compute.dtype, prepack=settings.compute.prepack,
+                             quantize=settings.compute.quantize)
     assert not torch.cuda.is_initialized()
     serve(runner, args.socket)
     return 0

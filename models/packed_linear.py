@@ -7,7 +7,13 @@ through `F.linear` and 6.0 ms prepacked, two threads). torch.compile itself is n
 2-core host it compiles a 30-layer model for minutes, per shape, in every replica.
 
 Only on the CPU, and only where torch was built with oneDNN; everywhere else layers stay
-`nn.Linear`. `unpack` restores them (a replica moving to another device or dtype)."""
+`nn.Linear`. `unpack` restores them (a replica moving to another device or dtype).
+
+`QUART_QUANTIZE=int8` stores each weight as int8 with one float scale per output channel
+(symmetric, round to nearest) and multiplies through `aten._weight_int8pack_mm`, torch's own CPU
+kernel for weight-only int8 (the one torchao's and gpt-fast's int8 modes call): half the bytes of
+bfloat16, at a cost in agreement with float32 that the generation benchmark measures. Unpacking
+an int8 layer gives back its quantized values, not the original weights."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +23,17 @@ from torch import nn
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and dtype in (torch.float32, torch.bfloat16))
+
+
+def layout_for(device: torch.device, dtype: torch.dtype, prepack: bool, quantize: str) -> str | None:
+    """The linear layers' layout: "int8", "packed", or None for plain `nn.Linear`."""
+    if quantize == "int8":
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"int8 weights (QUART_QUANTIZE) run on the CPU in float32 or bfloat16, not {device} {dtype}")
+        return "int8"
+    if quantize:
+        raise ValueError(f"unknown quantization {quantize!r}; choose int8 or leave it empty")
+    return "packed" if prepack and can_pack(device, dtype) else None
 
 
 class PackedLinear(nn.Module):
@@ -43,18 +60,51 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack(module: nn.Module) -> int:
-    """Replaces every `nn.Linear` under `module` by a `PackedLinear`; how many it replaced."""
-    return _swap(module, nn.Linear, PackedLinear)
+class Int8Linear(nn.Module):
+    """`nn.Linear` on int8 weights with a scale per output channel."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.register_buffer("qweight", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8),
+                             persistent=False)
+        self.register_buffer("scales", scales.to(linear.weight.dtype), persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The kernel takes a matrix: the step's tokens flattened, whatever the leading dimensions.
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def unpacked(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        weight = (self.qweight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.bias = self.bias
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+LAYOUTS = {"packed": PackedLinear, "int8": Int8Linear}
+
+
+def pack(module: nn.Module, layout: str = "packed") -> int:
+    """Replaces every `nn.Linear` under `module` by a layer of `layout`; how many it replaced."""
+    return _swap(module, (nn.Linear,), LAYOUTS[layout])
 
 
 def unpack(module: nn.Module) -> int:
-    return _swap(module, PackedLinear, PackedLinear.unpacked)
+    return _swap(module, tuple(LAYOUTS.values()), lambda layer: layer.unpacked())
 
 
-def _swap(module: nn.Module, kind: type, make) -> int:
+def _swap(module: nn.Module, kinds: tuple[type, ...], make) -> int:
     targets = [(parent, name, child) for parent in module.modules()
-               for name, child in parent.named_children() if type(child) is kind]
+               for name, child in parent.named_children() if type(child) in kinds]
     for parent, name, child in targets:
         setattr(parent, name, make(child))
     return len(targets)

@@ -11,7 +11,7 @@ from contracts.config import Limits
 from contracts.wire import BadRequest
 from models.architectures import StageModule, architecture
 from models.manifest import Manifest, sha256_file
-from models.packed_linear import PackedLinear, can_pack, pack, unpack
+from models.packed_linear import LAYOUTS, layout_for, pack, unpack
 from models.precision import AUTO, serving_dtype
 
 
@@ -41,10 +41,11 @@ class StageRunner:
     def __init__(self, manifest: Manifest, first: int, last: int, device: str = "cpu",
                  dtype: str = AUTO, verify: bool = True,
                  tensors: Callable[[int], Iterable[tuple[str, torch.Tensor]]] | None = None,
-                 prepack: bool = True) -> None:
+                 prepack: bool = True, quantize: str = "") -> None:
         """`tensors(stage)`: that stage's tensors as they arrive (a cold start's shard readers);
         each goes to the device and dtype on arrival. Else the shards are read from disk.
-        `prepack`: linear weights in oneDNN's layout where it helps (`models/packed_linear.py`)."""
+        `prepack`: linear weights in oneDNN's layout where it helps; `quantize`: "int8" for int8
+        weights (`models/packed_linear.py`)."""
         if not 0 <= first < last <= manifest.num_stages:
             raise ValueError(f"stage range [{first}, {last}) outside 0..{manifest.num_stages}")
         self.manifest, self.first, self.last = manifest, first, last
@@ -52,30 +53,30 @@ class StageRunner:
         place = lambda t: t.to(device, want if t.is_floating_point() else t.dtype)  # noqa: E731
         self.modules = [load_stage_module(manifest, i, verify, tensors(i) if tensors else None, place)
                         for i in range(first, last)]
-        self.packed = False
-        self.to(device, dtype, prepack)
+        self.layout: str | None = None
+        self.to(device, dtype, prepack, quantize)
 
-    def to(self, device: str, dtype: str, prepack: bool = True) -> None:
-        """Moves the parameters (`dtype` "auto": `models/precision.py`) and packs the linear
-        weights where `prepack` and the device allow; a no-op (no copy) where they already are in
-        that form. Buffers keep their dtype: rotary frequencies stay float32, as transformers
-        keeps them in a model loaded in low precision."""
+    def to(self, device: str, dtype: str, prepack: bool = True, quantize: str = "") -> None:
+        """Moves the parameters (`dtype` "auto": `models/precision.py`) and lays out the linear
+        weights as `prepack` and `quantize` ask and the device allows; a no-op (no copy) where they
+        already are in that form. Buffers keep their dtype: rotary frequencies stay float32, as
+        transformers keeps them in a model loaded in low precision."""
         device_, dtype_ = torch.device(device), serving_dtype(dtype, self.manifest.dtype, device)
-        packed = prepack and can_pack(device_, dtype_)
-        if self.packed and (packed, device_, dtype_) == (True, self.device, self.dtype):
+        layout = layout_for(device_, dtype_, prepack, quantize)
+        if self.layout is not None and (layout, device_, dtype_) == (self.layout, self.device, self.dtype):
             return
         self.device, self.dtype = device_, dtype_
         with torch.no_grad():
             for module in self.modules:
-                if self.packed:
+                if self.layout is not None:
                     unpack(module)
                 module.to(self.device)
                 for p in module.parameters():
                     if p.is_floating_point() and p.dtype != self.dtype:
                         p.data = p.data.to(self.dtype)
-                if packed:
-                    pack(module)
-        self.packed = packed
+                if layout is not None:
+                    pack(module, layout)
+        self.layout = layout
 
     def use_cpus(self, cpus: int) -> None:
         """The threads torch computes this replica's steps on."""
@@ -88,8 +89,9 @@ class StageRunner:
                 for p in module.parameters():
                     p.data = p.data.clone()
                 for layer in module.modules():
-                    if isinstance(layer, PackedLinear):
-                        layer.packed = layer.packed.clone()
+                    if isinstance(layer, tuple(LAYOUTS.values())):
+                        for name, buffer in list(layer.named_buffers(recurse=False)):
+                            setattr(layer, name, buffer.clone())
 
     @property
     def is_last(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.packed_linear import layout_for
 from models.precision import choose_dtype
 
 
@@ -24,3 +25,16 @@ def test_auto_picks_low_precision_where_the_hardware_has_it(requested, checkpoin
 def test_an_unknown_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match="int4"):
         choose_dtype("int4", "float32", "cpu", True)
+
+
+def test_linear_layouts_follow_the_device_and_refuse_what_cannot_run():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert layout_for(cpu, torch.bfloat16, prepack=True, quantize="") == "packed"
+    assert layout_for(cpu, torch.bfloat16, prepack=False, quantize="") is None
+    assert layout_for(cpu, torch.float16, prepack=True, quantize="") is None   # oneDNN packs float32 and bfloat16
+    assert layout_for(cuda, torch.bfloat16, prepack=True, quantize="") is None
+    assert layout_for(cpu, torch.float32, prepack=True, quantize="int8") == "int8"
+    with pytest.raises(ValueError, match="CPU"):
+        layout_for(cuda, torch.bfloat16, prepack=True, quantize="int8")
+    with pytest.raises(ValueError, match="int4"):
+        layout_for(cpu, torch.bfloat16, prepack=True, quantize="int4")
