@@ -19,6 +19,17 @@ def one(system, times=(0.0,), **workload):
     return simulate(system, Workload(**workload), [SERVER], [MODEL], [(t, 0) for t in times])
 
 
+def test_warm_figures_are_table_2_and_slos_table_3():
+    """HydraServe's Table 2 (warm TTFT, TPOT) is what a model computes at; Table 3 (5x TTFT, 10x
+    for summarization; 2x TPOT, reading speed for chatbot) is what it is judged against."""
+    got = {(m.app, m.bytes > 20 * serverless.GB): tuple(round(x, 6) for x in (m.prefill_s, m.tpot_s, m.slo_ttft_s, m.slo_tpot_s))
+           for m in models(per_app=2)}
+    assert got == ({
+        ("chatbot", False): (1.5, 0.042, 7.5, 0.200), ("chatbot", True): (2.4, 0.058, 12.0, 0.200),
+        ("code", False): (1.5, 0.042, 7.5, 0.084), ("code", True): (2.4, 0.058, 12.0, 0.116),
+        ("summarization", False): (1.5, 0.042, 15.0, 0.084), ("summarization", True): (2.4, 0.058, 24.0, 0.116)})
+
+
 def test_a_lone_cold_start_costs_what_the_predictors_say():
     assert one("serverless-vllm").ttft == [pytest.approx(ttft_sequential(COSTS, MODEL.bytes, ALONE, 1))]
     assert one("hydraserve").ttft == [pytest.approx(ttft_overlapped(COSTS, MODEL.bytes, ALONE, 1))]
