@@ -3,6 +3,7 @@
     python -m benchmarks                            every benchmark
     python -m benchmarks hop generation             those named
     python -m benchmarks generation --model qwen2   one, with its own options (`--help` lists them)
+    python -m benchmarks freshness                  which results are older than the code they measure
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from benchmarks import (
     containers,
     data_plane_cpu,
     faults,
+    freshness,
     generation,
     hop,
     kv_migration,
@@ -56,6 +58,8 @@ WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "c
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["freshness"]:
+        return freshness.main(argv[1:])
     if len(argv) > 1 and argv[1].startswith("-"):
         if argv[0] not in WITH_OPTIONS:
             print(f"{argv[0]!r} takes no options; these do: {sorted(WITH_OPTIONS)}", file=sys.stderr)

@@ -28,6 +28,8 @@ from state.store import RedisStore
 from tools.cv_traces import synthetic
 from tools.train_smoother import evaluate, split, train
 
+MEASURES = ("autoscaler", "state", "contracts")  # the code measured (benchmarks/freshness.py)
+
 
 def random_states(count: int, stages: int, seed: int) -> list[PipelineState]:
     rng = np.random.default_rng(seed)

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.report import RESULTS, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -39,6 +39,8 @@ from loadgen.sharegpt import first_prompts
 from runtime import __main__ as control
 from runtime.ports import free_port
 from state.store import RedisStore
+
+MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
 
 MODEL, STAGES = "smollm2", 4
 WHOLE, NARROW = f"{MODEL}-whole", [f"{MODEL}-s{i}" for i in range(STAGES)]

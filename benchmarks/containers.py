@@ -22,7 +22,7 @@ from pathlib import Path
 import redis
 import torch
 
-from benchmarks.report import conditions, table, write
+from benchmarks.report import SERVING, conditions, table, write
 from benchmarks.scaleup import enqueue_work, first_work_latency, start_cold, stop
 from containers import runtime as in_containers
 from containers.images import build_images
@@ -38,6 +38,8 @@ from models.partition import ensure_partitioned
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 from state.store import RedisStore
+
+MEASURES = SERVING + ("containers", "template")  # the code measured (benchmarks/freshness.py)
 
 REPO = Path(__file__).resolve().parent.parent
 STAGE = StageRef.parse("smollm2", "1")

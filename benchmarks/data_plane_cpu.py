@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.report import conditions, table, write
+from benchmarks.report import SERVING, conditions, table, write
 from contracts.config import load_settings
 from loadgen.arrivals import poisson_arrivals
 from loadgen.client import replay
@@ -30,6 +30,8 @@ from loadgen.requests import Request
 from models.profiles import write_stack
 from runtime import __main__ as control
 from runtime.ports import free_port
+
+MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
 
 MODEL = "llama-7b"
 TICK = os.sysconf("SC_CLK_TCK")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report import conditions, table, write
+from benchmarks.report import SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -27,6 +27,8 @@ from loadgen.closed_loop import ClosedLoop
 from runtime import __main__ as control
 from runtime.ports import free_port
 from state.store import RedisStore
+
+MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
 
 MODEL, REPEATS, GIVE_UP_S = "llama-7b", 5, 120.0
 FAULTS = ("stage replica", "entry replica", "redis", "keysmanager", "autoscaler", "provider")

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import yaml
 
-from benchmarks.report import RESULTS, conditions, mean_ci95, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -46,6 +46,8 @@ from models.manifest import Manifest
 from models.precision import serving_dtype
 from runtime import __main__ as control
 from runtime.ports import free_port
+
+MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
 
 STAGES = 4
 LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 20, "intermediate_size": 5632, "num_attention_heads": 32,

@@ -22,8 +22,10 @@ import sys
 import numpy as np
 
 from benchmarks.live_policies import simulate_schedule
-from benchmarks.report import RESULTS, conditions, mean_ci95, table, write
+from benchmarks.report import RESULTS, SERVING, SIMULATOR, conditions, mean_ci95, table, write
 from contracts.paths import REPO_ROOT
+
+MEASURES = SERVING + SIMULATOR + ("loadgen", "stack-ensemble.yml", "benchmarks/live_policies.py")  # the code measured (benchmarks/freshness.py)
 
 MODEL = "ensemble-8"
 VARIANTS = {"quart": "", "quart without attention": "attention"}  # name -> QUART_ABLATE

@@ -24,13 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report import RESULTS, conditions, mean_ci95, table, write
+from benchmarks.report import RESULTS, SERVING, SIMULATOR, conditions, mean_ci95, table, write
 from contracts.config import load_settings
 from contracts.paths import REPO_ROOT
 from loadgen.arrivals import gamma_arrivals
 from sim.config import embedded_runtime
 from sim.models import table1
 from sim.run import simulate
+
+MEASURES = SERVING + SIMULATOR + ("loadgen", "stack-emulated.yml")  # the code measured (benchmarks/freshness.py)
 
 POLICIES = ("quart", "quart-flow", "static", "inferline")
 # quart-flow with headroom while calm, run on its own after the others on each schedule.

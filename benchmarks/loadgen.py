@@ -13,7 +13,7 @@ import sys
 import time
 
 from autoscaler.policy.controller import POLICIES
-from benchmarks.report import RESULTS, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, table, write
 from contracts.paths import REPO_ROOT
 from loadgen.arrivals import poisson_arrivals
 from loadgen.client import run as replay
@@ -21,14 +21,16 @@ from loadgen.metrics import schedule_error
 from loadgen.requests import Request
 from runtime.ports import free_port
 
+MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
+
 ENDPOINT = """
 import sys
 from aiohttp import web
+
 app = web.Application()
 app.router.add_post("/function/{name}", lambda r: web.json_response({"ok": True}))
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
-
 
 
 def schedule_errors(rates: tuple[float, ...], seconds: float) -> list[dict]:

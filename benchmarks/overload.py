@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report import RESULTS, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
 from loadgen.arrivals import poisson_arrivals
 from loadgen.client import replay
@@ -29,6 +29,8 @@ from loadgen.requests import Request
 from models.profiles import write_stack
 from runtime import __main__ as control
 from runtime.ports import free_port
+
+MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
 
 MODEL, MULTIPLES, TIMEOUT_S = "wideresnet", (0.5, 1.0, 2.0, 4.0), 30.0
 BODY = {"tokens": 16}

@@ -16,12 +16,14 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.report import conditions, percentiles, table, write
+from benchmarks.report import SERVING, conditions, percentiles, table, write
 from contracts.config import load_settings
 from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
 from runtime import __main__ as control
 from runtime.ports import free_port
+
+MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
 
 STAGES = 4
 

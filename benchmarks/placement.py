@@ -18,6 +18,8 @@ from scheduler.baselines import FirstFit, RandomFit
 from scheduler.evaluate import apply, dispersion
 from scheduler.placement import Scheduler
 
+MEASURES = ("scheduler",)  # the code measured (benchmarks/freshness.py)
+
 # (servers, slots, occupancy): 1,000 adds in 1,440 and 2,400 free slots (heavy, light) on 100
 # servers, and in 1,200 and 2,400 on 1,000 servers.
 TIMING = [(100, 24, 0.4), (100, 40, 0.4), (1000, 4, 0.7), (1000, 4, 0.4)]

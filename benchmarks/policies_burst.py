@@ -18,12 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from autoscaler.policy.controller import POLICIES
-from benchmarks.report import conditions, table, write
+from benchmarks.report import SERVING, conditions, table, write
 from contracts.config import load_settings
 from loadgen.arrivals import gamma_gaps
 from runtime import __main__ as control
 from runtime.ports import free_port
 from state.store import RedisStore
+
+MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL, STAGES = "llama-7b", 8

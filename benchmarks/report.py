@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import subprocess
 import time
@@ -13,6 +14,11 @@ import torch
 from contracts.paths import REPO_ROOT
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The serving system's code: what a benchmark running the embedded runtime measures (MEASURES).
+SERVING = ("autoscaler", "contracts", "engine", "frontend", "functions", "keysmanager", "models", "runtime",
+           "scheduler", "state", "stack.yml")
+# The stage-level simulator: sim/ without the model-level one (git pathspecs).
+SIMULATOR = ("sim", ":(exclude)sim/serverless.py")
 
 
 def percentiles(samples_ms: list[float]) -> dict[str, float]:
@@ -21,8 +27,26 @@ def percentiles(samples_ms: list[float]) -> dict[str, float]:
             "mean": round(float(a.mean()), 3), "n": int(a.size)}
 
 
-# Student's t at 97.5 % for 1-10 degrees of freedom (a 95 % interval of a mean of a few runs).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+def t975(df: int) -> float:
+    """Student's t at 97.5 % with `df` degrees of freedom (a 95 % interval's multiplier), for any
+    df: the density integrated numerically and the quantile found by bisection (scipy is not a
+    dependency for this one number)."""
+    if df < 1:
+        raise ValueError("a t quantile needs at least one degree of freedom")
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def upper_tail(x: float) -> float:
+        # P(T > x) = 0.5 - integral_0^x pdf; substitute t = tan(u) so df = 1's heavy tail stays finite
+        u = np.linspace(0.0, math.atan(x), 20001)
+        t = np.tan(u)
+        pdf = np.exp(log_norm - (df + 1) / 2 * np.log1p(t * t / df)) * (1 + t * t)
+        return 0.5 - float(np.sum((pdf[1:] + pdf[:-1]) / 2 * np.diff(u)))
+
+    lo, hi = 0.0, 100.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if upper_tail(mid) > 0.025 else (lo, mid)
+    return (lo + hi) / 2
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float]:
@@ -30,8 +54,7 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
     a = np.asarray(values, dtype=float)
     if len(a) < 2:
         return float(a.mean()), 0.0
-    t = _T975[len(a) - 2] if len(a) - 1 <= len(_T975) else 1.96
-    return float(a.mean()), float(t * a.std(ddof=1) / np.sqrt(len(a)))
+    return float(a.mean()), float(t975(len(a) - 1) * a.std(ddof=1) / np.sqrt(len(a)))
 
 
 def commit() -> str:

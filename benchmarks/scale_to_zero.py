@@ -16,13 +16,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.report import conditions, table, write
+from benchmarks.report import SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stack import scale_to_zero_stack
 from runtime import __main__ as control
 from runtime.ports import free_port
+
+MEASURES = SERVING  # the code measured (benchmarks/freshness.py)
 
 MODEL, IDLE = "smollm2", "3s"
 BODY = {"prompt": "The capital of France is", "max_new_tokens": 8}

@@ -21,7 +21,7 @@ import numpy as np
 import redis
 import torch
 
-from benchmarks.report import conditions, table, write
+from benchmarks.report import SERVING, conditions, table, write
 from contracts.config import Settings, child_environment, load_settings
 from contracts.paths import STAGE_HANDLER
 from contracts.stage import StageRef
@@ -33,6 +33,8 @@ from runtime.ports import free_port
 from runtime.redis_server import start_redis
 from state import keys
 from state.store import RedisStore
+
+MEASURES = SERVING  # the code measured (benchmarks/freshness.py)
 
 REPO = Path(__file__).resolve().parent.parent
 RANDOM_1G = {"hidden_size": 2048, "num_hidden_layers": 15, "intermediate_size": 5632,

@@ -18,6 +18,8 @@ import sys
 from benchmarks.report import RESULTS, conditions, table, write
 from sim.serverless import SYSTEMS, Workload, ratio, simulate, testbed
 
+MEASURES = ("sim/serverless.py", "scheduler/coldstart.py", "loadgen/arrivals.py")  # the code measured (benchmarks/freshness.py)
+
 CVS, RATES, SCALES, SEEDS = (1, 2, 4, 8), (0.2, 0.4, 0.6), (0.5, 1.0, 1.5, 2.0, 3.0), (0, 1, 2)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from benchmarks.generation import pipeline_request, running
-from benchmarks.report import RESULTS, conditions, table, write
+from benchmarks.report import RESULTS, SIMULATOR, conditions, table, write
 from contracts.config import load_settings
 from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
@@ -37,6 +37,8 @@ from sim.config import embedded_runtime
 from sim.models import GenerativeModel
 from sim.simulation import Simulation
 from sim.step_cost import CALIBRATIONS, Calibration
+
+MEASURES = SIMULATOR + ("autoscaler", "loadgen", "models", "contracts")  # the code measured (benchmarks/freshness.py)
 
 MODEL, STAGES, NEW = "smollm2", 4, 64
 ALONE, LEVELS = 6, (1, 4, 8, 16)

@@ -30,13 +30,15 @@ import torch
 
 from autoscaler.policy.baselines import BASELINES
 from autoscaler.policy.controller import POLICIES, VARIANTS
-from benchmarks.report import RESULTS, conditions, mean_ci95, table, write
+from benchmarks.report import RESULTS, SIMULATOR, conditions, mean_ci95, table, write
 from contracts import artefacts
 from contracts.config import MECHANISMS, load_settings
 from loadgen.arrivals import gamma_arrivals
 from sim.config import quart_testbed
 from sim.models import table1
 from sim.run import replica_seconds, simulate, unloaded_latency
+
+MEASURES = SIMULATOR + ("autoscaler", "loadgen", "contracts")  # the code measured (benchmarks/freshness.py)
 
 CVS = (0.1, 1.0, 2.0, 4.0, 8.0)
 RATE = 10.0

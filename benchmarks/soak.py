@@ -20,13 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.report import RESULTS, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.paths import REPO_ROOT
 from loadgen.closed_loop import ClosedLoop
 from runtime import __main__ as control
 from runtime.ports import free_port
 from state.store import RedisStore
+
+MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
 
 SAMPLE_S, WARMUP_S, GOAL = 30.0, 120.0, 0.05
 PROMPT = "Explain in a few sentences why the sky is blue and why sunsets are red."

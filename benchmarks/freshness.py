@@ -1,0 +1,104 @@
+"""Which results in benchmarks/results are older than the code they measure.
+
+    python -m benchmarks freshness
+
+A result is stale when a commit after the one it measured touched the code its benchmark declares
+(`MEASURES` in the benchmark's module, and the module itself). Each result records the commit it
+measured (`conditions.commit`, `-dirty` when the tree had changes); one written before results
+were stamped is taken to have measured the last commit before its date, and says so."""
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.report import RESULTS, table
+from contracts.paths import REPO_ROOT
+
+NOT_BENCHMARKS = {"__init__", "__main__", "report", "freshness", "model_store"}
+
+
+@dataclass(frozen=True)
+class Freshness:
+    result: str
+    when: str
+    commit: str | None          # the commit measured; None where git does not know it
+    how: str                    # "stamped", "stamped, dirty tree", "from its date", "unknown commit"
+    since: tuple[str, ...]      # commits after it that touch its code, newest first ("sha subject")
+
+    @property
+    def stale(self) -> bool:
+        return bool(self.since) or self.commit is None
+
+
+def _git(repo: Path, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def measured_commit(conditions: dict, repo: Path) -> tuple[str | None, str]:
+    """The commit a result measured and how that is known."""
+    stamped = conditions.get("commit")
+    if stamped and stamped != "unknown":
+        sha = stamped.removesuffix("-dirty")
+        known = _git(repo, "rev-parse", "--verify", "--quiet", f"{sha}^{{commit}}")
+        if not known:
+            return None, "unknown commit"
+        return known, "stamped, dirty tree" if stamped.endswith("-dirty") else "stamped"
+    when = conditions.get("when")
+    before = _git(repo, "rev-list", "-1", f"--before={when}", "HEAD") if when else ""
+    return (before or None), ("from its date" if before else "unknown commit")
+
+
+def touching(repo: Path, since: str, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Commits after `since` up to HEAD that change any of `paths`, newest first."""
+    out = _git(repo, "log", "--format=%h %s", f"{since}..HEAD", "--", *paths)
+    return tuple(line[:100] for line in out.splitlines())
+
+
+def benchmark_of(stem: str, names: set[str]) -> str | None:
+    """The benchmark that writes result `stem`: its name, or the longest name that prefixes it
+    (generation writes generation_llama1b)."""
+    candidates = [n for n in names if stem == n or stem.startswith(n + "_")]
+    return max(candidates, key=len, default=None)
+
+
+def declared_paths(benchmark: str) -> tuple[str, ...]:
+    module = importlib.import_module(f"benchmarks.{benchmark}")
+    return (*module.MEASURES, f"benchmarks/{benchmark}.py")
+
+
+def freshness(results: Path = RESULTS, repo: Path = REPO_ROOT,
+              paths_of=declared_paths) -> list[Freshness]:
+    names = {p.stem for p in (repo / "benchmarks").glob("*.py")} - NOT_BENCHMARKS
+    out = []
+    for path in sorted(results.glob("*.json")):
+        record = json.loads(path.read_text())
+        benchmark = benchmark_of(path.stem, names)
+        if not isinstance(record, dict) or "conditions" not in record or benchmark is None:
+            continue  # a benchmark's side file (its runs), not a result
+        conditions = record["conditions"]
+        commit, how = measured_commit(conditions, repo)
+        since = touching(repo, commit, paths_of(benchmark)) if commit else ()
+        out.append(Freshness(path.stem, conditions.get("when", "?"), commit, how, since))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    if not _git(REPO_ROOT, "rev-parse", "HEAD"):
+        print("not a git checkout: freshness compares results with the commits that changed their code",
+              file=sys.stderr)
+        return 2
+    rows = []
+    for f in freshness():
+        status = (f"stale: {len(f.since)} commit(s) since, latest {f.since[0].split()[0]}" if f.since
+                  else "stale: its commit is unknown here" if f.commit is None else "fresh")
+        rows.append([f.result, (f.commit or "-")[:9], f.how, f.when, status])
+    print(table("results and the code they measured", ["result", "commit", "how known", "measured", "status"], rows))
+    return 0

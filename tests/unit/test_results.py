@@ -1,0 +1,88 @@
+"""Benchmark results a reader can date: every benchmark declares the code it measures, freshness
+finds the results a later commit made stale (in a real git repository), docs/results.md is what
+the JSON holds, and the 95 % intervals use Student's t for any number of runs."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import __main__ as bench
+from benchmarks.freshness import benchmark_of, declared_paths, freshness
+from benchmarks.report import mean_ci95, t975
+from contracts.paths import REPO_ROOT
+from tools.results_page import results_page
+
+
+def test_every_benchmark_declares_code_that_exists():
+    modules = {p.stem for p in (REPO_ROOT / "benchmarks").glob("*.py")}
+    for name in {benchmark_of(b, modules) for b in bench.BENCHMARKS}:
+        paths = declared_paths(name)
+        assert paths, name
+        for path in paths:
+            if not path.startswith(":("):  # a git pathspec's exclusion
+                assert (REPO_ROOT / path).exists(), f"{name} declares {path}, which is not in the repository"
+
+
+def test_a_result_belongs_to_its_longest_named_benchmark():
+    names = {"generation", "simulator", "simulator_policies"}
+    assert benchmark_of("generation_llama1b", names) == "generation"
+    assert benchmark_of("simulator_policies", names) == "simulator_policies"
+    assert benchmark_of("simulator_policies_runs", names) == "simulator_policies"
+    assert benchmark_of("generational", names) is None
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _commit(repo: Path, path: str, text: str) -> str:
+    (repo / path).parent.mkdir(parents=True, exist_ok=True)
+    (repo / path).write_text(text)
+    _git(repo, "add", "-A")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", f"change {path}")
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def test_a_result_goes_stale_only_when_its_code_changes(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "fast.py").write_text("")
+    measured = _commit(tmp_path, "engine/step.py", "v1")
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, commit in (("fast", measured), ("fast_other", measured + "-dirty")):
+        (results / f"{name}.json").write_text(json.dumps({"conditions": {"commit": commit, "when": "x"}, "figures": []}))
+    (results / "fast_runs.json").write_text("[]")  # a side file, not a result
+    paths = {"fast": ("engine",)}.__getitem__
+
+    def check():
+        return {f.result: (f.how, len(f.since)) for f in freshness(results, tmp_path, paths)}
+
+    assert check() == {"fast": ("stamped", 0), "fast_other": ("stamped, dirty tree", 0)}
+    _commit(tmp_path, "docs/readme.md", "unrelated")
+    assert check() == {"fast": ("stamped", 0), "fast_other": ("stamped, dirty tree", 0)}
+    _commit(tmp_path, "engine/step.py", "v2")
+    assert check() == {"fast": ("stamped", 1), "fast_other": ("stamped, dirty tree", 1)}
+    (results / "fast.json").write_text(json.dumps({"conditions": {"commit": "0" * 40}, "figures": []}))
+    [unknown] = [f for f in freshness(results, tmp_path, paths) if f.result == "fast"]
+    assert unknown.how == "unknown commit" and unknown.stale
+
+
+def test_the_results_page_is_what_the_json_holds():
+    page = (REPO_ROOT / "docs" / "results.md").read_text()
+    assert page == results_page(), "docs/results.md is out of date: run `make docs`"
+
+
+@pytest.mark.parametrize(("df", "t"), [(1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228), (11, 2.201),
+                                       (20, 2.086), (30, 2.042), (120, 1.980)])
+def test_students_t_for_any_number_of_runs(df, t):
+    assert t975(df) == pytest.approx(t, abs=1e-3)
+
+
+def test_an_interval_from_runs():
+    mean, half = mean_ci95([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / 3 ** 0.5, rel=1e-3)
+    assert mean_ci95([5.0]) == (5.0, 0.0)
