@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 from benchmarks.report import RESULTS, SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.paths import REPO_ROOT
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = base.replace(home=str(home), models=str(base.models_dir), stack_file=str(REPO_ROOT / "stack.yml"),
                             gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port())
     samples: list[tuple[float, dict[str, int]]] = []
+    held: list[tuple[float, dict]] = []
     try:
         if control.up(settings, timeout=900) != 0:
             raise SystemExit(f"the runtime did not come up; see {home}/logs")
@@ -53,15 +56,24 @@ def main(argv: list[str] | None = None) -> dict:
                 ClosedLoop(settings.gateway.url, "minilm", embed, clients=1) as emb:
             while (elapsed := time.monotonic() - started) < args.minutes * 60:
                 samples.append((elapsed, _rss_by_role(settings)))
+                held.append((elapsed, _redis_holds(settings)))
                 print(f"  {elapsed / 60:5.1f} min: {sum(o.status == 200 for o in gen.outcomes + emb.outcomes)} "
                       f"answered, {sum(samples[-1][1].values()) / 2 ** 20:.0f} MiB in all", flush=True)
                 time.sleep(SAMPLE_S)
             samples.append((time.monotonic() - started, _rss_by_role(settings)))
+            held.append((samples[-1][0], _redis_holds(settings)))
         outcomes = gen.outcomes + emb.outcomes
     finally:
         control.down(settings)
         shutil.rmtree(home, ignore_errors=True)
-    return _report(samples, outcomes, args.minutes)
+    return _report(samples, held, outcomes, args.minutes)
+
+
+def _redis_holds(settings: Settings) -> dict:
+    """What Redis holds: its used memory (INFO memory), its keys (DBSIZE) and every stream's length."""
+    r = redis.Redis.from_url(settings.redis_url)
+    streams = {key.decode(): r.xlen(key) for key in r.scan_iter(_type="STREAM", count=1000)}
+    return {"used_memory": int(r.info("memory")["used_memory"]), "keys": r.dbsize(), "streams": streams}
 
 
 def _rss_by_role(settings: Settings) -> dict[str, int]:
@@ -109,7 +121,8 @@ def _rss(pid: int) -> int | None:
     return None
 
 
-def _report(samples: list[tuple[float, dict[str, int]]], outcomes: list, minutes: float) -> dict:
+def _report(samples: list[tuple[float, dict[str, int]]], held: list[tuple[float, dict]], outcomes: list,
+            minutes: float) -> dict:
     start = next((s for t, s in samples if t >= WARMUP_S), samples[0][1])
     half = next((s for t, s in samples if t >= samples[-1][0] / 2), start)
     end = samples[-1][1]
@@ -125,6 +138,7 @@ def _report(samples: list[tuple[float, dict[str, int]]], outcomes: list, minutes
                         "unit": "MiB"})
     figures.append({"name": "RSS of every process, every sample", "unit": "MiB by seconds since the start",
                     "value": [{"t": round(t, 1), **{k: round(v / 2 ** 20, 1) for k, v in s.items()}} for t, s in samples]})
+    figures += _redis_figures(held, samples[-1][0])
     ok = sum(o.status == 200 for o in outcomes)
     errors = sorted({f"{o.status} {str(o.body.get('error', ''))[:80]}" for o in outcomes if o.status != 200})
     figures += [{"name": "largest RSS growth of a process", "value": round(worst * 100, 2), "unit": "%"},
@@ -140,6 +154,30 @@ def _report(samples: list[tuple[float, dict[str, int]]], outcomes: list, minutes
                                       sample_s=SAMPLE_S, warmup_s=WARMUP_S))
     _plot(samples)
     return {"figures": figures}
+
+
+def _redis_figures(held: list[tuple[float, dict]], last_s: float) -> list[dict]:
+    """Redis's used memory, keys and stream entries after warm-up, at half time and at the end,
+    the streams that grew most, and every sample."""
+    points = [next((h for t, h in held if t >= WARMUP_S), held[0][1]),
+              next((h for t, h in held if t >= last_s / 2), held[0][1]), held[-1][1]]
+    growth = {k: n - points[0]["streams"].get(k, 0) for k, n in points[-1]["streams"].items()}
+    grown = sorted(growth.items(), key=lambda kv: -kv[1])[:10]
+    print(table("Redis after warm-up, at half time, at the end", ["what", "after warm-up", "half", "end"],
+                [["used_memory (MiB)", *(p["used_memory"] / 2 ** 20 for p in points)],
+                 ["keys", *(p["keys"] for p in points)],
+                 ["stream entries", *(sum(p["streams"].values()) for p in points)]]))
+    return [{"name": "Redis used_memory (INFO memory) after warm-up / at half time / at the end", "unit": "MiB",
+             "value": [round(p["used_memory"] / 2 ** 20, 2) for p in points]},
+            {"name": "Redis keys (DBSIZE) after warm-up / at half time / at the end", "unit": "keys",
+             "value": [p["keys"] for p in points]},
+            {"name": "Redis stream entries after warm-up / at half time / at the end", "unit": "entries",
+             "value": [sum(p["streams"].values()) for p in points]},
+            {"name": "streams that grew most after warm-up", "unit": "entries added",
+             "value": [f"{k}: +{n}" for k, n in grown if n > 0]},
+            {"name": "Redis every sample", "unit": "bytes, keys, entries by seconds since the start",
+             "value": [{"t": round(t, 1), "used_memory": h["used_memory"], "keys": h["keys"],
+                        "stream_entries": sum(h["streams"].values())} for t, h in held]}]
 
 
 def _plot(samples: list[tuple[float, dict[str, int]]]) -> None:
