@@ -11,6 +11,7 @@ import sys
 
 from benchmarks import (
     autoscaler_tick,
+    bursts,
     coldstart,
     consolidation,
     containers,
@@ -48,13 +49,14 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "simulator_coldstart": lambda: simulator_coldstart.main([]),
               "simulator_policies": lambda: simulator_policies.main([]),
               "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([]),
-              "data_plane_cpu": lambda: data_plane_cpu.main([]),
+              "data_plane_cpu": lambda: data_plane_cpu.main([]), "bursts": lambda: bursts.main([]),
               **{f"generation_{m}": lambda m=m: generation.main(["--model", m]) for m in generation.FAMILY_SHAPES}}
 # Those that take options of their own: `python -m benchmarks NAME --option ...`.
 WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "coldstart": coldstart.main,
                 "scale_to_zero": scale_to_zero.main, "consolidation": consolidation.main,
                 "simulator_coldstart": simulator_coldstart.main, "simulator_policies": simulator_policies.main,
-                "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main}
+                "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main,
+                "bursts": bursts.main, "soak": soak.main}
 
 
 def main(argv: list[str]) -> int:

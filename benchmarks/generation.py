@@ -165,16 +165,16 @@ def pipeline_request(client: GatewayClient, model: str, text: str, new: int) -> 
 
 
 @contextmanager
-def running(model: str, new: int, quantize: str = "") -> Iterator[Settings]:
+def running(model: str, new: int, quantize: str = "", **changes: object) -> Iterator[Settings]:
     """The embedded runtime serving `model` in 4 stages, one replica each and no autoscaler, on
-    ports of its own; stopped and its home removed afterwards."""
+    ports of its own, with settings `changes`; stopped and its home removed afterwards."""
     base = load_settings()
     run_home = Path(tempfile.mkdtemp(prefix="quart-bench-"))
     settings = base.replace(home=str(run_home), models=str(base.models_dir), gateway_port=free_port(),
                             redis_port=free_port(), keysmanager_port=free_port(), policy="none",
                             stack_file=_stack(run_home, model), max_new_tokens=max(new, base.limits.max_new_tokens),
                             request_timeout_s=600.0, cache_stages="none", admit_wait_s=0.0,
-                            quantize=quantize or base.compute.quantize)
+                            quantize=quantize or base.compute.quantize, **changes)
     if model != "smollm2":
         from models.partition import ensure_partitioned
         source, config = SOURCES[model]

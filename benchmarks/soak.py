@@ -10,7 +10,9 @@ Redis, the KeysManager, the autoscaler, each entry and stage replica (by functio
 goal is flat memory: each process's RSS at the end within 5 % of its RSS after warm-up (the first
 sample after WARMUP_S, when caches, allocator pools and the first compilations are in place); and
 over the second half, which tells a process that fills a bounded store (Redis's capped streams)
-from one that leaks. Every sample is in the JSON."""
+from one that leaks. Beside Redis's RSS, what it holds: INFO memory's used_memory, DBSIZE and each
+stream's length, so that its growth is explained by the streams it fills (or not). Every sample is
+in the JSON."""
 from __future__ import annotations
 
 import argparse
@@ -19,8 +21,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import redis
 
 from benchmarks.report import RESULTS, SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
@@ -56,24 +56,17 @@ def main(argv: list[str] | None = None) -> dict:
                 ClosedLoop(settings.gateway.url, "minilm", embed, clients=1) as emb:
             while (elapsed := time.monotonic() - started) < args.minutes * 60:
                 samples.append((elapsed, _rss_by_role(settings)))
-                held.append((elapsed, _redis_holds(settings)))
+                held.append((elapsed, RedisStore.from_url(settings.redis_url).holdings()))
                 print(f"  {elapsed / 60:5.1f} min: {sum(o.status == 200 for o in gen.outcomes + emb.outcomes)} "
                       f"answered, {sum(samples[-1][1].values()) / 2 ** 20:.0f} MiB in all", flush=True)
                 time.sleep(SAMPLE_S)
             samples.append((time.monotonic() - started, _rss_by_role(settings)))
-            held.append((samples[-1][0], _redis_holds(settings)))
+            held.append((samples[-1][0], RedisStore.from_url(settings.redis_url).holdings()))
         outcomes = gen.outcomes + emb.outcomes
     finally:
         control.down(settings)
         shutil.rmtree(home, ignore_errors=True)
     return _report(samples, held, outcomes, args.minutes)
-
-
-def _redis_holds(settings: Settings) -> dict:
-    """What Redis holds: its used memory (INFO memory), its keys (DBSIZE) and every stream's length."""
-    r = redis.Redis.from_url(settings.redis_url)
-    streams = {key.decode(): r.xlen(key) for key in r.scan_iter(_type="STREAM", count=1000)}
-    return {"used_memory": int(r.info("memory")["used_memory"]), "keys": r.dbsize(), "streams": streams}
 
 
 def _rss_by_role(settings: Settings) -> dict[str, int]:

@@ -67,6 +67,8 @@ class DataPlaneConfig:
     records_maxlen: int = 10000
     drain_timeout_s: float = 30.0
     admit_wait_s: float = 2.0
+    ttft_objective_s: float = 0.0
+    tpot_objective_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -382,8 +384,16 @@ VARIABLES: tuple[Var, ...] = (
         "a function replica waits this long for a request's whole body (408 after; OpenFaaS's read_timeout)",
         _positive),
     Var("QUART_ADMIT_WAIT_S", "data.admit_wait_s",
-        "an entry refuses a request (429) that would queue longer than this before its first pass; 0: never",
+        "an entry refuses a request (429) that would queue longer than this before its first pass (embeddings "
+        "and emulated models; generations are admitted by their deadline); 0: never",
         _not_negative),
+    Var("QUART_TTFT_OBJECTIVE_S", "data.ttft_objective_s",
+        "a generative model's time-to-first-token objective (set per entry function): a request's deadline is "
+        "its arrival + this + its tokens at QUART_TPOT_OBJECTIVE_S, and one predicted to miss it gets 429; "
+        "0: none (requests wait up to the request timeout)", _not_negative),
+    Var("QUART_TPOT_OBJECTIVE_S", "data.tpot_objective_s",
+        "a generative model's time-per-output-token objective: the entry lets in at most the sequences whose "
+        "measured TPOT meets it and queues the rest, earliest deadline first; 0: no bound", _not_negative),
     Var("QUART_MAX_PROMPT_TOKENS", "limits.max_prompt_tokens", "longest prompt (413 above)", _positive),
     Var("QUART_MAX_NEW_TOKENS", "limits.max_new_tokens", "most tokens one request may generate", _positive),
     Var("QUART_MAX_INPUTS", "limits.max_inputs", "most inputs in one embedding request", _positive),

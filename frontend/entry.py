@@ -34,6 +34,8 @@ from frontend.entry_requests import (
     parse_generate,
     parse_json,
 )
+from frontend.generation_gate import GenerationGate, Refused, Ticket
+from frontend.objectives import Objectives
 from frontend.pipeline_client import PipelineClient, Progress, SharedPrompt, StageFailed
 from frontend.text_stream import TextStream
 from models.fetch import ensure_model
@@ -90,6 +92,8 @@ class Entry:
             eos = self.config.eos_token_id
             self.eos = set(eos) if isinstance(eos, list) else {eos}
         self.client = PipelineClient(settings, model, f"{model}.{settings.server}.{os.getpid()}")
+        data = settings.data
+        self.gate = GenerationGate(Objectives(data.ttft_objective_s, data.tpot_objective_s, data.request_timeout_s))
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     async def handle(self, method: str, path: str, body: bytes) -> Answer:
@@ -125,10 +129,31 @@ class Entry:
     async def _generate(self, data: dict, request_id: str, started: float) -> dict:
         req = parse_generate(data, self.settings.limits.max_new_tokens)
         ids = await self._prompt_ids(req.prompt, req.messages, req.max_new_tokens)
-        self.client.admit()
-        done = await self._run(Choice(request_id, Sampling()), ids, req.max_new_tokens, [], started, req.ignore_eos)
+        ticket = self._ticket(started, req.max_new_tokens, 1)
+        try:
+            await ticket.wait(self._left_s(started))
+            done = await self._run(Choice(request_id, Sampling()), ids, req.max_new_tokens, [], started, ticket,
+                                   req.ignore_eos)
+        finally:
+            ticket.close()
         return {"text": done.text, "token_ids": done.tokens, "passes": done.progress.steps,
-                "finish_reason": done.finish, **done.timing, "stages": _sum_timings(done.progress.timings)}
+                "finish_reason": done.finish, **done.timing, "queued_ms": round(ticket.queued_s * 1000.0, 3),
+                "stages": _sum_timings(done.progress.timings)}
+
+    def _ticket(self, started: float, tokens: int, weight: int) -> Ticket:
+        """The request's place in flight (frontend/objectives.py), or 429 when it is predicted to
+        miss its deadline; not while the stages start from zero (requests queue behind the first,
+        as in an activator)."""
+        try:
+            return self.gate.enter(started, tokens, weight)
+        except Refused as exc:
+            if self.client.waking():
+                return self.gate.enter(started, tokens, weight, force=True)
+            raise StageFailed(429, f"{self.model} is overloaded: this request is {exc}",
+                              exc.decision.retry_after_s) from None
+
+    def _left_s(self, started: float) -> float:
+        return started + self.settings.data.request_timeout_s - time.time()
 
     async def _embed(self, data: dict, request_id: str, started: float) -> dict:
         inputs = parse_embed(data, self.settings.limits.max_inputs)
@@ -173,18 +198,21 @@ class Entry:
             if req.ignored:  # vLLM's behaviour: a client's extra fields are not an error
                 log.warning("%s: ignoring fields this server does not know: %s", path, req.ignored)
             ids = await self._prompt_ids(req.prompt, req.messages, req.max_tokens)
-            self.client.admit()
+            ticket = self._ticket(started, req.max_tokens, req.n)
         except (BadRequest, StageFailed) as exc:
             return self._openai_failure(exc)
         rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
         if req.stream:
             return Answer(200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
-                          stream=self._sse(req, rid, ids, started))
+                          stream=_Closing(self._sse(req, rid, ids, started, ticket), ticket.close))
         try:
-            done = await _all([self._run(c, ids, req.max_tokens, req.stop, started, req.ignore_eos)
+            await ticket.wait(self._left_s(started))
+            done = await _all([self._run(c, ids, req.max_tokens, req.stop, started, ticket, req.ignore_eos)
                                for c in _choices(req, rid)])
         except (StageFailed, TimeoutError) as exc:
             return self._openai_failure(exc)
+        finally:
+            ticket.close()
         choices = [oa.choice_body(req, i, d.text, d.finish, oa.logprobs_body(req, d.progress.logprobs, self._token_text))
                    for i, d in enumerate(done)]
         return Answer(200, oa.response_body(req, rid, self.model, choices,
@@ -217,11 +245,17 @@ class Entry:
         tokens = int(enc["attention_mask"].sum())
         return Answer(200, oa.embeddings_body(self.model, out["embeddings"], req.encoding_format, tokens))
 
-    async def _sse(self, req: oa.OpenAIRequest, rid: str, ids: list[int], started: float) -> AsyncIterator[bytes]:
-        """The stream's events, every choice's interleaved as they come; an error after the stream
-        began is sent as an error event and ends it."""
+    async def _sse(self, req: oa.OpenAIRequest, rid: str, ids: list[int], started: float,
+                   ticket: Ticket) -> AsyncIterator[bytes]:
+        """The stream's events, every choice's interleaved as they come, once the request has its
+        place; an error after the stream began is sent as an error event and ends it."""
         events: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._choice_events(req, rid, c, ids, started, events))
+        try:
+            await ticket.wait(self._left_s(started))
+        except TimeoutError:
+            yield oa.sse(oa.error_body(f"not started within {self.settings.data.request_timeout_s:g} s", 504))
+            return
+        tasks = [asyncio.ensure_future(self._choice_events(req, rid, c, ids, started, ticket, events))
                  for c in _choices(req, rid)]
         try:
             finished: list[Generated] = []
@@ -247,10 +281,10 @@ class Entry:
                 task.cancel()
 
     async def _choice_events(self, req: oa.OpenAIRequest, rid: str, choice: Choice, ids: list[int], started: float,
-                             events: asyncio.Queue) -> None:
+                             ticket: Ticket, events: asyncio.Queue) -> None:
         """One choice's chunks onto `events`, then its summary (or the exception that ended it)."""
         progress, first, sent = Progress(), True, 0
-        texts = self._texts(choice, ids, req.max_tokens, req.stop, started, req.ignore_eos, progress)
+        texts = self._texts(choice, ids, req.max_tokens, req.stop, started, ticket, req.ignore_eos, progress)
         try:
             async with aclosing(texts):
                 async for text, done in texts:
@@ -290,9 +324,9 @@ class Entry:
         return ids
 
     async def _run(self, choice: Choice, ids: list[int], max_new: int, stop: list[str], started: float,
-                   ignore_eos: bool = False) -> Generated:
+                   ticket: Ticket, ignore_eos: bool = False) -> Generated:
         text = []
-        async with aclosing(self._texts(choice, ids, max_new, stop, started, ignore_eos, Progress())) as texts:
+        async with aclosing(self._texts(choice, ids, max_new, stop, started, ticket, ignore_eos, Progress())) as texts:
             async for piece, done in texts:
                 text.append(piece)
                 if done is not None:
@@ -301,7 +335,7 @@ class Entry:
         raise AssertionError("a generation always ends with its summary")
 
     async def _texts(self, choice: Choice, ids: list[int], max_new: int, stop: list[str], started: float,
-                     ignore_eos: bool, progress: Progress) -> AsyncIterator[tuple[str, Generated | None]]:
+                     ticket: Ticket, ignore_eos: bool, progress: Progress) -> AsyncIterator[tuple[str, Generated | None]]:
         """(text released, None) per token, then (the rest, the summary)."""
         tokens, stream = [], TextStream(self.tokenizer, stop)
         first_at = None
@@ -311,6 +345,7 @@ class Entry:
                                            choice.index)
         try:
             async for token in tokens_iter:
+                ticket.token(choice.index)
                 tokens.append(token)
                 if first_at is None:
                     first_at = time.time()
@@ -333,6 +368,26 @@ class Entry:
         if len(tokens) > 1:
             TPOT.labels(self.model).observe(tpot)
         yield stream.finish(), Generated(tokens, "", finish, ttft, tpot, progress)
+
+
+class _Closing:
+    """A streamed body whose closing, even before its first chunk, calls `on_close` (an async
+    generator closed unstarted runs none of its code)."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close) -> None:
+        self._events, self._on_close = events, on_close
+
+    def __aiter__(self) -> _Closing:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            self._on_close()
 
 
 @dataclass

@@ -85,13 +85,13 @@ class PipelineClient:
         """StageFailed(429) when the stages are too far behind to take a new request in time."""
         now = time.time()
         retry_after = self.admission.refusal(now)
-        if retry_after is not None and self._waking():
+        if retry_after is not None and self.waking():
             return  # the stages are starting from zero: requests queue behind the first, as in an activator
         if retry_after is not None:
             raise StageFailed(429, f"{self.model} is overloaded: a request would queue longer than the "
                                    f"{self.admission.max_wait_s:g} s allowed before its first pass", retry_after)
 
-    def _waking(self) -> bool:
+    def waking(self) -> bool:
         """Whether the gateway is starting this model's stages from zero (asked only before a
         refusal, which is rare, so a blocking look at Redis costs little)."""
         if self._sync_redis is None:

@@ -29,6 +29,7 @@ class Record:
     error: str = ""
     ttft_s: float = -1.0      # time to first token and per output token, as the answer reports them;
     tpot_s: float = -1.0      # -1: not a generation (or not answered)
+    queued_s: float = -1.0    # how long a generation waited at the entry for its place; -1: not reported
 
     @property
     def ok(self) -> bool:
@@ -62,6 +63,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request, rec: Rec
             rec.stages = answer.get("stages", [])
             if "ttft_ms" in answer:
                 rec.ttft_s, rec.tpot_s = answer["ttft_ms"] / 1000.0, answer["tpot_ms"] / 1000.0
+                rec.queued_s = answer.get("queued_ms", -1000.0) / 1000.0
         else:
             rec.error = body[:200].decode(errors="replace")
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:

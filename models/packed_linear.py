@@ -16,13 +16,26 @@ bfloat16, at a cost in agreement with float32 that the generation benchmark meas
 an int8 layer gives back its quantized values, not the original weights."""
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and dtype in (torch.float32, torch.bfloat16))
+            and dtype in (torch.float32, torch.bfloat16) and _packs(dtype))
+
+
+@cache
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN reorders a weight of `dtype` on this CPU (its bfloat16 path needs AVX512BW/VL/DQ
+    or AVX-NE-CONVERT): asked of the library once, as the CPU flags it wants are its own to list."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def layout_for(device: torch.device, dtype: torch.dtype, prepack: bool, quantize: str) -> str | None:

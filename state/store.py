@@ -310,6 +310,12 @@ class RedisStore:
     def waking(self, model: str) -> bool:
         return bool(self.r.exists(keys.waking(model)))
 
+    def holdings(self) -> dict:
+        """What Redis holds (a soak's view, Redis only): used memory (INFO memory), keys (DBSIZE)
+        and every stream's length."""
+        streams = {key.decode(): self.r.xlen(key) for key in self.r.scan_iter(_type="STREAM", count=1000)}
+        return {"used_memory": int(self.r.info("memory")["used_memory"]), "keys": self.r.dbsize(), "streams": streams}
+
     def set_activity(self, activity: dict[str, Activity]) -> None:
         """Every model's activity at the gateway, in one write."""
         if activity:

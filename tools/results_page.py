@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.report import RESULTS
+from contracts.paths import REPO_ROOT
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
 
 HEADER = """# Results
 

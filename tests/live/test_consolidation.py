@@ -99,7 +99,7 @@ def test_a_quiet_model_consolidates_and_a_burst_splits_it(consolidating):
     with ThreadPoolExecutor(12) as pool:
         texts = list(pool.map(ask, range(24)))
     assert set(texts) == {expected}
-    wait_until(lambda: layout(r, model) == PIPELINED and replicas(client, model)[f"{model}-whole"] == 0, 120, "the split")
+    wait_until(lambda: layout(r, model) == PIPELINED and replicas(client, model)[f"{model}-whole"] == 0, 300, "the split")
     assert all(replicas(client, model)[n] >= 1 for n in narrow)
     assert ask() == expected
     changes = [c.layout for c in RedisStore(r).layout_changes(model)]

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import aiohttp
 import openai
@@ -299,6 +300,56 @@ def test_kill_9_of_the_entry_replica_mid_generation(client, r, runtime, tokenize
     assert result and result[0].status == 200, result and result[0].body
     assert result[0].json()["token_ids"][:len(references[longest])] == references[longest]
     assert _entry_pids(runtime) and _entry_pids(runtime) != before
+
+
+@contextmanager
+def _entry_with(client: GatewayClient, runtime, **env: str):
+    """The smollm2 entry function redeployed with `env` added, until the block ends."""
+    deployment = client.request("GET", "/system/function/smollm2").json()
+    original = {"service": "smollm2", "image": deployment["image"], "envVars": deployment["envVars"],
+                "labels": deployment.get("labels") or {}}
+
+    def replaced(before: list[int]) -> bool:
+        now = _entry_pids(runtime)
+        return len(now) == 1 and now != before and available(client, "smollm2") >= 1
+
+    before = _entry_pids(runtime)
+    assert client.request("PUT", "/system/functions", {**original, "envVars": {**original["envVars"], **env}}).status == 200
+    wait_until(lambda: replaced(before), 120, "the redeployed entry")
+    try:
+        yield
+    finally:
+        changed = _entry_pids(runtime)
+        assert client.request("PUT", "/system/functions", original).status == 200
+        wait_until(lambda: replaced(changed), 120, "the original entry")
+
+
+def test_a_tpot_objective_bounds_what_runs_and_queues_the_rest(client, runtime):
+    """A TPOT objective no step here meets (1 ms): once a step is measured the entry lets one
+    sequence in flight at a time, and a burst of three is answered in full, the later ones
+    having waited at the entry for those before (none refused: without a TTFT objective the
+    deadline is the request timeout)."""
+    with _entry_with(client, runtime, QUART_TPOT_OBJECTIVE_S="0.001"):
+        assert generate(client, "Measure a step.", 4).status == 200
+        replies = run_concurrently(lambda i: generate(client, f"Count to {i}.", 12, ignore_eos=True), [(i,) for i in range(3)], 3)
+    assert [x.status for x in replies] == [200] * 3, [x.body for x in replies]
+    answers = sorted((x.json() for x in replies), key=lambda a: a["queued_ms"])
+    runs = sorted(a["latency_ms"] - a["queued_ms"] for a in answers)
+    # One at a time: the last waited for (about) the two before it; all at once, none would wait.
+    assert answers[-1]["queued_ms"] >= 0.5 * (runs[0] + runs[1]), answers
+
+
+def test_a_request_predicted_to_miss_its_ttft_objective_gets_429(client, runtime):
+    """Objectives no request can meet: the first is let in (nothing measured yet to predict
+    from), the next is refused at once with Retry-After, and says why."""
+    with _entry_with(client, runtime, QUART_TTFT_OBJECTIVE_S="0.001", QUART_TPOT_OBJECTIVE_S="0.001"):
+        assert generate(client, "Measure a step.", 4).status == 200
+        refused = generate(client, "Too late already.", 8)
+        oai = client.request("POST", "/function/smollm2/v1/completions",
+                             {"model": "smollm2", "prompt": "Too late.", "max_tokens": 8})
+    assert refused.status == 429 and int(refused.headers["Retry-After"]) >= 1, refused.body
+    assert "deadline" in refused.json()["error"]
+    assert oai.status == 429 and oai.json()["error"]["message"], oai.body
 
 
 def test_kv_budget_gives_429_with_retry_after_and_a_disconnect_frees_the_cache(client, r):

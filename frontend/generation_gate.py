@@ -1,0 +1,122 @@
+"""The places in flight of a model's entry (the mechanism of frontend/objectives.py): a request
+takes a ticket when it arrives (or is refused), waits for its place in earliest-deadline order,
+reports each token it gets, and gives its place back when it ends."""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+
+from frontend.objectives import Decision, Objectives, StepTimes, batch_bound, decide
+
+
+class Refused(Exception):
+    def __init__(self, decision: Decision, deadline: float) -> None:
+        super().__init__(f"predicted to finish {decision.completion_s - deadline:.1f} s after its deadline")
+        self.decision = decision
+
+
+class GenerationGate:
+    def __init__(self, objectives: Objectives, clock: Callable[[], float] = time.time) -> None:
+        self.objectives = objectives
+        self.steps = StepTimes()
+        self._clock = clock
+        self._running: set[Ticket] = set()
+        self._queue: list[tuple[float, int, Ticket]] = []  # (deadline, arrival order, ticket)
+        self._order = itertools.count()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(t.weight for t in self._running)
+
+    def bound(self) -> int:
+        return batch_bound(self.steps, self.objectives.tpot_s)
+
+    def enter(self, arrived: float, tokens: int, weight: int = 1, force: bool = False) -> Ticket:
+        """A ticket for a request of `weight` sequences of up to `tokens` new tokens each, queued
+        by its deadline; Refused, with a TTFT objective, when it is predicted to miss it (unless
+        `force`)."""
+        now = self._clock()
+        deadline = self.objectives.deadline(arrived, tokens)
+        if self.objectives.ttft_s > 0 and not force:
+            self._check(now, deadline, tokens)
+        ticket = Ticket(self, tokens, weight, now)
+        heapq.heappush(self._queue, (deadline, next(self._order), ticket))
+        self._grant()
+        return ticket
+
+    def _check(self, now: float, deadline: float, tokens: int) -> None:
+        """Refused when a request predicted to run behind those running and those queued with an
+        earlier deadline would miss its own."""
+        bound = self.bound()
+        tpot = self.steps.tpot(bound) or 0.0
+        running = [t.left * (self.steps.tpot(self.in_flight) or 0.0) for t in self._running for _ in range(t.weight)]
+        ahead = [self.steps.prefill_s + max(0, t.tokens - 1) * tpot
+                 for d, _, t in sorted(self._queue) for _ in range(t.weight) if d <= deadline]
+        decision = decide(now, deadline, tokens, bound, self.steps, running, ahead)
+        if not decision.admit:
+            raise Refused(decision, deadline)
+
+    def _grant(self) -> None:
+        bound = self.bound()
+        while self._queue:
+            ticket = self._queue[0][2]
+            if ticket.gone:
+                heapq.heappop(self._queue)
+                continue
+            # One request at least always runs, however wide: a place bound below its width must not starve it.
+            if self._running and self.in_flight + ticket.weight > bound:
+                return
+            heapq.heappop(self._queue)
+            self._running.add(ticket)
+            ticket.granted_at = self._clock()
+            if not ticket.placed.done():
+                ticket.placed.set_result(None)
+
+    def _release(self, ticket: Ticket) -> None:
+        ticket.gone = True
+        self._running.discard(ticket)
+        self._grant()
+
+
+class Ticket:
+    """A request's place: `async with ticket` waits for it (TimeoutError past `wait_s`), and
+    gives it back on leaving; `token()` after each token it gets."""
+
+    def __init__(self, gate: GenerationGate, tokens: int, weight: int, arrived: float) -> None:
+        self.gate, self.tokens, self.weight, self.arrived = gate, tokens, weight, arrived
+        self.left = float(tokens)
+        self.placed: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.granted_at: float | None = None
+        self.gone = False
+        self._last: float | None = None
+
+    @property
+    def queued_s(self) -> float:
+        return (self.gate._clock() if self.granted_at is None else self.granted_at) - self.arrived
+
+    async def wait(self, wait_s: float) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self.placed), timeout=max(0.0, wait_s))
+        except BaseException:
+            self.close()
+            raise
+
+    def token(self, choice: int = 0) -> None:
+        """One more token of the request's sequence `choice` came back; the first sequence's
+        tokens time the steps (the others run in the same steps)."""
+        if choice:
+            return
+        now = self.gate._clock()
+        if self._last is None:
+            self.gate.steps.prefill(now - (now if self.granted_at is None else self.granted_at))
+        else:
+            self.gate.steps.step(self.gate.in_flight, now - self._last)
+        self._last = now
+        self.left = max(0.0, self.left - 1.0)
+
+    def close(self) -> None:
+        if not self.gone:
+            self.gate._release(self)
