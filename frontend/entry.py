@@ -254,6 +254,7 @@ class Entry:
             await ticket.wait(self._left_s(started))
         except TimeoutError:
             yield oa.sse(oa.error_body(f"not started within {self.settings.data.request_timeout_s:g} s", 504))
+            yield oa.DONE
             return
         tasks = [asyncio.ensure_future(self._choice_events(req, rid, c, ids, started, ticket, events))
                  for c in _choices(req, rid)]
