@@ -57,12 +57,16 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), float(t975(len(a) - 1) * a.std(ddof=1) / np.sqrt(len(a)))
 
 
-def commit() -> str:
-    """The commit measured, `-dirty` when the working tree differs from it."""
+# What a benchmark does not run: edits to these while it measures leave its commit clean.
+NOT_MEASURED = (":(exclude)*.md", ":(exclude)docs", ":(exclude)benchmarks/results")
+
+
+def commit(repo: Path = REPO_ROOT) -> str:
+    """The commit measured, `-dirty` when the working tree's code differs from it."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
     head = git("rev-parse", "HEAD") or "unknown"
-    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_MEASURED) else "")
 
 
 def conditions(**extra: object) -> dict:

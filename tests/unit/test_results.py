@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import __main__ as bench
 from benchmarks.freshness import benchmark_of, declared_paths, freshness
-from benchmarks.report import mean_ci95, t975
+from benchmarks.report import commit, mean_ci95, t975
 from contracts.paths import REPO_ROOT
 from tools.results_page import results_page
 
@@ -53,8 +53,8 @@ def test_a_result_goes_stale_only_when_its_code_changes(tmp_path):
     measured = _commit(tmp_path, "engine/step.py", "v1")
     results = tmp_path / "results"
     results.mkdir()
-    for name, commit in (("fast", measured), ("fast_other", measured + "-dirty")):
-        (results / f"{name}.json").write_text(json.dumps({"conditions": {"commit": commit, "when": "x"}, "figures": []}))
+    for name, stamp in (("fast", measured), ("fast_other", measured + "-dirty")):
+        (results / f"{name}.json").write_text(json.dumps({"conditions": {"commit": stamp, "when": "x"}, "figures": []}))
     (results / "fast_runs.json").write_text("[]")  # a side file, not a result
     paths = {"fast": ("engine",)}.__getitem__
 
@@ -69,6 +69,18 @@ def test_a_result_goes_stale_only_when_its_code_changes(tmp_path):
     (results / "fast.json").write_text(json.dumps({"conditions": {"commit": "0" * 40}, "figures": []}))
     [unknown] = [f for f in freshness(results, tmp_path, paths) if f.result == "fast"]
     assert unknown.how == "unknown commit" and unknown.stale
+
+
+def test_a_result_is_stamped_dirty_only_for_changes_to_code(tmp_path):
+    _git(tmp_path, "init", "-q")
+    _commit(tmp_path, "engine/step.py", "v1")
+    _commit(tmp_path, "README.md", "read me")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    (tmp_path / "README.md").write_text("edited while measuring")
+    (tmp_path / "docs").mkdir()
+    assert commit(tmp_path) == head
+    (tmp_path / "engine" / "step.py").write_text("v2")
+    assert commit(tmp_path) == head + "-dirty"
 
 
 def test_the_results_page_is_what_the_json_holds():
