@@ -69,8 +69,26 @@ def commit(repo: Path = REPO_ROOT) -> str:
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_MEASURED) else "")
 
 
+# The CPU features that decide a figure here: bfloat16 in hardware (the dtype `auto` serves), oneDNN's paths.
+CPU_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_model() -> tuple[str, list[str]]:
+    """The CPU's model name and which of CPU_FEATURES it has (/proc/cpuinfo; empty where absent)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine(), []
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name", platform.machine()), [f for f in CPU_FEATURES if f in flags]
+
+
 def conditions(**extra: object) -> dict:
+    model, features = cpu_model()
     return {"machine": platform.node(), "commit": commit(), "cpu": platform.processor() or platform.machine(),
+            "cpu_model": model, "cpu_features": features,
             "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **extra}

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import __main__ as bench
 from benchmarks.freshness import benchmark_of, declared_paths, freshness
-from benchmarks.report import commit, mean_ci95, t975
+from benchmarks.report import CPU_FEATURES, commit, conditions, mean_ci95, t975
 from contracts.paths import REPO_ROOT
 from tools.results_page import results_page
 
@@ -98,3 +98,10 @@ def test_an_interval_from_runs():
     mean, half = mean_ci95([1.0, 2.0, 3.0])
     assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / 3 ** 0.5, rel=1e-3)
     assert mean_ci95([5.0]) == (5.0, 0.0)
+
+
+def test_results_say_which_cpu_and_features_measured_them():
+    stamped = conditions(extra=1)
+    assert stamped["cpu_model"] and set(stamped["cpu_features"]) <= set(CPU_FEATURES) and stamped["extra"] == 1
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    assert ("avx2" in stamped["cpu_features"]) == ("avx2" in flags)
