@@ -68,10 +68,13 @@ def fifo_latencies(arrivals: list[float], service_s: list[float]) -> list[float]
 def point(records: list[Record], seconds: float) -> dict:
     sent = [r for r in records if r.sent >= 0]
     ok = [r for r in sent if r.ok]
-    latencies = [r.latency_s for r in ok]
-    queued = [r.queued_s for r in ok if r.queued_s >= 0]
-    return {"sent": len(sent), "answered": len(ok), "refused": sum(r.status == 429 for r in sent),
-            "failed": sum(not r.ok and r.status != 429 for r in sent),
+    return summary(len(sent), [r.latency_s for r in ok], [r.queued_s for r in ok if r.queued_s >= 0],
+                   sum(r.status == 429 for r in sent), sum(not r.ok and r.status != 429 for r in sent), seconds)
+
+
+def summary(sent: int, latencies: list[float], queued: list[float], refused: int, failed: int,
+            seconds: float) -> dict:
+    return {"sent": sent, "answered": len(latencies), "refused": refused, "failed": failed,
             "goodput_per_s": sum(lat <= OBJECTIVE_S for lat in latencies) / seconds,
             "mean_s": float(np.mean(latencies)) if latencies else math.nan,
             "p99_s": float(np.percentile(latencies, 99)) if latencies else math.nan,
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     prompts = first_prompts(PROMPTS, seed=args.seed, max_chars=400)
     points = [(rate, cv) for rate in args.rates for cv in args.cvs]
+    traces = {(rate, cv): trace(rate, cv, args.seconds, prompts, args.seed) for rate, cv in points}
     results: dict[tuple[str, float, float], dict] = {}
     service: list[float] = []
     for name, changes in PIPELINES.items():
@@ -95,17 +99,13 @@ def main(argv: list[str] | None = None) -> dict:
                 service, served = _fifo_service(settings, prompts)
             for rate, cv in points:
                 print(f"  {name}: {rate:g} requests/s, CV {cv:g}, {args.seconds:g} s", flush=True)
-                requests = trace(rate, cv, args.seconds, prompts, args.seed)
-                records = asyncio.run(replay(settings.gateway.url, requests, timeout_s=600, progress=False))
+                records = asyncio.run(replay(settings.gateway.url, traces[(rate, cv)], timeout_s=600, progress=False))
                 results[(name, rate, cv)] = point(records, args.seconds)
-    for rate, cv in points:
-        requests = trace(rate, cv, args.seconds, prompts, args.seed)
-        latencies = fifo_latencies([r.at for r in requests], [service[r.index % len(prompts)] for r in requests])
-        results[(FIFO, rate, cv)] = {"sent": len(requests), "answered": len(requests), "refused": 0, "failed": 0,
-                                     "goodput_per_s": sum(x <= OBJECTIVE_S for x in latencies) / args.seconds,
-                                     "mean_s": float(np.mean(latencies)), "p99_s": float(np.percentile(latencies, 99)),
-                                     "queued_mean_s": float(np.mean([x - s for x, s in zip(
-                                         latencies, [service[r.index % len(prompts)] for r in requests])]))}
+    for (rate, cv), requests in traces.items():
+        services = [service[r.index % len(prompts)] for r in requests]
+        latencies = fifo_latencies([r.at for r in requests], services)
+        results[(FIFO, rate, cv)] = summary(len(requests), latencies, [x - s for x, s in zip(latencies, services)],
+                                            0, 0, args.seconds)
     return _report(results, points, args, served)
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.report import RESULTS, table
+from benchmarks.report import RESULTS, git, table
 from contracts.paths import REPO_ROOT
 
 NOT_BENCHMARKS = {"__init__", "__main__", "report", "freshness", "model_store"}
@@ -34,28 +33,23 @@ class Freshness:
         return bool(self.since) or self.commit is None
 
 
-def _git(repo: Path, *args: str) -> str:
-    done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
 def measured_commit(conditions: dict, repo: Path) -> tuple[str | None, str]:
     """The commit a result measured and how that is known."""
     stamped = conditions.get("commit")
     if stamped and stamped != "unknown":
         sha = stamped.removesuffix("-dirty")
-        known = _git(repo, "rev-parse", "--verify", "--quiet", f"{sha}^{{commit}}")
+        known = git(repo, "rev-parse", "--verify", "--quiet", f"{sha}^{{commit}}")
         if not known:
             return None, "unknown commit"
         return known, "stamped, dirty tree" if stamped.endswith("-dirty") else "stamped"
     when = conditions.get("when")
-    before = _git(repo, "rev-list", "-1", f"--before={when}", "HEAD") if when else ""
+    before = git(repo, "rev-list", "-1", f"--before={when}", "HEAD") if when else ""
     return (before or None), ("from its date" if before else "unknown commit")
 
 
 def touching(repo: Path, since: str, paths: tuple[str, ...]) -> tuple[str, ...]:
     """Commits after `since` up to HEAD that change any of `paths`, newest first."""
-    out = _git(repo, "log", "--format=%h %s", f"{since}..HEAD", "--", *paths)
+    out = git(repo, "log", "--format=%h %s", f"{since}..HEAD", "--", *paths)
     return tuple(line[:100] for line in out.splitlines())
 
 
@@ -91,7 +85,7 @@ def main(argv: list[str]) -> int:
     if argv:
         print(__doc__, file=sys.stderr)
         return 2
-    if not _git(REPO_ROOT, "rev-parse", "HEAD"):
+    if not git(REPO_ROOT, "rev-parse", "HEAD"):
         print("not a git checkout: freshness compares results with the commits that changed their code",
               file=sys.stderr)
         return 2

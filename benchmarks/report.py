@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from contracts.paths import BENCHMARK_RESULTS as RESULTS
 from contracts.paths import REPO_ROOT
+from models.precision import cpu_field, cpu_flags
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # The serving system's code: what a benchmark running the embedded runtime measures (MEASURES).
 SERVING = ("autoscaler", "contracts", "engine", "frontend", "functions", "keysmanager", "models", "runtime",
            "scheduler", "state", "stack.yml")
@@ -61,34 +62,27 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
 NOT_MEASURED = (":(exclude)*.md", ":(exclude)docs", ":(exclude)benchmarks/results")
 
 
+def git(repo: Path, *args: str) -> str:
+    """What `git args` prints in `repo`; empty where it fails (not a checkout, an unknown commit)."""
+    done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def commit(repo: Path = REPO_ROOT) -> str:
     """The commit measured, `-dirty` when the working tree's code differs from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
-    head = git("rev-parse", "HEAD") or "unknown"
-    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_MEASURED) else "")
+    head = git(repo, "rev-parse", "HEAD") or "unknown"
+    changed = git(repo, "status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_MEASURED)
+    return head + ("-dirty" if changed else "")
 
 
 # The CPU features that decide a figure here: bfloat16 in hardware (the dtype `auto` serves), oneDNN's paths.
 CPU_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
-def cpu_model() -> tuple[str, list[str]]:
-    """The CPU's model name and which of CPU_FEATURES it has (/proc/cpuinfo; empty where absent)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine(), []
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    flags = set(fields.get("flags", "").split())
-    return fields.get("model name", platform.machine()), [f for f in CPU_FEATURES if f in flags]
-
-
 def conditions(**extra: object) -> dict:
-    model, features = cpu_model()
     return {"machine": platform.node(), "commit": commit(), "cpu": platform.processor() or platform.machine(),
-            "cpu_model": model, "cpu_features": features,
+            "cpu_model": cpu_field("model name") or platform.machine(),
+            "cpu_features": [f for f in CPU_FEATURES if f in cpu_flags()],
             "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **extra}

@@ -51,8 +51,8 @@ class GenerationGate:
         """Refused when a request predicted to run behind those running and those queued with an
         earlier deadline would miss its own."""
         bound = self.bound()
-        tpot = self.steps.tpot(bound) or 0.0
-        running = [t.left * (self.steps.tpot(self.in_flight) or 0.0) for t in self._running for _ in range(t.weight)]
+        tpot, tpot_now = self.steps.tpot(bound) or 0.0, self.steps.tpot(self.in_flight) or 0.0
+        running = [t.left * tpot_now for t in self._running for _ in range(t.weight)]
         ahead = [self.steps.prefill_s + max(0, t.tokens - 1) * tpot
                  for d, _, t in sorted(self._queue) for _ in range(t.weight) if d <= deadline]
         decision = decide(now, deadline, tokens, bound, self.steps, running, ahead)

@@ -36,19 +36,26 @@ def bf16_native(device: str) -> bool:
     """Whether `device` computes bfloat16 in hardware (not emulated through float32)."""
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
-    return any(flag in _cpu_flags() for flag in _CPU_BF16_FLAGS)
+    return any(flag in cpu_flags() for flag in _CPU_BF16_FLAGS)
 
 
 @cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_field(name: str) -> str:
+    """The first CPU's `name` field in /proc/cpuinfo ("flags", "model name"); empty where there is
+    none (not Linux: no flags to read, so no claim of native bfloat16)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no flags to read, so no claim of native bfloat16
-        return frozenset()
+    except OSError:
+        return ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(cpu_field("flags").split())
 
 
 def serving_dtype(requested: str, checkpoint: str, device: str) -> torch.dtype:

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from contracts.paths import REPO_ROOT
-
-RESULTS = REPO_ROOT / "benchmarks" / "results"
+from contracts.paths import BENCHMARK_RESULTS as RESULTS
 
 HEADER = """# Results
 
