@@ -53,7 +53,9 @@ def runtime(home_settings: Settings, partitioned):
     settings = home_settings.replace(
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
         stack_file=str(REPO / "stack.yml"), policy="none",  # these tests scale by hand
-        request_timeout_s=30.0, reclaim_idle_ms=2000, drain_timeout_s=20.0, max_prompt_tokens=256,
+        # 60 s: sixteen 48-token generations take 25-30 s alone on a 2-core AVX2 host in float32,
+        # and a loaded CI host must still answer them all (30 s cut some off).
+        request_timeout_s=60.0, reclaim_idle_ms=2000, drain_timeout_s=20.0, max_prompt_tokens=256,
         admit_wait_s=0.0)  # tests that load it assert every request is answered; test_overload covers admission
     # `up` hands these settings to the runtime, which hands them to every replica.
     try:
