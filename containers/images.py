@@ -83,14 +83,14 @@ def build_context(b: ImageBuild, copy: list[str], root: Path, out: Path) -> Path
 
 
 def wheelhouse(settings: Settings, out: Path) -> Path:
-    """Wheels of everything requirements-serve.txt installs on the base image's Python: built
-    here (DeepSpeed is only a source archive; pip's cache makes a rebuild quick), then completed
+    """Wheels of everything requirements-serve.txt installs on the base image's Python: those of
+    this host's Python (pip's cache makes a rebuild quick), then completed
     with what the base's own Python resolves to beyond that (a dependency may depend on the patch
     release: redis needs async-timeout below Python 3.11.3)."""
     house = out / "wheelhouse"
     house.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip"]
-    _pip([*pip, "wheel", "-q", "--no-build-isolation", "-w", str(house), "-r", str(REPO_ROOT / REQUIREMENTS)])
+    _pip([*pip, "wheel", "-q", "-w", str(house), "-r", str(REPO_ROOT / REQUIREMENTS)])
     for _ in range(MAX_ROUNDS):
         wanted = _unresolved_on_base(settings, house)
         if wanted is None:

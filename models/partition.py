@@ -13,7 +13,9 @@ on request.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -54,8 +56,29 @@ def _tied_head(ckpt: Checkpoint, keys: dict[str, list[str]]) -> bool:
 
 
 def balanced_bounds(counts: list[int], stages: int) -> list[int]:
-    from deepspeed.runtime.utils import partition_balanced
-    return [int(b) for b in partition_balanced(counts, stages)]
+    """Contiguous stages whose byte sizes are as even as possible: the linear-partition dynamic
+    programme that DeepSpeed's `partition_balanced` runs (stage j ending at unit i extends the
+    best split of the units before it, judged by the spread between its heaviest and lightest
+    stage, a tie going to the later boundary), so the same checkpoint splits the same way it
+    always has. Written here because DeepSpeed ships only a source archive that compiles against
+    torch, a heavy dependency of every image for these lines."""
+    n = len(counts)
+    prefix = list(itertools.accumulate(counts, initial=0))
+    # best[j][i]: (spread, heaviest, lightest, boundary) of the best split of units [0, i) into j stages.
+    best = [[(math.inf, math.inf, math.inf, 0)] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0, 0, math.inf, 0)
+    for i in range(1, n + 1):
+        for j in range(1, min(i, stages) + 1):
+            for k in range(i):
+                size = prefix[i] - prefix[k]
+                _, heaviest, lightest, _ = best[j - 1][k]
+                heaviest, lightest = max(heaviest, size), min(lightest, size)
+                if heaviest - lightest <= best[j][i][0]:
+                    best[j][i] = (heaviest - lightest, heaviest, lightest, k)
+    bounds = [n]
+    for j in range(stages, 0, -1):
+        bounds.append(best[j][bounds[-1]][3])
+    return bounds[::-1]
 
 
 def uniform_bounds(num_units: int, stages: int) -> list[int]:
