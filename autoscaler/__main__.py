@@ -16,6 +16,7 @@ from pathlib import Path
 
 from autoscaler.backends import Backend, GatewayBackend, LocalBackend
 from autoscaler.loop import ControlLoop
+from contracts import logs as log_format
 from contracts.config import Settings, add_arguments, exit_on_config_error, settings_from_args
 from contracts.http_client import GatewayClient
 from contracts.stack import Pipeline, pipelines, read_stack
@@ -23,7 +24,7 @@ from state.store import RedisStore
 
 
 def run(settings: Settings) -> int:
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_format.configure(settings.log_level)
     store = RedisStore.from_url(settings.redis_url)
     models = pipelines(read_stack(Path(settings.stack_file)))
     loop = exit_on_config_error(lambda: ControlLoop(settings, backend(settings, models, store), store, models))

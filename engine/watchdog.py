@@ -29,6 +29,7 @@ from types import ModuleType
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from contracts import logs as log_format
 from contracts.config import load_settings
 from contracts.http_errors import json_errors
 
@@ -173,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free one)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("QUART_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_format.configure(os.environ.get("QUART_LOG_LEVEL", "INFO"))
     settings = load_settings()
     handler = load_handler(args.handler.resolve())
     asyncio.run(serve(handler, args.host, args.port_file, settings.limits.max_body_bytes,

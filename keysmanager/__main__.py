@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from aiohttp import web
 
+from contracts import logs as log_format
 from contracts.config import add_arguments, exit_on_config_error, settings_from_args
 from keysmanager.api import build_app
 from keysmanager.manager import KeysManager
@@ -18,8 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser, "home", "keysmanager_host", "keysmanager_port", "server", "redis_port", "cache_memory_threshold")
     args = parser.parse_args(argv)
     settings = exit_on_config_error(lambda: settings_from_args(args))
-    logging.basicConfig(level=settings.log_level,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_format.configure(settings.log_level)
     manager = KeysManager(settings, RedisStore.from_url(settings.redis_url))
     web.run_app(build_app(manager, settings.internal_api_token()), host=settings.cache.host, port=settings.cache.port,
                 print=None, access_log=None)

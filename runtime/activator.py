@@ -1,15 +1,16 @@
 """The embedded gateway's side of scale to zero, OpenFaaS's gateway's: it notes each model's
 requests, publishes them each second (the autoscaler's idle rule decides when a model's stage
 functions sleep, and wakes them when work waits in their streams: autoscaler/policy/arbitration.py),
-and wakes every sleeping stage function of a model at once when a request comes for it, on the
-request's way in (OpenFaaS's scale from zero), while the entry holds the request."""
+and, as OpenFaaS's gateway scales from zero, wakes a function invoked at zero replicas (entry or
+stage, put there by hand or by the idle rule) with the model's sleeping stage functions at once, on
+the request's way in, while the gateway holds the request until a replica is ready."""
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
 
-from contracts.stack import ZeroScaling, is_whole
+from contracts.stack import ZeroScaling, identity, is_whole
 from runtime.functions import FunctionState
 from state.records import PIPELINED, Activity
 from state.store import Store
@@ -40,18 +41,27 @@ class Activator:
         self.touched(model)  # idleness counts from the last answer
         self.in_flight[model] -= 1
 
-    def wake(self, functions: list[FunctionState], model: str, now: float | None = None) -> bool:
-        """Every sleeping stage function of `model` back to its minimum; True if any was asleep."""
+    def wake(self, functions: list[FunctionState], invoked: FunctionState, now: float | None = None) -> bool:
+        """OpenFaaS's scale from zero: the invoked function back to its minimum if it is at zero,
+        whatever put it there. For an entry, its model's stage functions at zero come back with it:
+        all of them where the entry was at zero too (the model was put to sleep whole), else those
+        their idle rule put there (a stage scaled to zero by hand while its entry runs stays there,
+        as its operator asked). Stage functions wake only in the pipelined layout: at zero for a
+        consolidated layout is not asleep. True if any function woke."""
         now = time.time() if now is None else now
-        asleep = [fn for fn in functions if fn.stage is not None and fn.stage.model == model and not fn.desired
-                  and not is_whole(fn) and ZeroScaling.from_labels(fn.deployment.get("labels") or {}).enabled]
-        if not asleep or self.store.layout(model) != PIPELINED:  # at zero for the layout, not for idleness
+        model = identity(invoked.deployment)[0]
+        asleep = [fn for fn in functions if invoked.stage is None and fn.stage is not None and fn.stage.model == model
+                  and not fn.desired and not is_whole(fn) and (not invoked.desired or _idles(fn))]
+        if asleep and self.store.layout(model) != PIPELINED:
+            asleep = []
+        woken = asleep + ([invoked] if not invoked.desired else [])
+        if not woken:
             return False
-        for fn in asleep:
+        for fn in woken:
             fn.desired = self.initial(fn)
         self.store.wake(model, now, self.waking_ttl_s)
         self.touched(model, now)
-        log.info("woke %s: %s", model, ", ".join(f"{fn.name}={fn.desired}" for fn in asleep))
+        log.info("woke %s: %s", model, ", ".join(f"{fn.name}={fn.desired}" for fn in woken))
         return True
 
     def publish(self, now: float | None = None) -> None:
@@ -61,3 +71,8 @@ class Activator:
             return
         self._published = now
         self.store.set_activity({m: Activity(t, self.in_flight.get(m, 0)) for m, t in self.last_request.items()})
+
+
+def _idles(fn: FunctionState) -> bool:
+    """Whether an idle rule may have put the function at zero (it is labelled for one)."""
+    return ZeroScaling.from_labels(fn.deployment.get("labels") or {}).enabled

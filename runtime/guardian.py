@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from contracts import logs as log_format
 from contracts.config import exit_on_config_error, load_settings
 
 log = logging.getLogger("quart.guardian")
@@ -57,7 +58,7 @@ def _exit_of(status: int) -> str:
 
 def main() -> int:
     settings = exit_on_config_error(load_settings)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_format.configure(settings.log_level)
     _become_subreaper()
     sock = _listen(settings.gateway.host, settings.gateway.port)
     stopping = []

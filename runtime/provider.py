@@ -29,6 +29,7 @@ from models.families import Unsupported, check_folder
 from models.manifest import Manifest
 from models.sizes import stage_bytes
 from runtime.activator import Activator
+from runtime.function_logs import LogQuery, stream_logs
 from runtime.functions import FunctionState, ProcessManager
 from runtime.placer import Placer
 from runtime.state_file import save as save_state
@@ -316,6 +317,7 @@ class LocalProvider:
         r.add_delete("/system/functions", self._delete)
         r.add_get("/system/function/{name}", self._get)
         r.add_post("/system/scale-function/{name}", self._scale)
+        r.add_get("/system/logs", self._logs)
         r.add_get("/system/namespaces", lambda _: web.json_response([self.settings.gateway.namespace]))
         r.add_get("/v1/models", self._v1_models)
         r.add_route("*", "/v1/{tail:.*}", self._v1_invoke)
@@ -370,6 +372,16 @@ class LocalProvider:
         if fn is None:
             return error(404, f"function {request.match_info['name']!r} not found")
         return web.json_response(self.status(fn))
+
+    async def _logs(self, request: web.Request) -> web.StreamResponse:
+        try:
+            query = LogQuery.parse(request.query)
+        except BadRequest as exc:
+            return error(400, str(exc))
+        if query.name not in self.functions or request.query.get("namespace", "") not in ("", self.settings.gateway.namespace):
+            return error(404, f"function {query.name!r} not found")
+        return await stream_logs(request, query, self.processes.log_dir / f"{query.name}.log",
+                                 self.settings.gateway.namespace, self.settings.data.request_timeout_s)
 
     async def _body(self, request: web.Request) -> object:
         try:
@@ -468,8 +480,8 @@ class LocalProvider:
         model = identity(fn.deployment)[0]
         self.activator.started(model)
         try:
-            if fn.stage is None and self.activator.wake(list(self.functions.values()), model, started):
-                self.converge()  # the stages start now; the entry holds the request meanwhile
+            if self.activator.wake(list(self.functions.values()), fn, started):
+                self.converge()  # the woken replicas start now; _forward holds the request meanwhile
             response = await self._forward(fn, request, tail, body)
         finally:
             self.activator.finished(model)

@@ -21,6 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from containers import runtime as in_containers
+from contracts import logs as log_format
 from contracts.config import Settings, child_environment, exit_on_config_error, load_settings
 from contracts.loops import start_thread
 from contracts.paths import REPO_ROOT
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = exit_on_config_error(load_settings)
     home = Path(settings.home)
     (home / "logs").mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=settings.log_level,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log_format.configure(settings.log_level)
     previous = load_state(state_path(home)) if args.adopt else {}
     components = previous.get("components", {})
     supervisor = Supervisor()

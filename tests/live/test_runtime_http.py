@@ -9,14 +9,17 @@ import shutil
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 from contracts.http_client import GatewayClient
+from contracts.paths import REPO_ROOT
 from contracts.secrets import bearer
 from contracts.wire import MESSAGE_FIELD, decode_tensors, encode_tensors, unpack
 from models.architectures import mean_pool_normalize
@@ -215,6 +218,46 @@ def test_system_endpoints_follow_the_spec(client):
                    {"serviceName": "smollm2-s1", "namespace": "openfaas-fn", "replicas": -1}).status == 400
 
 
+def test_system_logs_give_a_functions_lines_as_openfaas_log_entries(client, runtime):
+    """GET /system/logs, what `faas-cli logs` reads: a function's last lines as LogEntry records
+    naming the replica process that wrote each; one instance's alone; with follow, a line written
+    later arrives on the open stream. A malformed query is a 400, an unknown function a 404."""
+    required = yaml.safe_load((REPO_ROOT / "docs" / "openapi.yml").read_text())["components"]["schemas"]["LogEntry"]["required"]
+    reply = client.request("GET", "/system/logs?name=smollm2-s0&tail=3")
+    assert reply.status == 200 and reply.headers["Content-Type"].startswith("application/x-ndjson"), reply
+    entries = [json.loads(line) for line in reply.body.splitlines()]
+    assert len(entries) == 3 and all(set(required) <= set(e) and e["name"] == "smollm2-s0" for e in entries), entries
+    instances = {e["instance"] for e in entries}
+    assert all(i.isdigit() for i in instances) and any(_alive(int(i)) for i in instances), entries
+    one = next(iter(instances))
+    alone = [json.loads(x) for x in client.request("GET", f"/system/logs?name=smollm2-s0&instance={one}").body.splitlines()]
+    assert alone and {e["instance"] for e in alone} == {one}
+    for query, status in (("tail=x&name=smollm2-s0", 400), ("name=smollm2-s0&since=yesterday", 400), ("name=ghost", 404), ("", 400)):
+        assert checked(client, "GET", f"/system/logs?{query}", "/system/logs").status == status, query
+
+    marker = f"written while followed {time.time()}"
+    request = urllib.request.Request(f"{client.url}/system/logs?name=smollm2-s0&tail=1&follow=true",
+                                     headers={"Authorization": client.auth})
+    with urllib.request.urlopen(request, timeout=20) as stream:
+        stream.readline()   # the tail: the stream is open
+        with open(Path(runtime.home) / "logs" / "smollm2-s0.log", "a") as log:
+            log.write(f"{marker}\n")
+        # Lines until the marker (the replicas may log meanwhile); a stream that never sends it
+        # times out reading.
+        followed = [json.loads(stream.readline())]
+        while followed[-1]["text"] != marker:
+            followed.append(json.loads(stream.readline()))
+    assert followed[-1]["name"] == "smollm2-s0"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def test_deploy_and_delete_a_function(client, r, runtime):
     """An extra function serving minilm's stage 2 joins that stage's queue, then leaves it."""
     log_path = Path(runtime.home) / "logs" / "runtime.log"
@@ -370,6 +413,24 @@ def test_a_request_that_cannot_finish_gets_504_naming_it(client, r, runtime):
     finally:
         scale_and_wait(client, r, "smollm2-s3", 1, stage=3)
     assert client.invoke("smollm2", {"prompt": "Back again", "max_new_tokens": 1}).status == 200
+
+
+def test_functions_scaled_to_zero_by_hand_wake_on_the_next_invocation(client, r, sources, tokenizer):
+    """OpenFaaS's scale from zero, for any function: with the entry and a stage function scaled to
+    zero by hand, the next request wakes both to their minimum, is held until they are ready and is
+    answered (the gateway answered 503 at once when only the idle rule's functions woke)."""
+    scale_and_wait(client, r, "smollm2-s1", 0, stage=1)
+    scale_and_wait(client, r, "smollm2", 0, stage=None)
+    try:
+        prompt = "The capital of France is"
+        reply = client.invoke("smollm2", {"prompt": prompt, "max_new_tokens": 6})
+        assert reply.status == 200, reply.body
+        assert reply.json()["token_ids"] == reference_greedy(sources, tokenizer(prompt)["input_ids"], 6)
+        replicas = {f["name"]: f["replicas"] for f in client.functions()}
+        assert replicas["smollm2"] == 1 and replicas["smollm2-s1"] == 1, replicas
+    finally:
+        scale_and_wait(client, r, "smollm2", 1, stage=None)
+        scale_and_wait(client, r, "smollm2-s1", 1, stage=1)
 
 
 # -- scale-ups fork from the KeysManager ---------------------------------------------------------
