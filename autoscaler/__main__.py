@@ -16,6 +16,7 @@ from pathlib import Path
 
 from autoscaler.backends import Backend, GatewayBackend, LocalBackend
 from autoscaler.loop import ControlLoop
+from autoscaler.metrics import AutoscalerMetrics, serve
 from contracts import logs as log_format
 from contracts.config import Settings, add_arguments, exit_on_config_error, settings_from_args
 from contracts.http_client import GatewayClient
@@ -27,7 +28,9 @@ def run(settings: Settings) -> int:
     log_format.configure(settings.log_level)
     store = RedisStore.from_url(settings.redis_url)
     models = pipelines(read_stack(Path(settings.stack_file)))
-    loop = exit_on_config_error(lambda: ControlLoop(settings, backend(settings, models, store), store, models))
+    metrics = AutoscalerMetrics(settings.autoscaler.tick_s)
+    loop = exit_on_config_error(lambda: ControlLoop(settings, backend(settings, models, store), store, models, metrics=metrics))
+    serve(metrics, settings.autoscaler.host, settings.autoscaler.port, Path(settings.home) / "run" / "autoscaler.port")
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     logging.getLogger("quart.autoscaler").info("policy %s, %s backend, every %.1f s over %s",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from autoscaler.backends import Backend
 from autoscaler.host_cpu import HostCpu
+from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.observe import Observer
 from autoscaler.policy.controller import Actions, Controller, enact, model_rules
 from autoscaler.policy.layout import LayoutDecision
@@ -36,6 +37,7 @@ class ControlLoop:
     controller: Controller = field(init=False)
     observer: Observer = field(init=False)
     host_cpu: HostCpu = field(default_factory=HostCpu)
+    metrics: AutoscalerMetrics | None = None
     now: float = 0.0
 
     def __post_init__(self) -> None:
@@ -50,6 +52,13 @@ class ControlLoop:
         gc.freeze()
 
     def tick(self, now: float | None = None) -> list[Actions]:
+        started = time.perf_counter()
+        steps = self._tick(now)
+        if self.metrics is not None:
+            self.metrics.observe_tick(time.perf_counter() - started, steps)
+        return steps
+
+    def _tick(self, now: float | None) -> list[Actions]:
         self.now = now = time.time() if now is None else now
         whole = {m: self.backend.function_replicas(p.whole) for m, p in self.pipelines.items() if p.whole}
         observations = self.observer.observe(now, self.backend.desired_replicas(), self.settings.autoscaler.slo_s,

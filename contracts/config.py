@@ -129,6 +129,8 @@ class AutoscalerConfig:
     policy_params: dict = field(default_factory=dict)
     bounds: Bounds = field(default_factory=Bounds)
     ablate: str = ""                 # QUART's mechanisms switched off, comma-separated (MECHANISMS)
+    host: str = "127.0.0.1"          # where its /metrics and /healthz listen
+    port: int = 0                    # 0: a free port, written to <home>/run/autoscaler.port
 
     def ablated(self, mechanism: str) -> bool:
         return mechanism in {m.strip() for m in self.ablate.split(",")}
@@ -441,6 +443,10 @@ VARIABLES: tuple[Var, ...] = (
         "`gateway` (any OpenFaaS gateway: replicas only) or `kubernetes` (OpenFaaS on Kubernetes: forks, pods, "
         "in-place CPU resize)", _one_of("local", "gateway", "kubernetes")),
     Var("QUART_TICK_S", "autoscaler.tick_s", "the control loop's period", _positive),
+    Var("QUART_AUTOSCALER_HOST", "autoscaler.host", "where the autoscaler serves /metrics and /healthz (`0.0.0.0` in a pod)"),
+    Var("QUART_AUTOSCALER_PORT", "autoscaler.port",
+        "the autoscaler's /metrics and /healthz port; 0: a free one, written to `<home>/run/autoscaler.port`",
+        lambda v: None if 0 <= v < 65536 else "must be 0 or a port number"),
     Var("QUART_SLO_S", "autoscaler.slo_s", "end-to-end latency objective of one pipeline pass", _positive),
     Var("QUART_WINDOW_S", "autoscaler.window_s", "observation window of rates, CVs and service times", _positive),
     Var("QUART_LAYOUT_WINDOW_S", "autoscaler.layout_window_s",

@@ -157,8 +157,11 @@ class PipelineClient:
                     self._free_later(seq, route)
                     route = {}
                     continue
+                # The route first, on an error too: a stage that refused the request (no room for
+                # its cache) leaves the caches of the stages before it to free now, not when they
+                # idle out a request timeout later.
+                route = reply[0].route or route
                 header, out = _checked(reply)
-                route = header.route
                 progress.steps += 1
                 progress.timings.append(header.timings)
                 chosen = answers(out)

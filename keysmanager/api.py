@@ -1,8 +1,10 @@
 """The KeysManager's HTTP API, on loopback (the autoscaler, the scheduler and the local provider
-call it). JSON in, JSON out; bad requests get a 4xx naming the problem. Every path but /healthz
-needs the runtime's internal token (`Authorization: Bearer ...`); 401 without it.
+call it). JSON in, JSON out; bad requests get a 4xx naming the problem. Every path but /healthz and
+the metrics needs the runtime's internal token (`Authorization: Bearer ...`); 401 without it.
 
     GET  /healthz
+    GET  /metrics                      Prometheus: the cache and the forks (keysmanager/metrics.py)
+    GET  /metrics/replicas             the forked replicas' own metrics, labelled by function and pid
     GET  /zygotes                      what is cached
     GET  /stats                        memory use, threshold, counts
     POST /cache   {"model", "stages"}  cache a stage range (waits until its zygote is ready);
@@ -33,6 +35,7 @@ import re
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from contracts.http_errors import json_errors
 from contracts.loops import every
@@ -41,12 +44,21 @@ from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
+from keysmanager.metrics import Families, replica_families
 from keysmanager.prefetch import NoStore, Prefetcher
 from models.fetch import FetchError, served_file, served_files
 
 log = logging.getLogger("quart.keysmanager")
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+# What a probe and a Prometheus scrape read without the internal token: nothing that acts.
+OPEN_PATHS = ("/healthz", "/metrics", "/metrics/replicas")
+
+
+def _prometheus(body: bytes) -> web.Response:
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 class Invalid(ValueError):
@@ -193,7 +205,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
 
     @web.middleware
     async def errors(request: web.Request, handler) -> web.StreamResponse:
-        if request.path != "/healthz" and not bearer_ok(request.headers.get("Authorization"), token):
+        if request.path not in OPEN_PATHS and not bearer_ok(request.headers.get("Authorization"), token):
             # A fork runs code with the settings it is given: only the runtime may ask for one.
             return web.json_response({"error": "unauthorized: the KeysManager API needs the internal token"},
                                      status=401, headers={"WWW-Authenticate": "Bearer"})
@@ -216,8 +228,18 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
         await run(prefetcher.shutdown)
         await run(manager.shutdown)
 
+    async def metrics(_: web.Request) -> web.Response:
+        return _prometheus(generate_latest(manager.metrics.registry))
+
+    async def replica_metrics(_: web.Request) -> web.Response:
+        registry = CollectorRegistry()
+        registry.register(Families(await run(replica_families, manager.replica_targets())))
+        return _prometheus(generate_latest(registry))
+
     app = web.Application(middlewares=[json_errors, errors])
     app.router.add_get("/healthz", lambda _: web.Response(text="OK"))
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics/replicas", replica_metrics)
     app.router.add_get("/zygotes", lambda _: web.json_response(manager.list()))
     app.router.add_get("/stats", lambda _: web.json_response(manager.stats()))
     app.router.add_post("/cache", cache)

@@ -23,6 +23,7 @@ from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from contracts.proc_stat import start_time
 from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
+from keysmanager.metrics import KeysManagerMetrics
 from models.manifest import Manifest
 from models.profiles import PROFILES as EMULATION_PROFILES
 from state.records import CacheEvent, ZygoteRecord
@@ -54,9 +55,17 @@ class Fork:
     stage: StageRef
     started_by: str
     since: float
+    port_file: Path | None = None
 
     def alive(self) -> bool:
         return self.start_ticks is not None and start_time(self.pid) == self.start_ticks
+
+    def port(self) -> int | None:
+        """Where it listens, once it does."""
+        try:
+            return int(self.port_file.read_text()) if self.port_file is not None else None
+        except (FileNotFoundError, ValueError):
+            return None
 
     def describe(self) -> dict:
         return {"pid": self.pid, "function": self.function, "model": self.stage.model, "stages": self.stage.stages,
@@ -115,6 +124,7 @@ class KeysManager:
         self._starting: dict[StageRef, threading.Event] = {}
         self._runtime: Zygote | None = None
         self._runtime_lock = threading.Lock()
+        self.metrics = KeysManagerMetrics(self.stats)
 
     # -- cache ---------------------------------------------------------------------------------
 
@@ -224,14 +234,16 @@ class KeysManager:
                    "log_file": str(self.log_dir / f"{function}.log"),
                    "env": {**settings_environment(self.settings), **env,
                            "QUART_MODEL": stage.model, "QUART_STAGES": stage.stages}}
+        started = time.perf_counter()
         try:
             pid = zygote_call(z.socket, request)["pid"]
         finally:
             with self._lock:
                 z.forking -= 1
+        self.metrics.fork_seconds.labels(started_by).observe(time.perf_counter() - started)
         z.last_use, z.forks = time.time(), z.forks + 1
         with self._lock:
-            self.forked[pid] = Fork(pid, start_time(pid), function, stage, started_by, time.time())
+            self.forked[pid] = Fork(pid, start_time(pid), function, stage, started_by, time.time(), port_file)
         return {"pid": pid, "port_file": str(port_file), "started_by": started_by}
 
     def runtime(self) -> Zygote:
@@ -255,6 +267,12 @@ class KeysManager:
             for pid in [pid for pid, f in self.forked.items() if not f.alive()]:
                 del self.forked[pid]
             return [f.describe() for f in self.forked.values()]
+
+    def replica_targets(self) -> list[tuple[str, int, int]]:
+        """(function, pid, port) of every replica forked here that listens."""
+        with self._lock:
+            forks = [f for f in self.forked.values() if f.alive()]
+        return [(f.function, f.pid, port) for f in forks if (port := f.port()) is not None]
 
     def stop(self, pid: int) -> None:
         """Drains and ends a replica forked here (SIGTERM: it finishes its work first)."""
@@ -364,6 +382,7 @@ class KeysManager:
                 "memory_threshold": self.threshold, "cache_budget_bytes": self.settings.servers.cache_bytes,
                 "zygotes": len(zs),
                 "cached_bytes": sum(z["bytes"] for z in zs), "forks": sum(z["forks"] for z in zs),
+                "forked_replicas": len(self.forks()),
                 "runtime_zygote": self._runtime.proc.pid if self._runtime is not None and self._runtime.alive() else None}
 
     # -- Redis ---------------------------------------------------------------------------------
@@ -373,5 +392,8 @@ class KeysManager:
                                                tuple(z.sha256), z.started_at, z.last_use, z.forks))
 
     def _event(self, what: str, z: Zygote, **extra: object) -> None:
+        self.metrics.events.labels(what, z.key).inc()
+        if what == "evict":
+            self.metrics.evictions.labels(str(extra.get("reason", ""))).inc()
         event = CacheEvent(what, z.key, z.proc.pid, time.time(), tuple((k, str(v)) for k, v in extra.items()))
         self.store.add_cache_event(self.server, event, self.settings.data.records_maxlen)

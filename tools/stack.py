@@ -19,6 +19,12 @@ from contracts.config import exit_on_config_error, load_settings
 from contracts.paths import REPO_ROOT
 from contracts.stack import NAME_RE, read_stack
 
+# What every function of stack.yml carries (its header says why): of-watchdog's timeouts, the
+# probes' paths, and where Prometheus scrapes each replica's pod.
+WATCHDOG_ENV = {"read_timeout": "30s", "write_timeout": "130s", "exec_timeout": "130s"}
+ANNOTATIONS = {"com.openfaas.health.http.path": "/_/live", "com.openfaas.ready.http.path": "/_/ready",
+               "prometheus.io/scrape": "true", "prometheus.io/port": "8080", "prometheus.io/path": "/metrics"}
+
 
 def function_entries(name: str, source: str, stages: int, stack_dir: Path = REPO_ROOT) -> str:
     """The YAML of a model's entry and stage functions, as stack.yml writes the bundled ones; the
@@ -29,11 +35,16 @@ def function_entries(name: str, source: str, stages: int, stack_dir: Path = REPO
                 f"    image: ${{QUART_IMAGE_PREFIX:-quart}}/{image}:0.1.0\n"
                 + ("    skip_build: true\n" if skip_build else "")
                 + f"    secrets:\n      - quart-secrets\n    environment:\n      QUART_MODEL: {json.dumps(name)}\n"
-                f"      QUART_MODEL_SOURCE: {json.dumps(source)}\n{extra_env}"
+                f"      QUART_MODEL_SOURCE: {json.dumps(source)}\n{extra_env}{_block(WATCHDOG_ENV, 6)}"
+                f"    annotations:\n{_block(ANNOTATIONS, 6)}"
                 f"    labels:\n      com.openfaas.scale.min: \"1\"\n")
     out = [function(name, "entry", "entry", "", True)]
     out += [function(f"{name}-s{i}", "stage", "stage", f"      QUART_STAGES: \"{i}\"\n", True) for i in range(stages)]
     return "".join(out)
+
+
+def _block(values: dict[str, str], indent: int) -> str:
+    return "".join(f"{' ' * indent}{k}: {json.dumps(v)}\n" for k, v in values.items())
 
 
 def add(stack_file: Path, name: str, source: str, stages: int, cache: Path) -> None:

@@ -91,7 +91,8 @@ def test_a_quiet_model_consolidates_and_a_burst_splits_it(consolidating):
     while not (layout(r, model) == WHOLE and all(replicas(client, model)[n] == 0 for n in narrow)):
         assert time.monotonic() < deadline, f"no consolidation: {layout(r, model)}, {replicas(client, model)}"
         assert ask() == expected
-    assert replicas(client, model)[f"{model}-whole"] == 1
+    # Ready may blink on a loaded host (a probe or two missed): one whole replica, once it answers probes.
+    wait_until(lambda: replicas(client, model)[f"{model}-whole"] == 1, 60, "the whole replica available")
     time.sleep(3)  # autoscaler ticks: the consolidated model stays so under the same load
     assert ask() == expected and layout(r, model) == WHOLE
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from contracts.config import Settings
 from contracts.http_client import HttpClient
@@ -48,7 +49,13 @@ def start_forked(client: KeysClient, children: list, model: str, stages: str, co
     children.append(answer["pid"])
     port_file = Path(answer["port_file"])
     wait_until(port_file.exists, 60, "the forked replica to listen")
-    return answer["pid"], int(port_file.read_text())
+    return answer["pid"], ready(int(port_file.read_text()))
+
+
+def ready(port: int) -> int:
+    """A replica listens before it has loaded its handler: until /_/ready says it has."""
+    wait_until(lambda: HttpClient(f"http://127.0.0.1:{port}").healthy("/_/ready"), 180, "the replica ready")
+    return port
 
 
 def start_cold(settings: Settings, children: list, model: str, stages: str) -> int:
@@ -59,7 +66,7 @@ def start_cold(settings: Settings, children: list, model: str, stages: str) -> i
                           Path(settings.home) / "logs" / "cold.log")
     children.append(proc.pid)
     wait_until(port_file.exists, 120, "the cold replica to listen")
-    return int(port_file.read_text())
+    return ready(int(port_file.read_text()))
 
 
 def invoke(client: KeysClient, port: int, tensors: dict) -> dict:
@@ -206,6 +213,37 @@ def test_a_changed_shard_is_never_served_from_the_stale_cache(km, sources, home_
 def test_bad_cache_requests(km, body, status):
     _, client, _, _ = km
     assert client.request("POST", "/cache", body).status == status
+
+
+def test_metrics_of_the_cache_the_forks_and_the_forked_replicas_parse(km):
+    """One scrape per node, without the token (nothing it serves acts): the KeysManager's cache
+    and forks, and its forked replicas' own metrics labelled with their function and pid."""
+    settings, client, r, children = km
+    stage = StageRef.parse("smollm2", "0")
+    client.cache(stage)
+    try:
+        pid, _ = start_forked(client, children, "smollm2", "0")
+        anonymous = HttpClient(client.url)
+
+        def families(path: str) -> list:
+            reply = anonymous.request("GET", path)
+            assert reply.status == 200, reply.body
+            return list(text_string_to_metric_families(reply.body.decode()))
+
+        def samples(path: str) -> list:
+            return [s for family in families(path) for s in family.samples]
+
+        own = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples("/metrics")}
+        assert own[("quart_keysmanager_events_total", (("event", "fork"), ("stage", "smollm2:0")))] >= 1
+        assert own[("quart_keysmanager_fork_seconds_count", (("started_by", "fork-cow"),))] >= 1
+        assert own[("quart_keysmanager_zygotes", ())] >= 1 and own[("quart_keysmanager_forked_replicas", ())] >= 1
+        gathered = families("/metrics/replicas")
+        mine = [s for f in gathered for s in f.samples if s.labels.get("pid") == str(pid)]
+        assert mine and {s.labels["function"] for s in mine} == {"smollm2-s0"}   # its process_* samples
+        assert {"quart_stage_requests", "quart_stage_inflight"} <= {f.name for f in gathered}   # a stage's families
+        _kill(pid, signal.SIGTERM)
+    finally:
+        client.evict(stage)
 
 
 def test_the_api_refuses_callers_without_the_internal_token(km):

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from containers.images import TEMPLATES, build_context, read_builds
+from contracts.config import Settings
 from contracts.stack import load_stack_file, read_stack, substitute
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,3 +70,36 @@ def test_images_follow_the_registry_prefix_as_faas_cli_substitutes_it(monkeypatc
     builds, _ = read_builds(REPO / "stack.yml")
     assert {b.image for b in builds} == {"registry.example.com/ml/entry:0.1.0", "registry.example.com/ml/stage:0.1.0"}
     assert {f.deployment["image"] for f in read_stack(REPO / "stack.yml")} == {b.image for b in builds}
+
+
+def test_every_function_carries_consistent_watchdog_timeouts_and_probe_paths() -> None:
+    """stack.yml's functions, and those `python -m tools.stack add` writes: of-watchdog's timeouts
+    past the entry's own deadline (QUART_REQUEST_TIMEOUT_S) and the body's within the runtime's
+    read timeout, and probe paths the watchdog answers."""
+    from engine.watchdog import LIVE_PATH, READY_PATH, duration_s
+    from tools.stack import ANNOTATIONS, WATCHDOG_ENV, function_entries
+    settings = Settings()
+    written = yaml.safe_load(function_entries("mine", "/models/mine", 2))
+    functions = {**load_stack_file(REPO / "stack.yml")["functions"], **written}
+    for name, spec in functions.items():
+        env, annotations = spec["environment"], spec.get("annotations", {})
+        assert {k: env.get(k) for k in WATCHDOG_ENV} == WATCHDOG_ENV, name
+        assert duration_s(env["exec_timeout"]) > settings.data.request_timeout_s, name
+        assert duration_s(env["write_timeout"]) >= duration_s(env["exec_timeout"]), name
+        assert duration_s(env["read_timeout"]) == settings.limits.read_timeout_s, name
+        assert annotations == ANNOTATIONS, name
+    assert (ANNOTATIONS["com.openfaas.health.http.path"], ANNOTATIONS["com.openfaas.ready.http.path"]) == (LIVE_PATH, READY_PATH)
+
+
+def test_the_charts_values_let_the_functions_answer() -> None:
+    """deploy/openfaas-values.yml: the gateway waits for a function past its watchdog's timeouts,
+    and its own read and write timeouts past that (what OpenFaaS's chart requires)."""
+    from engine.watchdog import duration_s
+    values = yaml.safe_load((REPO / "deploy" / "openfaas-values.yml").read_text())
+    gateway, provider = values["gateway"], values["faasnetes"]
+    longest = max(duration_s(spec["environment"][k]) for spec in load_stack_file(REPO / "stack.yml")["functions"].values()
+                  for k in ("exec_timeout", "write_timeout"))
+    upstream = duration_s(gateway["upstreamTimeout"])
+    assert upstream > longest
+    assert min(duration_s(gateway["readTimeout"]), duration_s(gateway["writeTimeout"])) > upstream
+    assert min(duration_s(provider["readTimeout"]), duration_s(provider["writeTimeout"])) > upstream
