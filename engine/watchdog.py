@@ -103,13 +103,14 @@ class HandlerSlot:
     """The handler, once loaded: the app serves its health paths before."""
 
     def __init__(self, handler: ModuleType | None = None) -> None:
-        self.handler = handler
+        self.handler: ModuleType | None = None
+        self.is_async = False
         self.loaded = asyncio.Event()
         if handler is not None:
-            self.loaded.set()
+            self.fill(handler)
 
     def fill(self, handler: ModuleType) -> None:
-        self.handler = handler
+        self.handler, self.is_async = handler, inspect.iscoroutinefunction(handler.handle)
         self.loaded.set()
 
     def ready(self) -> bool:
@@ -196,7 +197,7 @@ def build_app(slot: HandlerSlot, limits: Limits) -> web.Application:
         try:
             async with asyncio.timeout(limits.exec_timeout_s or None):
                 await slot.loaded.wait()   # an invocation during the load waits for it
-                result = await _call(slot.handler, Event(request, body), Context())
+                result = await _call(slot, Event(request, body), Context())
         except TimeoutError:
             return web.json_response({"error": f"the function did not answer within exec_timeout "
                                                f"({limits.exec_timeout_s:g} s)"}, status=504)
@@ -211,11 +212,11 @@ def build_app(slot: HandlerSlot, limits: Limits) -> web.Application:
     return app
 
 
-async def _call(handler: ModuleType, event: Event, context: Context) -> object:
+async def _call(slot: HandlerSlot, event: Event, context: Context) -> object:
     """The handler's result; a handler's bug is a JSON 500 (json_errors), and the replica lives on."""
-    if inspect.iscoroutinefunction(handler.handle):
-        return await handler.handle(event, context)
-    return await asyncio.get_running_loop().run_in_executor(None, handler.handle, event, context)
+    if slot.is_async:
+        return await slot.handler.handle(event, context)
+    return await asyncio.get_running_loop().run_in_executor(None, slot.handler.handle, event, context)
 
 
 async def _read_body(request: web.Request, max_body: int) -> bytes | None:

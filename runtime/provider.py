@@ -378,7 +378,7 @@ class LocalProvider:
             query = LogQuery.parse(request.query)
         except BadRequest as exc:
             return error(400, str(exc))
-        if query.name not in self.functions or request.query.get("namespace", "") not in ("", self.settings.gateway.namespace):
+        if self._function(query.name, request.query.get("namespace", "")) is None:
             return error(404, f"function {query.name!r} not found")
         return await stream_logs(request, query, self.processes.log_dir / f"{query.name}.log",
                                  self.settings.gateway.namespace, self.settings.data.request_timeout_s)
@@ -432,11 +432,13 @@ class LocalProvider:
             return error(400, str(exc))
         return web.Response(status=202)
 
+    def _function(self, name: str, namespace: str) -> FunctionState | None:
+        """The function of that name, where the namespace is this runtime's (or left out)."""
+        return self.functions.get(name) if namespace in ("", self.settings.gateway.namespace) else None
+
     async def _invoke(self, request: web.Request) -> web.StreamResponse:
-        name = request.match_info["name"]
-        name, _, namespace = name.partition(".")
-        fn = self.functions.get(name)
-        if fn is None or namespace not in ("", self.settings.gateway.namespace):
+        fn = self._function(*request.match_info["name"].partition(".")[::2])
+        if fn is None:
             return error(404, f"function {request.match_info['name']!r} not found")
         return await self._call(fn, request, request.match_info.get("tail", ""), await request.read())
 
