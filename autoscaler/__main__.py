@@ -25,7 +25,7 @@ from state.store import RedisStore
 
 
 def run(settings: Settings) -> int:
-    log_format.configure(settings.log_level)
+    log_format.configure(settings.log_level, settings.log_format)
     store = RedisStore.from_url(settings.redis_url)
     models = pipelines(read_stack(Path(settings.stack_file)))
     metrics = AutoscalerMetrics(settings.autoscaler.tick_s)

@@ -16,7 +16,7 @@
    embedded-runtime preset with that calibration, one replica per stage. Every other figure is
    out of sample.
 
-Where the simulator differs, the ratio says by how much; the README says why."""
+Where the simulator differs, the ratio says by how much; docs/benchmarks.md says why."""
 from __future__ import annotations
 
 import time

@@ -1,8 +1,8 @@
 """One configuration for every component: typed sections with defaults in code, a file named by
 QUART_CONFIG, QUART_* environment variables, and command-line flags, in that order of precedence.
 
-Every variable is declared once in `VARIABLES`, with a line of documentation; the README's
-configuration table is generated from it (`python -m contracts.config --markdown`). A value that
+Every variable is declared once in `VARIABLES`, with a line of documentation; the table of
+docs/configuration.md is generated from it (`python -m contracts.config --markdown`). A value that
 does not parse or is out of range stops the component at start with a message naming the variable.
 What a replica serves (its model and stage range) is not configuration: see `ReplicaIdentity`."""
 from __future__ import annotations
@@ -179,6 +179,7 @@ class Settings:
     stack_file: str = "stack.yml"
     server: str = field(default_factory=lambda: os.uname().nodename)
     log_level: str = "INFO"
+    log_format: str = "text"
     log_max_bytes: int = 50 * 1024 * 1024
     log_keep: int = 3
     internal_token: str = ""
@@ -357,6 +358,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_STACK_FILE", "stack_file", "the OpenFaaS stack file whose functions run"),
     Var("QUART_SERVER", "server", "this server's name (default: the host name); virtual servers are `<server>-<i>`"),
     Var("QUART_LOG_LEVEL", "log_level", "log level of every component", _one_of("DEBUG", "INFO", "WARNING", "ERROR")),
+    Var("QUART_LOG_FORMAT", "log_format", "`text` (one line: time, pid, logger, level, message) or `json` (one object a "
+        "line, with `request_id` where a line is about a request, from the entry through every stage)",
+        _one_of("text", "json")),
     Var("QUART_LOG_MAX_BYTES", "log_max_bytes", "a runtime log over this size is rotated (copied to `.1`, then emptied)",
         _positive),
     Var("QUART_LOG_KEEP", "log_keep", "rotated copies kept of each log", _not_negative),
@@ -712,7 +716,7 @@ def exit_on_config_error(load: Callable[[], Settings]) -> Settings:
 
 
 def markdown_table() -> str:
-    """The README's configuration table, one row per variable."""
+    """The configuration table (docs/configuration.md), one row per variable."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for v in VARIABLES:
         default = default_of(v)

@@ -70,6 +70,12 @@ class Header:
     # A fork's source: the sequence whose first `start` positions (the shared prompt) it copies.
     parent: str = ""
 
+    @property
+    def request(self) -> str:
+        """The request (or, of a request of n choices, the choice) this item works for: its id up
+        to the first dot (a pass is `<request>.0`, a step `<request>.<recompute>.<step>`)."""
+        return self.request_id.split(".", 1)[0]
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 

@@ -342,6 +342,8 @@ class StageReplica:
         sample = StageSample(header.request_id, work.received - work.queued_s, queue_ms, service_ms, self.replica_id,
                              header.kind, batch)
         commit.record(sample)
+        log.debug("%s %s at stage %d: queued %.1f ms, computed %.1f ms in a batch of %d", header.kind,
+                  header.request_id, self.first, queue_ms, service_ms, batch, extra={"request_id": header.request})
 
     def _compute(self, header: Header, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         INFLIGHT.labels(**self._labels).inc()
@@ -354,7 +356,7 @@ class StageReplica:
         except BadRequest as exc:
             header.error, header.status = f"stage {self.first}: {exc}", exc.status
         except Exception as exc:  # a failing request must not take the replica down
-            log.exception("%s failed on %s", self.replica_id, header.request_id)
+            log.exception("%s failed on %s", self.replica_id, header.request_id, extra={"request_id": header.request})
             header.error, header.status = f"stage {self.first} failed: {exc}", 500
         finally:
             INFLIGHT.labels(**self._labels).dec()

@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free one)")
     args = parser.parse_args(argv)
-    log_format.configure(os.environ.get("QUART_LOG_LEVEL", "INFO"))
     settings = load_settings()
+    log_format.configure(settings.log_level, settings.log_format)
     try:
         limits = Limits.from_environment(settings, os.environ)
     except ValueError as exc:

@@ -32,6 +32,11 @@ class Admission:
         self._completed: deque[float] = deque()
         self._busy_since = 0.0
 
+    @property
+    def in_flight(self) -> int:
+        """First passes sent and not answered yet."""
+        return len(self._waiting)
+
     def sent(self, key: str, now: float) -> None:
         if not self._waiting:
             self._busy_since = now

@@ -19,12 +19,13 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 import torch
-from prometheus_client import Histogram
 from transformers import AutoTokenizer
 
 from contracts.config import Settings
+from contracts.logs import REQUEST_ID
 from contracts.wire import BadRequest, StageTiming
 from frontend import openai_api as oa
+from frontend.entry_metrics import EntryMetrics
 from frontend.entry_requests import (
     EMBED_MAX_TOKENS,
     check_prompt_chars,
@@ -45,9 +46,6 @@ from models.profiles import profile as emulation_profile
 from models.sampling import Sampling
 
 log = logging.getLogger("quart.entry")
-_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-TTFT = Histogram("quart_ttft_seconds", "Time to first token of generative requests", ("model",), buckets=_TIME_BUCKETS)
-TPOT = Histogram("quart_tpot_seconds", "Time per output token after the first", ("model",), buckets=_TIME_BUCKETS)
 
 
 @dataclass
@@ -95,6 +93,9 @@ class Entry:
         data = settings.data
         self.gate = GenerationGate(Objectives(data.ttft_objective_s, data.tpot_objective_s, data.request_timeout_s))
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        # Generations hold a place at the gate; embeddings' and emulated passes are in flight at the stages.
+        running = (lambda: self.gate.in_flight) if self.arch == "generate" else (lambda: self.client.admission.in_flight)
+        self.metrics = EntryMetrics(model, running, lambda: self.gate.waiting)
 
     async def handle(self, method: str, path: str, body: bytes) -> Answer:
         path = "/" + path.strip("/")
@@ -110,6 +111,7 @@ class Entry:
 
     async def _native(self, body: bytes) -> Answer:
         request_id = uuid.uuid4().hex[:16]
+        REQUEST_ID.set(request_id)
         started = time.time()
         try:
             data = parse_json(body)
@@ -136,6 +138,7 @@ class Entry:
                                    req.ignore_eos)
         finally:
             ticket.close()
+        self._finished(len(ids), len(done.tokens), done.finish, started)
         return {"text": done.text, "token_ids": done.tokens, "passes": done.progress.steps,
                 "finish_reason": done.finish, **done.timing, "queued_ms": round(ticket.queued_s * 1000.0, 3),
                 "stages": _sum_timings(done.progress.timings)}
@@ -152,6 +155,13 @@ class Entry:
             raise StageFailed(429, f"{self.model} is overloaded: this request is {exc}",
                               exc.decision.retry_after_s) from None
 
+    def _finished(self, prompt_tokens: int, generated: int, reason: str, started: float) -> None:
+        """A request answered in full: its metrics and one line in the log (the request's id in it)."""
+        latency_s = time.time() - started
+        self.metrics.finished(prompt_tokens, generated, reason, latency_s)
+        log.info("finished: %d prompt tokens, %d generated (%s) in %.0f ms", prompt_tokens, generated, reason,
+                 latency_s * 1000.0)
+
     def _left_s(self, started: float) -> float:
         return started + self.settings.data.request_timeout_s - time.time()
 
@@ -160,6 +170,7 @@ class Entry:
         self.client.admit()
         enc = await self._embedding_inputs(inputs)
         header, out = await self.client.round_trip(f"{request_id}.0", dict(enc), started + self.settings.data.request_timeout_s)
+        self._finished(int(enc["attention_mask"].sum()), 0, "stop", started)
         return {"embeddings": out["embeddings"].tolist(), "stages": _sum_timings([header.timings])}
 
     async def _embedding_inputs(self, inputs: list[str]) -> dict:
@@ -174,6 +185,7 @@ class Entry:
         self.client.admit()
         header, _ = await self.client.round_trip(f"{request_id}.0", {"hidden": torch.zeros(1, tokens, EMULATED_WIDTH)},
                                                  started + self.settings.data.request_timeout_s)
+        self._finished(tokens, 0, "stop", started)
         return {"emulated": True, "tokens": tokens, "stages": _sum_timings([header.timings])}
 
     # -- OpenAI's surface --------------------------------------------------------------------
@@ -202,6 +214,7 @@ class Entry:
         except (BadRequest, StageFailed) as exc:
             return self._openai_failure(exc)
         rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        REQUEST_ID.set(rid)
         if req.stream:
             return Answer(200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
                           stream=_Closing(self._sse(req, rid, ids, started, ticket), ticket.close))
@@ -213,6 +226,7 @@ class Entry:
             return self._openai_failure(exc)
         finally:
             ticket.close()
+        self._finished(len(ids), sum(len(d.tokens) for d in done), done[0].finish, started)
         choices = [oa.choice_body(req, i, d.text, d.finish, oa.logprobs_body(req, d.progress.logprobs, self._token_text))
                    for i, d in enumerate(done)]
         return Answer(200, oa.response_body(req, rid, self.model, choices,
@@ -233,6 +247,7 @@ class Entry:
     async def _openai_embeddings(self, body: bytes) -> Answer:
         started = time.time()
         request_id = uuid.uuid4().hex[:16]
+        REQUEST_ID.set(request_id)
         try:
             parse_json(body)
             req = oa.parse_embeddings(body, self.model, self.settings.limits.max_inputs)
@@ -243,6 +258,7 @@ class Entry:
         except (BadRequest, StageFailed, TimeoutError) as exc:
             return self._openai_failure(exc)
         tokens = int(enc["attention_mask"].sum())
+        self._finished(tokens, 0, "stop", started)
         return Answer(200, oa.embeddings_body(self.model, out["embeddings"], req.encoding_format, tokens))
 
     async def _sse(self, req: oa.OpenAIRequest, rid: str, ids: list[int], started: float,
@@ -272,6 +288,7 @@ class Entry:
                 else:
                     yield event
             else:
+                self._finished(len(ids), sum(len(d.tokens) for d in finished), finished[0].finish, started)
                 if req.include_usage:
                     yield oa.usage_chunk(req, rid, self.model, oa.usage(len(ids), sum(len(d.tokens) for d in finished)),
                                          finished[0].timing)
@@ -365,9 +382,7 @@ class Entry:
         first_at = first_at or ended
         ttft = first_at - started
         tpot = (ended - first_at) / (len(tokens) - 1) if len(tokens) > 1 else 0.0
-        TTFT.labels(self.model).observe(ttft)
-        if len(tokens) > 1:
-            TPOT.labels(self.model).observe(tpot)
+        self.metrics.generated(ttft, tpot, len(tokens))
         yield stream.finish(), Generated(tokens, "", finish, ttft, tpot, progress)
 
 

@@ -31,6 +31,11 @@ class GenerationGate:
     def in_flight(self) -> int:
         return sum(t.weight for t in self._running)
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for their place."""
+        return sum(1 for _, _, t in self._queue if not t.gone)
+
     def bound(self) -> int:
         return batch_bound(self.steps, self.objectives.tpot_s)
 

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser, "home", "keysmanager_host", "keysmanager_port", "server", "redis_port", "cache_memory_threshold")
     args = parser.parse_args(argv)
     settings = exit_on_config_error(lambda: settings_from_args(args))
-    log_format.configure(settings.log_level)
+    log_format.configure(settings.log_level, settings.log_format)
     manager = KeysManager(settings, RedisStore.from_url(settings.redis_url))
     web.run_app(build_app(manager, settings.internal_api_token()), host=settings.cache.host, port=settings.cache.port,
                 print=None, access_log=None)

@@ -1,7 +1,9 @@
 """How many bytes of parameters a stage range holds: what a cold start reads and what a cached
-zygote takes from a server's budget. Emulated models count their nominal size (QUART Table 1)."""
+zygote takes from a server's budget (emulated models count their nominal size, QUART Table 1);
+and what a function's replica needs in memory, the requests and limits a stack file gives it."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from models.manifest import Manifest
@@ -23,3 +25,40 @@ def stage_bytes(models_dir: Path, model: str, first: int, last: int) -> int:
     if isinstance(stages, range):
         return PROFILES[model].stage_bytes(first, last)
     return sum(s.bytes for s in stages[first:last])
+
+
+# A replica's process before its shard: Python, torch, transformers and the watchdog (about 320 MB
+# resident measured on the CPU build), with room for the allocator's slack.
+RUNTIME_BYTES = 512 << 20
+# An entry holds no weights: the runtime and a tokenizer.
+ENTRY_MEMORY = {"requests": 512 << 20, "limits": 1 << 30}
+ENTRY_CPU = {"requests": "500m", "limits": "1"}
+
+
+@dataclass(frozen=True)
+class StageFootprint:
+    """What a stage replica needs: its parameters and the process at rest (its request), and at
+    most its KV budget and one full pass's activations more (its limit)."""
+    shard_bytes: int
+    kv_bytes: int
+    pass_bytes: int
+
+    @property
+    def request_bytes(self) -> int:
+        return self.shard_bytes + RUNTIME_BYTES
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.request_bytes + self.kv_bytes + self.pass_bytes
+
+
+def pass_bytes(config: dict, max_pass_tokens: int) -> int:
+    """The activations of the widest pass a stage takes: its tokens × the MLP's width (the widest
+    tensor), a few live at once (gate, up and their product), in float32 at worst."""
+    width = int(config.get("intermediate_size") or 4 * int(config.get("hidden_size", 0)))
+    return max_pass_tokens * width * 4 * 3
+
+
+def mebibytes(n: int) -> str:
+    """A Kubernetes memory quantity, rounded up to whole MiB."""
+    return f"{-(-n // (1 << 20))}Mi"

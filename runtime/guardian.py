@@ -58,7 +58,7 @@ def _exit_of(status: int) -> str:
 
 def main() -> int:
     settings = exit_on_config_error(load_settings)
-    log_format.configure(settings.log_level)
+    log_format.configure(settings.log_level, settings.log_format)
     _become_subreaper()
     sock = _listen(settings.gateway.host, settings.gateway.port)
     stopping = []

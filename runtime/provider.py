@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from contracts.config import Settings
 from contracts.http_errors import json_errors
@@ -60,6 +61,20 @@ def error(status: int, message: str) -> web.Response:
 
 class BadDeployment(ValueError):
     pass
+
+
+class _ServiceCount:
+    """OpenFaaS's `gateway_service_count{function_name}`: each function's ready replicas, read
+    when scraped (what its gateway reports from the provider's available replicas)."""
+
+    def __init__(self, functions: Mapping[str, FunctionState]) -> None:
+        self._functions = functions
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        family = GaugeMetricFamily("gateway_service_count", "Function replicas ready", labels=("function_name",))
+        for name, fn in sorted(self._functions.items()):
+            family.add_metric((name,), len(fn.ready()))
+        return [family]
 
 
 # Variables that make the loader or the interpreter run other code: a replica is a process on this
@@ -106,6 +121,7 @@ class LocalProvider:
                                    ("function_name", "code"), registry=self.registry)
         self.seconds = Histogram("gateway_functions_seconds", "Function invocation time",
                                  ("function_name", "code"), registry=self.registry)
+        self.registry.register(_ServiceCount(self.functions))
         self._session: aiohttp.ClientSession | None = None
         self._reconciler: asyncio.Task | None = None
         self._cpus_checked = 0.0

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = exit_on_config_error(load_settings)
     home = Path(settings.home)
     (home / "logs").mkdir(parents=True, exist_ok=True)
-    log_format.configure(settings.log_level)
+    log_format.configure(settings.log_level, settings.log_format)
     previous = load_state(state_path(home)) if args.adopt else {}
     components = previous.get("components", {})
     supervisor = Supervisor()

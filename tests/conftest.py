@@ -56,7 +56,8 @@ def runtime(home_settings: Settings, partitioned):
         # 60 s: sixteen 48-token generations take 25-30 s alone on a 2-core AVX2 host in float32,
         # and a loaded CI host must still answer them all (30 s cut some off).
         request_timeout_s=60.0, reclaim_idle_ms=2000, drain_timeout_s=20.0, max_prompt_tokens=256,
-        admit_wait_s=0.0)  # tests that load it assert every request is answered; test_overload covers admission
+        admit_wait_s=0.0,  # tests that load it assert every request is answered; test_overload covers admission
+        log_format="json")  # what a log collector reads; /system/logs reads it back
     # `up` hands these settings to the runtime, which hands them to every replica.
     try:
         assert control.up(settings, timeout=600) == 0, "the embedded runtime did not come up"

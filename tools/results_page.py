@@ -41,7 +41,8 @@ def _section(path: Path, record: dict) -> str:
     machine = ", ".join(f"{k} {_cell(conditions[k])}" for k in CONDITIONS if k in conditions)
     lines = [f"## {path.stem}", "", f"Measured {conditions.get('when', '?')} {commit}; {machine}."]
     if conditions.get("plot"):
-        lines.append(f"Plot: [{conditions['plot']}](../benchmarks/results/{conditions['plot']}).")
+        plot = Path(conditions["plot"]).name   # some results name it from the repository's root
+        lines.append(f"Plot: [{plot}](../benchmarks/results/{plot}).")
     lines += ["", "| figure | value | unit | also |", "|---|---|---|---|"]
     for figure in record["figures"]:
         extra = {k: v for k, v in figure.items() if k not in ("name", "value", "unit")}

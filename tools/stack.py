@@ -1,23 +1,30 @@
 """Writes a model's functions into an OpenFaaS stack file: its entry (the endpoint users call) and
 one stage function per pipeline stage, each naming the model (QUART_MODEL) and its checkpoint
-(QUART_MODEL_SOURCE); `make up` partitions it on its next start.
+(QUART_MODEL_SOURCE); `make up` partitions it on its next start. Once partitioned, `resources`
+gives every function the memory and CPU requests and limits its shards call for (what
+Kubernetes schedules pods by and kills them past).
 
     python -m tools.stack add qwen ~/models/Qwen2.5-0.5B-Instruct --stages 4
     python -m tools.stack add mistral mistralai/Mistral-7B-Instruct-v0.3 --stages 8 --file my-stack.yml
+    python -m tools.stack resources          # or: make stack
 
 The source is checked first (a folder or hub id of a supported family, in safetensors); the file
-keeps its comments, the functions being appended as text and the result read back as a stack."""
+keeps its comments: functions are appended as text, resources written into each function's block,
+and the result read back as a stack."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from contracts.config import exit_on_config_error, load_settings
 from contracts.paths import REPO_ROOT
-from contracts.stack import NAME_RE, read_stack
+from contracts.stack import NAME_RE, StackFunction, read_stack
+from models.manifest import Manifest
+from models.sizes import ENTRY_CPU, ENTRY_MEMORY, StageFootprint, mebibytes, pass_bytes
 
 # What every function of stack.yml carries (its header says why): of-watchdog's timeouts, the
 # probes' paths, and where Prometheus scrapes each replica's pod.
@@ -70,7 +77,87 @@ def add(stack_file: Path, name: str, source: str, stages: int, cache: Path) -> N
         stack_file.write_text(before)
         raise
     print(f"added {name} ({ckpt.model_type}, {ckpt.dtype}, {ckpt.num_layers} blocks) in {stages} stages "
-          f"to {stack_file}; `make up` partitions and serves it")
+          f"to {stack_file}; `make up` partitions and serves it, `make stack` then writes its resources")
+
+
+def function_resources(fn: StackFunction, models_dir: Path) -> dict | None:
+    """A function's `requests` and `limits` (None for one that is neither an entry nor a real
+    model's stage); FileNotFoundError where its model is not partitioned."""
+    env = fn.deployment["envVars"]
+    if not fn.model or env.get("QUART_EMULATE"):
+        return None
+    if fn.stage is None:
+        return {key: {"memory": mebibytes(ENTRY_MEMORY[key]), "cpu": ENTRY_CPU[key]} for key in ("requests", "limits")}
+    settings = load_settings(environ=env)
+    manifest = Manifest.load(models_dir / fn.model)
+    shard = sum(s.bytes for s in manifest.stages[fn.stage.first:fn.stage.last])
+    need = StageFootprint(shard, settings.batching.kv_bytes, pass_bytes(manifest.config, settings.limits.max_pass_tokens))
+    threads = settings.compute.threads
+    # The compensator raises a replica's CPUs in place up to QUART_CPU_MAX: the limit lets it.
+    return {"requests": {"memory": mebibytes(need.request_bytes), "cpu": str(threads)},
+            "limits": {"memory": mebibytes(need.limit_bytes), "cpu": str(max(threads, settings.autoscaler.cpu_max))}}
+
+
+_FUNCTION = re.compile(r"^  ([a-z0-9][a-z0-9-]*):\s*$")
+_RESOURCE_KEY = re.compile(r"^    (requests|limits):\s*$")
+
+
+def with_resources(text: str, resources: dict[str, dict]) -> str:
+    """The stack file's text with each named function's `requests` and `limits` (written as this
+    file's functions are: two spaces a level) in place of any it had; everything else kept."""
+    out: list[str] = []
+    current, skipping = None, False
+
+    def close() -> None:
+        if current in resources:
+            at = len(out)
+            while at and not out[at - 1].strip():
+                at -= 1   # before the blank lines that end the block
+            out[at:at] = [f"    {key}:\n" + "".join(f"      {k}: {json.dumps(v)}\n" for k, v in values.items())
+                          for key, values in resources[current].items()]
+
+    for line in text.splitlines(keepends=True):
+        indent = len(line) - len(line.lstrip(" "))
+        if line.strip() and indent <= 2:
+            close()
+            match = _FUNCTION.match(line)
+            current = match.group(1) if match and indent == 2 else None
+            skipping = False
+        elif current in resources and line.strip():
+            if _RESOURCE_KEY.match(line):
+                skipping = True
+                continue
+            if skipping and indent > 4:
+                continue
+            skipping = False
+        out.append(line)
+    close()
+    return "".join(out)
+
+
+def write_resources(stack_file: Path, models_dir: Path) -> dict[str, dict]:
+    """Writes every function's requests and limits into the stack file; ValueError (the file
+    unchanged) naming the models not partitioned yet."""
+    functions = read_stack(stack_file)
+    found, missing = {}, set()
+    for fn in functions:
+        try:
+            res = function_resources(fn, models_dir)
+        except FileNotFoundError:
+            missing.add(fn.model)
+            continue
+        if res is not None:
+            found[fn.name] = res
+    if missing:
+        raise ValueError(f"not partitioned in {models_dir}: {sorted(missing)} (`make up` or `quart partition` first)")
+    before = stack_file.read_text()
+    stack_file.write_text(with_resources(before, found))
+    try:
+        read_stack(stack_file)
+    except (ValueError, KeyError):
+        stack_file.write_text(before)
+        raise
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,14 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("name", help="the name the model is served under (OpenAI's `model`)")
     a.add_argument("source", help="a folder in Hugging Face layout, a hub id, smollm2 or minilm")
     a.add_argument("--stages", type=int, required=True, help="pipeline stages to split it into")
-    a.add_argument("--file", type=Path, default=None, help="the stack file (default: QUART_STACK_FILE, stack.yml)")
+    r = sub.add_parser("resources", help="write every function's memory and CPU requests and limits from its shards")
+    for p in (a, r):
+        p.add_argument("--file", type=Path, default=None, help="the stack file (default: QUART_STACK_FILE, stack.yml)")
     args = parser.parse_args(argv)
     settings = exit_on_config_error(load_settings)
+    stack_file = args.file or Path(settings.stack_file)
     try:
-        add(args.file or Path(settings.stack_file), args.name, args.source, args.stages,
-            settings.models_dir / "_sources")
+        if args.command == "add":
+            add(stack_file, args.name, args.source, args.stages, settings.models_dir / "_sources")
+        else:
+            for name, res in write_resources(stack_file, settings.models_dir).items():
+                print(f"{name}: requests {res['requests']}, limits {res['limits']}")
     except ValueError as exc:
-        print(f"stack add: {exc}", file=sys.stderr)
+        print(f"stack {args.command}: {exc}", file=sys.stderr)
         return 2
     return 0
 

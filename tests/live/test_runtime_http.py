@@ -16,6 +16,7 @@ import pytest
 import redis
 import torch
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from contracts.http_client import GatewayClient
@@ -94,13 +95,36 @@ def test_direct_stage_invoke_matches_the_stage(client, runtime, partitioned, tok
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_prometheus_metrics_of_a_stage(client):
-    client.invoke("smollm2", {"prompt": "Hi", "max_new_tokens": 1})
-    metrics = client.request("GET", "/function/smollm2-s0/metrics", auth=False)
-    assert metrics.status == 200
-    assert b'quart_stage_requests_total{model="smollm2",outcome="ok",stage="0"}' in metrics.body
-    gateway = client.request("GET", "/metrics", auth=False)
-    assert gateway.status == 200 and b"gateway_function_invocation_total" in gateway.body
+def _samples(client, path: str) -> dict[tuple, float]:
+    reply = client.request("GET", path, auth=False)
+    assert reply.status == 200, reply.body
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(reply.body.decode()) for s in family.samples}
+
+
+def test_prometheus_metrics_of_a_stage_an_entry_and_the_gateway(client, tokenizer):
+    """What a Prometheus scrape reads: a stage's work, the entry's requests and tokens (vLLM's
+    set), the gateway's invocations and replicas (OpenFaaS's)."""
+    model = (("model", "smollm2"),)
+    before = _samples(client, "/function/smollm2/metrics")
+    reply = client.invoke("smollm2", {"prompt": "Hi", "max_new_tokens": 3, "ignore_eos": True})
+    assert reply.status == 200, reply.body
+    stage = _samples(client, "/function/smollm2-s0/metrics")
+    assert stage[("quart_stage_requests_total", (("model", "smollm2"), ("outcome", "ok"), ("stage", "0")))] >= 1
+    after = _samples(client, "/function/smollm2/metrics")
+
+    def grew(name: str, labels: tuple = model) -> float:
+        key = (name, tuple(sorted(labels)))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("quart_generation_tokens_total") == 3
+    assert grew("quart_prompt_tokens_total") == len(tokenizer("Hi")["input_ids"])
+    assert grew("quart_request_success_total", model + (("finished_reason", "length"),)) == 1
+    assert grew("quart_e2e_request_latency_seconds_count") == 1 and grew("quart_ttft_seconds_count") == 1
+    assert after[("quart_requests_running", model)] == 0 and after[("quart_requests_waiting", model)] == 0
+    gateway = _samples(client, "/metrics")
+    assert gateway[("gateway_function_invocation_total", (("code", "200"), ("function_name", "smollm2")))] >= 1
+    assert gateway[("gateway_service_count", (("function_name", "smollm2-s0"),))] >= 1
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -248,6 +272,21 @@ def test_system_logs_give_a_functions_lines_as_openfaas_log_entries(client, runt
         while followed[-1]["text"] != marker:
             followed.append(json.loads(stream.readline()))
     assert followed[-1]["name"] == "smollm2-s0"
+
+
+def test_the_entry_logs_each_request_by_the_id_its_answer_carries(client, runtime):
+    """QUART_LOG_FORMAT=json (the tests' runtime): the entry's line for a finished request carries
+    the id the client got, native and OpenAI alike."""
+    native = client.invoke("smollm2", {"prompt": "Hi", "max_new_tokens": 2}).json()["id"]
+    openai = client.request("POST", "/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
+                            auth=False).json()["id"]
+
+    def logged() -> dict[str, str]:
+        lines = (Path(runtime.home) / "logs" / "smollm2.log").read_text().splitlines()
+        records = [json.loads(x) for x in lines if x.startswith("{")]
+        return {x["request_id"]: x["message"] for x in records if "request_id" in x}
+    wait_until(lambda: {native, openai} <= set(logged()), 10, "both requests' lines")
+    assert all(logged()[i].startswith("finished: ") for i in (native, openai))
 
 
 def _alive(pid: int) -> bool:

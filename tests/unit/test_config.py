@@ -1,4 +1,4 @@
-"""The one configuration: every variable documented once, the README's table generated from the
+"""The one configuration: every variable documented once, the documented table generated from the
 registry, precedence (defaults < QUART_CONFIG file < environment < flags), validation with the
 variable's name in the message, and the replica bounds defined once."""
 from __future__ import annotations
@@ -20,11 +20,11 @@ from contracts.config import (
     settings_from_args,
 )
 from contracts.paths import REPO_ROOT
-from tools.docs import README, with_table
+from tools.docs import CONFIGURATION, with_table
 
 
-def test_the_readme_table_is_the_registry():
-    text = README.read_text()
+def test_the_configuration_table_is_the_registry():
+    text = CONFIGURATION.read_text()
     assert with_table(text) == text, "run `make docs`"
 
 

@@ -103,3 +103,33 @@ def test_the_charts_values_let_the_functions_answer() -> None:
     assert upstream > longest
     assert min(duration_s(gateway["readTimeout"]), duration_s(gateway["writeTimeout"])) > upstream
     assert min(duration_s(provider["readTimeout"]), duration_s(provider["writeTimeout"])) > upstream
+
+
+def test_resources_are_written_into_each_functions_block_and_nothing_else_changes() -> None:
+    """`python -m tools.stack resources` edits the file as text: each named function gets its
+    requests and limits (replacing any it had), comments and every other field stay, and a second
+    run changes nothing."""
+    from tools.stack import with_resources
+    text = (REPO / "stack.yml").read_text()
+    first = {"requests": {"memory": "100Mi", "cpu": "1"}, "limits": {"memory": "200Mi", "cpu": "2"}}
+    once = with_resources(text, {"smollm2-s1": first, "minilm": first})
+    second = {"requests": {"memory": "300Mi", "cpu": "1"}, "limits": {"memory": "400Mi", "cpu": "2"}}
+    twice = with_resources(once, {"smollm2-s1": second})
+    assert with_resources(twice, {"smollm2-s1": second}) == twice
+    before, after = yaml.safe_load(text)["functions"], yaml.safe_load(twice)["functions"]
+    assert after["smollm2-s1"]["requests"] == second["requests"] and after["smollm2-s1"]["limits"] == second["limits"]
+    assert {k: after["minilm"][k] for k in ("requests", "limits")} == first
+    strip = ("requests", "limits")
+    assert {n: {k: v for k, v in f.items() if k not in strip} for n, f in after.items()} == \
+        {n: {k: v for k, v in f.items() if k not in strip} for n, f in before.items()}
+    assert [x for x in twice.splitlines() if x.lstrip().startswith("#")] == \
+        [x for x in text.splitlines() if x.lstrip().startswith("#")]
+
+
+def test_a_stage_asks_for_its_shard_and_the_runtime_and_may_reach_its_kv_budget_and_a_pass() -> None:
+    from models.sizes import RUNTIME_BYTES, StageFootprint, mebibytes, pass_bytes
+    need = StageFootprint(shard_bytes=300 << 20, kv_bytes=1 << 30, pass_bytes=pass_bytes({"intermediate_size": 1536}, 16384))
+    assert need.request_bytes == (300 << 20) + RUNTIME_BYTES
+    assert need.limit_bytes == need.request_bytes + (1 << 30) + 16384 * 1536 * 12
+    assert pass_bytes({"hidden_size": 384}, 10) == 10 * 4 * 384 * 12   # an encoder without intermediate_size
+    assert (mebibytes(1 << 20), mebibytes((1 << 20) + 1)) == ("1Mi", "2Mi")
