@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import yaml
 
-from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, verdict, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -268,12 +268,6 @@ def _ratio(reps: list[dict], path: str, reference: str, index: int) -> tuple[flo
     return float(np.median(values)), mean, half
 
 
-def _verdict(mean: float, half: float, target: float) -> str:
-    if mean + half <= target:
-        return "met"
-    return "missed" if mean - half > target else "not separable from the target"
-
-
 def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, served: torch.dtype, cores: int,
             limit_ms: float, step_bytes: int, quantize: str | None) -> dict:
     paths = list(reps[0]["medians"])
@@ -291,10 +285,10 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
     bandwidth = (float(np.median(tpots)), *mean_ci95([t / limit_ms for t in tpots]))
     print(table("ratios over repetitions", ["ratio", "median", "95 % interval", "target", "verdict"],
                 [[name, med, f"{mean - half:.3f}..{mean + half:.3f}", target or "-",
-                  _verdict(mean, half, target) if target else "-"] for name, (med, mean, half), target in checks]
+                  verdict(mean, half, target) if target else "-"] for name, (med, mean, half), target in checks]
                 + [["TPOT pipeline / bandwidth limit", bandwidth[0] / limit_ms,
                     f"{bandwidth[1] - bandwidth[2]:.3f}..{bandwidth[1] + bandwidth[2]:.3f}", 2.0,
-                    _verdict(bandwidth[1], bandwidth[2], 2.0)]]))
+                    verdict(bandwidth[1], bandwidth[2], 2.0)]]))
     print(f"decode step reads {step_bytes / 1e6:.0f} MB in {quantize or _name(served)}: limit {limit_ms:.2f} ms a token on this "
           f"machine's measured bandwidth ({cores} threads)")
     agree = sum(r["same_dtype"] for r in reps), sum(r["same_fp32"] for r in reps), sum(r["prompts"] for r in reps)
@@ -310,13 +304,13 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
     figures += [{"name": f"{k} TPOT median", "value": round(median[k][1], 3), "unit": "ms"} for k in paths]
     for name, (med, mean, half), target in checks:
         figures.append({"name": name, "value": round(med, 3), "unit": "x", "ci95": [round(mean - half, 3),
-                        round(mean + half, 3)], "target": target, "verdict": _verdict(mean, half, target) if target else None})
+                        round(mean + half, 3)], "target": target, "verdict": verdict(mean, half, target) if target else None})
     figures += [
         {"name": "decode step bytes", "value": step_bytes, "unit": "bytes"},
         {"name": "memory-bandwidth limit per token", "value": round(limit_ms, 3), "unit": "ms"},
         {"name": "TPOT pipeline / bandwidth limit", "value": round(bandwidth[0] / limit_ms, 3), "unit": "x",
          "ci95": [round(bandwidth[1] - bandwidth[2], 3), round(bandwidth[1] + bandwidth[2], 3)], "target": 2.0,
-         "verdict": _verdict(bandwidth[1], bandwidth[2], 2.0)},
+         "verdict": verdict(bandwidth[1], bandwidth[2], 2.0)},
         {"name": f"prompts with tokens equal to unsplit {_name(served)}", "value": agree[0], "unit": f"of {agree[2]}"},
         {"name": "prompts with tokens equal to unsplit float32", "value": agree[1], "unit": f"of {agree[2]}"},
         {"name": "unsplit sequential throughput (fp32, all cores)", "value": round(sequential, 3), "unit": "tokens/s"},
