@@ -342,8 +342,9 @@ class StageReplica:
         sample = StageSample(header.request_id, work.received - work.queued_s, queue_ms, service_ms, self.replica_id,
                              header.kind, batch)
         commit.record(sample)
-        log.debug("%s %s at stage %d: queued %.1f ms, computed %.1f ms in a batch of %d", header.kind,
-                  header.request_id, self.first, queue_ms, service_ms, batch, extra={"request_id": header.request})
+        if log.isEnabledFor(logging.DEBUG):   # every item of every step passes here: no work unless asked
+            log.debug("%s %s at stage %d: queued %.1f ms, computed %.1f ms in a batch of %d", header.kind,
+                      header.request_id, self.first, queue_ms, service_ms, batch, extra={"request_id": header.request})
 
     def _compute(self, header: Header, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         INFLIGHT.labels(**self._labels).inc()

@@ -226,11 +226,12 @@ class Entry:
             return self._openai_failure(exc)
         finally:
             ticket.close()
-        self._finished(len(ids), sum(len(d.tokens) for d in done), done[0].finish, started)
+        generated = sum(len(d.tokens) for d in done)
+        self._finished(len(ids), generated, done[0].finish, started)
         choices = [oa.choice_body(req, i, d.text, d.finish, oa.logprobs_body(req, d.progress.logprobs, self._token_text))
                    for i, d in enumerate(done)]
         return Answer(200, oa.response_body(req, rid, self.model, choices,
-                                            oa.usage(len(ids), sum(len(d.tokens) for d in done)), done[0].timing))
+                                            oa.usage(len(ids), generated), done[0].timing))
 
     def _openai_failure(self, exc: BadRequest | StageFailed | TimeoutError) -> Answer:
         """A request that failed, in OpenAI's error shape (the parameter named where one was wrong)."""
@@ -288,9 +289,10 @@ class Entry:
                 else:
                     yield event
             else:
-                self._finished(len(ids), sum(len(d.tokens) for d in finished), finished[0].finish, started)
+                generated = sum(len(d.tokens) for d in finished)
+                self._finished(len(ids), generated, finished[0].finish, started)
                 if req.include_usage:
-                    yield oa.usage_chunk(req, rid, self.model, oa.usage(len(ids), sum(len(d.tokens) for d in finished)),
+                    yield oa.usage_chunk(req, rid, self.model, oa.usage(len(ids), generated),
                                          finished[0].timing)
             yield oa.DONE
         finally:

@@ -19,13 +19,14 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from contracts.config import exit_on_config_error, load_settings
 from contracts.paths import REPO_ROOT
 from contracts.stack import NAME_RE, StackFunction, read_stack
 from models.manifest import Manifest
-from models.sizes import ENTRY_CPU, ENTRY_MEMORY, StageFootprint, mebibytes, pass_bytes
+from models.sizes import ENTRY_CPU, ENTRY_MEMORY, StageFootprint, mebibytes, pass_bytes, stage_bytes
 
 # What every function of stack.yml carries (its header says why): of-watchdog's timeouts, the
 # probes' paths, and where Prometheus scrapes each replica's pod.
@@ -93,13 +94,8 @@ def add(stack_file: Path, name: str, source: str, stages: int, cache: Path) -> N
     ckpt = resolve(source, cache)
     if stages > ckpt.num_layers + 2:
         raise ValueError(f"{source} has {ckpt.num_layers} blocks: at most {ckpt.num_layers + 2} stages")
-    before = stack_file.read_text()
-    stack_file.write_text(before.rstrip("\n") + "\n" + function_entries(name, source, stages, stack_file.resolve().parent))
-    try:
-        read_stack(stack_file)
-    except (ValueError, KeyError):
-        stack_file.write_text(before)
-        raise
+    _rewrite(stack_file, lambda before: before.rstrip("\n") + "\n" + function_entries(name, source, stages,
+                                                                                    stack_file.resolve().parent))
     print(f"added {name} ({ckpt.model_type}, {ckpt.dtype}, {ckpt.num_layers} blocks) in {stages} stages "
           f"to {stack_file}; `make up` partitions and serves it, `make stack` then writes its resources")
 
@@ -113,9 +109,9 @@ def function_resources(fn: StackFunction, models_dir: Path) -> dict | None:
     if fn.stage is None:
         return {key: {"memory": mebibytes(ENTRY_MEMORY[key]), "cpu": ENTRY_CPU[key]} for key in ("requests", "limits")}
     settings = load_settings(environ=env)
-    manifest = Manifest.load(models_dir / fn.model)
-    shard = sum(s.bytes for s in manifest.stages[fn.stage.first:fn.stage.last])
-    need = StageFootprint(shard, settings.batching.kv_bytes, pass_bytes(manifest.config, settings.limits.max_pass_tokens))
+    shard = stage_bytes(models_dir, fn.model, fn.stage.first, fn.stage.last)
+    config = Manifest.load(models_dir / fn.model).config
+    need = StageFootprint(shard, settings.batching.kv_bytes, pass_bytes(config, settings.limits.max_pass_tokens))
     threads = settings.compute.threads
     # The compensator raises a replica's CPUs in place up to QUART_CPU_MAX: the limit lets it.
     return {"requests": {"memory": mebibytes(need.request_bytes), "cpu": str(threads)},
@@ -174,14 +170,19 @@ def write_resources(stack_file: Path, models_dir: Path) -> dict[str, dict]:
             found[fn.name] = res
     if missing:
         raise ValueError(f"not partitioned in {models_dir}: {sorted(missing)} (`make up` or `quart partition` first)")
+    _rewrite(stack_file, lambda before: with_resources(before, found))
+    return found
+
+
+def _rewrite(stack_file: Path, edit: Callable[[str], str]) -> None:
+    """The stack file's text replaced by `edit` of it, kept only if it still reads as a stack."""
     before = stack_file.read_text()
-    stack_file.write_text(with_resources(before, found))
+    stack_file.write_text(edit(before))
     try:
         read_stack(stack_file)
     except (ValueError, KeyError):
         stack_file.write_text(before)
         raise
-    return found
 
 
 def main(argv: list[str] | None = None) -> int:
