@@ -19,7 +19,12 @@ a 95 % interval of their mean. The memory-bandwidth limit of a decode step is th
 Then throughput at 1, 4, 8 and 16 concurrent requests, against the unsplit model run sequentially
 and against unsplit `generate()` on a left-padded batch of the same prompts in the served dtype.
 Every stage replica computes with one thread. Greedy decoding, a fixed number of new tokens (end
-of text ignored on both sides)."""
+of text ignored on both sides).
+
+    QUART_DEVICE=cuda python -m benchmarks generation --model llama1b   # generation_llama1b_cuda.json
+
+On a GPU (QUART_DEVICE=cuda) the stages compute there, the unsplit model runs there in float32
+and in the served dtype (threads do not apply), and the bandwidth limit is the GPU memory's."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +36,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -85,10 +91,13 @@ class Unsplit:
     def __init__(self, settings: Settings, model: str, served: torch.dtype) -> None:
         from models.sources import load_source
         source, config = SOURCES[model]
+        self.device = torch.device(settings.compute.device)
         self.source = load_source(source, settings.models_dir / "_sources", config)
         self.models = {torch.float32: self.source.model.float()}
         if served != torch.float32:
             self.models[served] = copy.deepcopy(self.models[torch.float32]).to(served)
+        for m in self.models.values():
+            m.to(self.device)
         for m in self.models.values():
             # End of text ignored, as the pipeline's requests ask: generate() always makes `new` tokens.
             m.generation_config.eos_token_id = None
@@ -96,13 +105,15 @@ class Unsplit:
     @torch.inference_mode()
     def one(self, ids: list[int], new: int, dtype: torch.dtype, threads: int) -> tuple[float, float, list[int]]:
         """(TTFT ms, TPOT ms, tokens) of `generate(use_cache=True)`, greedy, `new` tokens."""
-        model, x = self.models[dtype], torch.tensor([ids])
+        model, x = self.models[dtype], torch.tensor([ids], device=self.device)
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
         model(input_ids=x, logits_to_keep=1)
+        self._sync()
         prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         out = model.generate(x, max_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0)
+        self._sync()
         total = time.perf_counter() - t1
         return prefill * 1000.0, (total - prefill) * 1000.0 / (new - 1), out[0, len(ids):].tolist()
 
@@ -111,12 +122,18 @@ class Unsplit:
         """Tokens per second of one `generate()` over the prompts as a left-padded batch."""
         torch.set_num_threads(threads)
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         t0 = time.perf_counter()
         self.models[dtype].generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
                                     use_cache=True, pad_token_id=0)
+        self._sync()
         return len(prompts) * new / (time.perf_counter() - t0)
+
+    def _sync(self) -> None:
+        """Waits for the GPU's queued work: what a timer after it reads has run."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def step_bytes(self, dtype: torch.dtype) -> int:
         """What one decode step reads at least: every weight but the embedding table, of which it
@@ -129,15 +146,19 @@ class Unsplit:
         return (params + (embed.numel() if tied else 0)) * torch.empty((), dtype=dtype).element_size()
 
 
-def read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
-    """This machine's memory read bandwidth in bytes/s: the best of five sums over a buffer far
-    larger than its caches."""
+def read_bandwidth(threads: int, device: str = "cpu", nbytes: int = 1 << 30) -> float:
+    """The memory read bandwidth of `device` in bytes/s: the best of ten sums over a buffer far
+    larger than its caches (4 GiB on a GPU, where 1 GiB takes a fraction of a millisecond)."""
     torch.set_num_threads(threads)
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+    gpu = device.startswith("cuda")
+    nbytes = 4 << 30 if gpu else nbytes
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(10):
         t0 = time.perf_counter()
         buffer.sum()
+        if gpu:
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
 
@@ -179,14 +200,19 @@ def running(model: str, new: int, quantize: str = "", **changes: object) -> Iter
         from models.partition import ensure_partitioned
         source, config = SOURCES[model]
         ensure_partitioned(settings.models_dir, model, STAGES, source, random_config=config)
+    finished = False
     try:
         if control.up(settings, timeout=900) != 0:
             raise SystemExit(f"the embedded runtime did not come up; see {run_home}/logs")
         pipeline_request(GatewayClient(settings.gateway.url, timeout=900), model, "warm up", 4)
         yield settings
+        finished = True
     finally:
         control.down(settings)
-        shutil.rmtree(run_home, ignore_errors=True)
+        if finished:
+            shutil.rmtree(run_home, ignore_errors=True)
+        else:  # what went wrong is in the replicas' logs
+            print(f"the runtime's logs are kept in {run_home}/logs", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -206,38 +232,56 @@ def main(argv: list[str] | None = None) -> dict:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(unsplit.source.tokenizer_dir)
         client = GatewayClient(settings.gateway.url, timeout=900)
-        reps = [_one_at_a_time(client, unsplit, tokenizer, args.model, texts[:spec["prompts"]], new, served, cores, r)
+        refs = references(served, cores, settings.compute.device)
+        reps = [_one_at_a_time(client, unsplit, tokenizer, args.model, texts[:spec["prompts"]], new, refs, r)
                 for r in range(args.reps)]
         throughput = _throughput(client, unsplit, tokenizer, args.model, texts[spec["prompts"]:], levels, new, served,
                                  cores)
     step_bytes = unsplit.step_bytes(torch.int8 if args.quantize else served)
-    limit_ms = step_bytes / read_bandwidth(cores) * 1000.0
-    return _report(args.model, reps, throughput, new, levels, served, cores, limit_ms, step_bytes, args.quantize)
+    limit_ms = step_bytes / read_bandwidth(cores, settings.compute.device) * 1000.0
+    return _report(args.model, reps, throughput, new, levels, served, refs, limit_ms, step_bytes, args.quantize)
+
+
+@dataclass(frozen=True)
+class References:
+    """The unsplit runs each prompt is timed on, by label: (dtype, threads). On the CPU float32 on
+    one thread and on every core, and the served dtype on every core; on a GPU float32 and the
+    served dtype there. `fp32` and `served` label the float32 and served-dtype runs on the whole
+    device, the ones the pipeline's ratios are taken against."""
+    runs: dict[str, tuple[torch.dtype, int]]
+    fp32: str
+    served: str
+    device: str
+
+
+def references(served: torch.dtype, cores: int, device: str) -> References:
+    if device.startswith("cuda"):
+        fp32, own = "fp32 cuda", f"{_name(served)} cuda"
+        return References({fp32: (torch.float32, cores), own: (served, cores)}, fp32, own, device)
+    fp32, own = f"fp32 {cores} threads", f"{_name(served)} {cores} threads"
+    return References({"fp32 1 thread": (torch.float32, 1), fp32: (torch.float32, cores), own: (served, cores)},
+                      fp32, own, device)
 
 
 def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str], new: int,
-                   served: torch.dtype, cores: int, rep: int) -> dict:
-    """Per prompt: the pipeline, then unsplit float32 on one thread and on every core, then
-    unsplit in the served dtype on every core; medians of this repetition."""
-    runs = {"pipeline": [], "fp32 1 thread": [], f"fp32 {cores} threads": [], f"{_name(served)} {cores} threads": []}
+                   refs: References, rep: int) -> dict:
+    """Per prompt: the pipeline, then each unsplit reference run; medians of this repetition."""
+    runs: dict[str, list] = {"pipeline": [], **{label: [] for label in refs.runs}}
     same_dtype = same_fp32 = 0
     for i, text in enumerate(texts):
         print(f"  one at a time, repetition {rep + 1}: prompt {i + 1}/{len(texts)}", flush=True)
         ids = tokenizer(text)["input_ids"]
         answer = pipeline_request(client, model, text, new)
         runs["pipeline"].append((answer["ttft_ms"], answer["tpot_ms"]))
-        ttft, tpot, fp32 = unsplit.one(ids, new, torch.float32, 1)
-        runs["fp32 1 thread"].append((ttft, tpot))
-        ttft, tpot, _ = unsplit.one(ids, new, torch.float32, cores)
-        runs[f"fp32 {cores} threads"].append((ttft, tpot))
-        ttft, tpot, own = unsplit.one(ids, new, served, cores)
-        runs[f"{_name(served)} {cores} threads"].append((ttft, tpot))
-        same_dtype += answer["token_ids"] == own
-        same_fp32 += answer["token_ids"] == fp32
+        tokens = {}
+        for label, (dtype, threads) in refs.runs.items():
+            ttft, tpot, tokens[label] = unsplit.one(ids, new, dtype, threads)
+            runs[label].append((ttft, tpot))
+        same_dtype += answer["token_ids"] == tokens[refs.served]
+        same_fp32 += answer["token_ids"] == tokens[refs.fp32]
     medians = {k: (float(np.median([t for t, _ in v])), float(np.median([p for _, p in v]))) for k, v in runs.items()}
     return {"medians": medians, "same_dtype": same_dtype, "same_fp32": same_fp32, "prompts": len(texts),
-            "unsplit_seq_tps": new / ((medians[f"fp32 {cores} threads"][0]
-                                       + medians[f"fp32 {cores} threads"][1] * (new - 1)) / 1000.0)}
+            "unsplit_seq_tps": new / ((medians[refs.fp32][0] + medians[refs.fp32][1] * (new - 1)) / 1000.0)}
 
 
 def _throughput(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str], levels, new: int,
@@ -268,19 +312,20 @@ def _ratio(reps: list[dict], path: str, reference: str, index: int) -> tuple[flo
     return float(np.median(values)), mean, half
 
 
-def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, served: torch.dtype, cores: int,
+def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, served: torch.dtype, refs: References,
             limit_ms: float, step_bytes: int, quantize: str | None) -> dict:
     paths = list(reps[0]["medians"])
-    same = f"{_name(served)} {cores} threads"
-    fp32_all = f"fp32 {cores} threads"
+    same, fp32_all, gpu = refs.served, refs.fp32, refs.device.startswith("cuda")
     median = {k: [float(np.median([r["medians"][k][i] for r in reps])) for i in (0, 1)] for k in paths}
     print(table(f"{model}, one request at a time, {new} new tokens, {reps[0]['prompts']} ShareGPT prompts, "
                 f"{len(reps)} repetitions (medians)", ["path", "TTFT ms", "TPOT ms"],
                 [[k, median[k][0], median[k][1]] for k in paths]))
-    checks = [("TPOT pipeline / fp32 generate, same total threads", _ratio(reps, "pipeline", fp32_all, 1), 0.5),
-              ("TPOT pipeline / fp32 generate, 1 thread", _ratio(reps, "pipeline", "fp32 1 thread", 1), None),
-              (f"TPOT pipeline / {same} generate", _ratio(reps, "pipeline", same, 1), None),
-              (f"TTFT pipeline / {same} prefill", _ratio(reps, "pipeline", same, 0), 1.2)]
+    checks = [(f"TPOT pipeline / fp32 generate, {'same GPU' if gpu else 'same total threads'}",
+               _ratio(reps, "pipeline", fp32_all, 1), 0.5)]
+    if "fp32 1 thread" in paths:
+        checks.append(("TPOT pipeline / fp32 generate, 1 thread", _ratio(reps, "pipeline", "fp32 1 thread", 1), None))
+    checks += [(f"TPOT pipeline / {same} generate", _ratio(reps, "pipeline", same, 1), None),
+               (f"TTFT pipeline / {same} prefill", _ratio(reps, "pipeline", same, 0), 1.2)]
     tpots = [r["medians"]["pipeline"][1] for r in reps]
     bandwidth = (float(np.median(tpots)), *mean_ci95([t / limit_ms for t in tpots]))
     print(table("ratios over repetitions", ["ratio", "median", "95 % interval", "target", "verdict"],
@@ -289,8 +334,8 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                 + [["TPOT pipeline / bandwidth limit", bandwidth[0] / limit_ms,
                     f"{bandwidth[1] - bandwidth[2]:.3f}..{bandwidth[1] + bandwidth[2]:.3f}", 2.0,
                     verdict(bandwidth[1], bandwidth[2], 2.0)]]))
-    print(f"decode step reads {step_bytes / 1e6:.0f} MB in {quantize or _name(served)}: limit {limit_ms:.2f} ms a token on this "
-          f"machine's measured bandwidth ({cores} threads)")
+    print(f"decode step reads {step_bytes / 1e6:.0f} MB in {quantize or _name(served)}: limit {limit_ms:.2f} ms a token on "
+          f"the measured bandwidth of {refs.device}")
     agree = sum(r["same_dtype"] for r in reps), sum(r["same_fp32"] for r in reps), sum(r["prompts"] for r in reps)
     print(f"pipeline tokens equal to unsplit {_name(served)}: {agree[0]}/{agree[2]} prompts; to float32: "
           f"{agree[1]}/{agree[2]}")
@@ -313,7 +358,7 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
          "verdict": verdict(bandwidth[1], bandwidth[2], 2.0)},
         {"name": f"prompts with tokens equal to unsplit {_name(served)}", "value": agree[0], "unit": f"of {agree[2]}"},
         {"name": "prompts with tokens equal to unsplit float32", "value": agree[1], "unit": f"of {agree[2]}"},
-        {"name": "unsplit sequential throughput (fp32, all cores)", "value": round(sequential, 3), "unit": "tokens/s"},
+        {"name": f"unsplit sequential throughput ({fp32_all})", "value": round(sequential, 3), "unit": "tokens/s"},
     ]
     for r in rows:
         c = r["concurrency"]
@@ -328,10 +373,12 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
             {"name": f"pipeline TTFT p50 at {c}", "value": round(r["pipeline_ttft_p50"], 3), "unit": "ms"},
         ]
     name = ("generation" if model == "smollm2" else f"generation_{model}") + (f"_{quantize}" if quantize else "")
+    name += "_cuda" if gpu else ""
     source, config = SOURCES[model]
     write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,
                                     prompts=reps[0]["prompts"], repetitions=len(reps), levels=list(levels),
-                                    threads_per_replica=1, unsplit_threads=[1, cores], dtype=_name(served),
+                                    threads_per_replica=1, unsplit={k: [_name(d), t] for k, (d, t) in refs.runs.items()},
+                                    device=refs.device, gpu=torch.cuda.get_device_name() if gpu else None, dtype=_name(served),
                                     prepack=load_settings().compute.prepack, quantize=quantize or "none",
                                     decoding="greedy, end of text ignored", max_batch=load_settings().batching.max_batch))
     _plot(name, model, rows, sequential, median[fp32_all][1])

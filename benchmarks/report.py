@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import subprocess
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from contracts.config import load_settings
 from contracts.paths import BENCHMARK_RESULTS as RESULTS
 from contracts.paths import REPO_ROOT
 from models.precision import cpu_field, cpu_flags
@@ -77,8 +79,9 @@ def git(repo: Path, *args: str) -> str:
 
 
 def commit(repo: Path = REPO_ROOT) -> str:
-    """The commit measured, `-dirty` when the working tree's code differs from it."""
-    head = git(repo, "rev-parse", "HEAD") or "unknown"
+    """The commit measured, `-dirty` when the working tree's code differs from it; a copy of the
+    tree without its .git names its commit in QUART_SOURCE_COMMIT."""
+    head = git(repo, "rev-parse", "HEAD") or load_settings().source_commit or "unknown"
     changed = git(repo, "status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_MEASURED)
     return head + ("-dirty" if changed else "")
 
@@ -91,7 +94,7 @@ def conditions(**extra: object) -> dict:
     return {"machine": platform.node(), "commit": commit(), "cpu": platform.processor() or platform.machine(),
             "cpu_model": cpu_field("model name") or platform.machine(),
             "cpu_features": [f for f in CPU_FEATURES if f in cpu_flags()],
-            "cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
+            "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **extra}
 

@@ -182,6 +182,7 @@ class Settings:
     log_format: str = "text"
     log_max_bytes: int = 50 * 1024 * 1024
     log_keep: int = 3
+    source_commit: str = ""
     internal_token: str = ""
     redis: RedisConfig = field(default_factory=RedisConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
@@ -364,6 +365,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_LOG_MAX_BYTES", "log_max_bytes", "a runtime log over this size is rotated (copied to `.1`, then emptied)",
         _positive),
     Var("QUART_LOG_KEEP", "log_keep", "rotated copies kept of each log", _not_negative),
+    Var("QUART_SOURCE_COMMIT", "source_commit", "the commit a copy of the repository without its `.git` (an image, "
+        "another machine) was made from; benchmarks stamp it on their results where git cannot tell"),
     Var("QUART_INTERNAL_TOKEN", "internal_token",
         "bearer token of the KeysManager API and of stages' direct invoke; empty: `<home>/internal-token`"),
     Var("QUART_REDIS_HOST", "redis.host", "Redis host"),
@@ -687,9 +690,12 @@ def settings_environment(settings: Settings) -> dict[str, str]:
 
 def child_environment(settings: Settings, **extra: str) -> dict[str, str]:
     """The environment of a process this repository starts: ours, the settings, the repository
-    on PYTHONPATH, and `extra` (identity variables) on top."""
+    first on PYTHONPATH (ahead of what the caller's PYTHONPATH holds, which the child keeps), and
+    `extra` (identity variables) on top."""
     from contracts.paths import REPO_ROOT
-    return {**os.environ, **settings_environment(settings), "PYTHONPATH": str(REPO_ROOT), **extra}
+    entries = [str(REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    path = os.pathsep.join(dict.fromkeys(e for e in entries if e))  # once each, in order: children of children
+    return {**os.environ, **settings_environment(settings), "PYTHONPATH": path, **extra}
 
 
 def from_params(base: object, params: Mapping[str, object], variable: str) -> object:

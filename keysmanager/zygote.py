@@ -28,9 +28,14 @@ import time
 import traceback
 from pathlib import Path
 
+# torch.cuda.is_available() (transformers asks it) would otherwise initialise the CUDA driver in
+# this process to count devices, and a child forked after that cannot use CUDA; through NVML it
+# counts them without that.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 # Everything a replica needs, imported before any fork so that a child starts warm.
-import aiohttp  # noqa: F401
-import torch
+import aiohttp  # noqa: E402, F401
+import torch  # noqa: E402
 
 from contracts.config import load_settings
 from contracts.stage import StageRef

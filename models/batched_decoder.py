@@ -95,9 +95,12 @@ class BatchedDecoder:
         return logits
 
     def _inputs(self, steps: list[Step]) -> torch.Tensor:
+        """The steps' inputs as one flat batch on the parameters' device (they arrive on the CPU,
+        decoded from the stream)."""
+        device = self._weight.device
         if self.embed is not None:
-            return self.embed(torch.cat([s.inputs.long() for s in steps]).unsqueeze(0))
-        return torch.cat([s.inputs for s in steps]).unsqueeze(0).to(self.dtype)
+            return self.embed(torch.cat([s.inputs.long() for s in steps]).unsqueeze(0).to(device))
+        return torch.cat([s.inputs for s in steps]).unsqueeze(0).to(device, self.dtype)
 
 
 def _layer_types(module) -> list[str | None]:
@@ -141,7 +144,7 @@ def run_rows(engine: BatchedDecoder, tensors: dict[str, torch.Tensor], full_logi
     outs = engine.forward(steps, all_positions=full_logits)
     if engine.head is not None and not full_logits:
         return {"logits": torch.stack(outs)}
-    padded = torch.zeros(inputs.shape[0], inputs.shape[1], *outs[0].shape[1:], dtype=outs[0].dtype)
+    padded = torch.zeros(inputs.shape[0], inputs.shape[1], *outs[0].shape[1:], dtype=outs[0].dtype, device=outs[0].device)
     for i, (out, n) in enumerate(zip(outs, lengths)):
         padded[i, :n] = out
     if engine.head is not None:

@@ -56,6 +56,9 @@ def sample(logits: torch.Tensor, sampling: Sampling, position: int, choices: int
     when the sampling asks, each one's log-probability [choices] with the `logprobs` likeliest
     tokens and theirs [choices, k], from the model's own distribution (the logits before
     temperature, as vLLM reports them)."""
+    # Chosen on the CPU whatever device computed the logits: a seed then picks the same token on
+    # every device (torch's generators differ between CPU and CUDA), and the answer goes there anyway.
+    logits = logits.cpu()
     tokens = [next_token(logits, replace(sampling, seed=sampling.seed + i), position) for i in range(choices)]
     out = {"token": torch.tensor(tokens)}
     if sampling.logprobs >= 0:

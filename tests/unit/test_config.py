@@ -4,6 +4,7 @@ variable's name in the message, and the replica bounds defined once."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -14,6 +15,7 @@ from contracts.config import (
     ConfigError,
     ReplicaIdentity,
     add_arguments,
+    child_environment,
     load_settings,
     replica_identity,
     settings_environment,
@@ -71,6 +73,15 @@ def test_settings_survive_a_trip_through_a_child_environment():
     s = load_settings(environ={}, policy_params={"kp": 0.3}, fork_cow=False, server_bandwidth=2e9, r_min=2)
     again = load_settings(environ=settings_environment(s))
     assert again == s
+
+
+def test_a_child_keeps_the_callers_python_path_behind_the_repository(monkeypatch, tmp_path):
+    """Packages a user put on PYTHONPATH (a --target install) are found by every process started."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO_ROOT), ""]))
+    env = child_environment(load_settings(environ={}))
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), str(tmp_path)]
+    monkeypatch.delenv("PYTHONPATH")
+    assert child_environment(load_settings(environ={}))["PYTHONPATH"] == str(REPO_ROOT)
 
 
 @pytest.mark.parametrize("env,needle", [
