@@ -107,6 +107,7 @@ class Unsplit:
         """(TTFT ms, TPOT ms, tokens) of `generate(use_cache=True)`, greedy, `new` tokens."""
         model, x = self.models[dtype], torch.tensor([ids], device=self.device)
         torch.set_num_threads(threads)
+        self._warm(lambda: model.generate(x, max_new_tokens=2, do_sample=False, use_cache=True, pad_token_id=0))
         t0 = time.perf_counter()
         model(input_ids=x, logits_to_keep=1)
         self._sync()
@@ -124,11 +125,20 @@ class Unsplit:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        self._warm(lambda: self.models[dtype].generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                                                       use_cache=True, pad_token_id=0))
         t0 = time.perf_counter()
         self.models[dtype].generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
                                     use_cache=True, pad_token_id=0)
         self._sync()
         return len(prompts) * new / (time.perf_counter() - t0)
+
+    def _warm(self, run) -> None:
+        """On a GPU, `run` once untimed: the first call at a shape loads kernels and picks cuBLAS's
+        algorithms, which the pipeline's replicas did in their own warm-up request."""
+        if self.device.type == "cuda":
+            run()
+            self._sync()
 
     def _sync(self) -> None:
         """Waits for the GPU's queued work: what a timer after it reads has run."""
