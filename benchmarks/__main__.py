@@ -33,6 +33,7 @@ from benchmarks import (
     simulator,
     simulator_coldstart,
     simulator_generation,
+    simulator_out_of_sample,
     simulator_policies,
     soak,
 )
@@ -48,6 +49,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([]),
               "simulator_coldstart": lambda: simulator_coldstart.main([]),
               "simulator_policies": lambda: simulator_policies.main([]),
+              "simulator_out_of_sample": lambda: simulator_out_of_sample.main([]),
               "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([]),
               "data_plane_cpu": lambda: data_plane_cpu.main([]), "bursts": lambda: bursts.main([]),
               **{f"generation_{m}": lambda m=m: generation.main(["--model", m]) for m in generation.FAMILY_SHAPES}}
@@ -55,6 +57,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
 WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "coldstart": coldstart.main,
                 "scale_to_zero": scale_to_zero.main, "consolidation": consolidation.main,
                 "simulator_coldstart": simulator_coldstart.main, "simulator_policies": simulator_policies.main,
+                "simulator_out_of_sample": simulator_out_of_sample.main,
                 "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main,
                 "bursts": bursts.main, "soak": soak.main}
 

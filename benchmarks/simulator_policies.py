@@ -33,7 +33,7 @@ from autoscaler.policy.controller import POLICIES, VARIANTS
 from benchmarks.report import RESULTS, SIMULATOR, conditions, mean_ci95, table, write
 from contracts import artefacts
 from contracts.config import MECHANISMS, load_settings
-from loadgen.arrivals import gamma_arrivals
+from loadgen.arrivals import bursty_arrivals, diurnal_arrivals, gamma_arrivals
 from sim.config import quart_testbed
 from sim.models import table1
 from sim.run import replica_seconds, simulate, unloaded_latency
@@ -50,14 +50,23 @@ HEADROOM = {"u 0.6": {"target_utilization": 0.6}, "u 0.3": {"target_utilization"
             "calm 0.6": {"calm_utilization": 0.6}}
 
 
+# Each model's arrivals by the job's workload: Gamma at the job's CV (what the policies were tuned
+# on), or a generated shape (benchmarks/simulator_out_of_sample.py scores them on those).
+WORKLOADS = {"gamma": lambda cv, duration, seed: gamma_arrivals(RATE, cv, duration, seed),
+             "bursty": lambda cv, duration, seed: bursty_arrivals(RATE, duration, seed),
+             "diurnal": lambda cv, duration, seed: diurnal_arrivals(RATE, duration, seed)}
+
+
 def run_one(job: dict) -> dict:
     """One simulated run: every model's latency figures, goodput and queue per stage."""
     torch.set_num_threads(1)
     models = table1(job["models"])
     cfg = quart_testbed(seed=job["seed"], slo_x=SLO_X)
-    arrivals = {m.name: gamma_arrivals(RATE, job["cv"], job["duration"], seed=100 * job["seed"] + k)
-                for k, m in enumerate(models)}
-    params = job.get("params") or ({"plan_rps": RATE, "plan_cv": job["cv"]} if job["policy"] == "inferline" else {})
+    workload = WORKLOADS[job.get("workload", "gamma")]
+    arrivals = {m.name: workload(job["cv"], job["duration"], 100 * job["seed"] + k) for k, m in enumerate(models)}
+    # InferLine plans from a sample of the trace: its rate and CV (a generated shape's, as measured).
+    plan_cv = job["cv"] if job["cv"] is not None else float(np.mean([gaps_cv(a) for a in arrivals.values()]))
+    params = job.get("params") or ({"plan_rps": RATE, "plan_cv": plan_cv} if job["policy"] == "inferline" else {})
     settings = load_settings(environ={}, home="/nonexistent-quart-home", policy_params=params,
                              ablate=job.get("ablate", ""))
     trace = simulate(cfg, models, arrivals, job["policy"], settings, record_arrivals=False)
@@ -76,6 +85,11 @@ def run_one(job: dict) -> dict:
                            for x in SLO_MULTIPLES],
             "queue": np.asarray(trace.samples[m.name]["queue"], dtype=float).mean(axis=0).round(3).tolist()}
     return out
+
+
+def gaps_cv(times: np.ndarray) -> float:
+    gaps = np.diff(times)
+    return float(gaps.std() / gaps.mean())
 
 
 def summary(run: dict) -> tuple[float, float]:

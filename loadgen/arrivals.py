@@ -1,6 +1,7 @@
 """Arrival processes: Gamma inter-arrivals with a rate and CV (QUART §8 uses CV 0.1-8), Poisson,
 the Azure Functions 2019 trace (invocations per minute, spread with Gamma inter-arrivals as in
-HydraServe §8.3), and BurstGPT (arrival times with prompt and answer lengths). Every schedule is
+HydraServe §8.3), and BurstGPT (arrival times with prompt and answer lengths); and, where those
+traces are not at hand, generated shapes after each (bursty spells, a daily cycle). Every schedule is
 a function of its seed. Times are seconds from the start of the replay."""
 from __future__ import annotations
 
@@ -38,6 +39,44 @@ def gamma_arrivals(rate: float, cv: float, duration_s: float, seed: int) -> np.n
 
 def poisson_arrivals(rate: float, duration_s: float, seed: int) -> np.ndarray:
     return gamma_arrivals(rate, 1.0, duration_s, seed)
+
+
+def bursty_arrivals(rate: float, duration_s: float, seed: int, burst_factor: float = 8.0, calm_s: float = 30.0,
+                    burst_s: float = 8.0, cv: float = 1.5, tail: float = 2.5) -> np.ndarray:
+    """Shaped after BurstGPT's serving logs, where the rate jumps several-fold for seconds to
+    minutes: calm and burst spells alternate, each spell's length heavy-tailed (Pareto with shape
+    `tail`, means `calm_s` and `burst_s`), the burst rate `burst_factor` times the calm one, Gamma
+    inter-arrivals of `cv` within a spell, and `rate` the long-run mean. A shape with chosen
+    parameters, not a fit to the published trace (`read_burstgpt` replays that)."""
+    if rate <= 0 or burst_factor < 1 or tail <= 1:
+        raise ValueError(f"rate > 0, burst_factor >= 1 and tail > 1, got {rate}, {burst_factor}, {tail}")
+    rng = np.random.default_rng(seed)
+    calm_rate = rate * (calm_s + burst_s) / (calm_s + burst_factor * burst_s)
+    times, t, burst = [], 0.0, bool(rng.random() < burst_s / (calm_s + burst_s))
+    while t < duration_s:
+        mean = burst_s if burst else calm_s
+        length = mean * (tail - 1) / tail * (1.0 + rng.pareto(tail))  # Pareto (Lomax + 1) with this mean
+        spell_rate = calm_rate * (burst_factor if burst else 1.0)
+        gaps = gamma_gaps(rng, spell_rate, cv, max(4, int(spell_rate * length * 2) + 4))
+        inside = t + np.cumsum(gaps)
+        times.append(inside[inside < t + length])
+        t, burst = t + length, not burst
+    out = np.concatenate(times)
+    return out[out < duration_s]
+
+
+def diurnal_arrivals(rate: float, duration_s: float, seed: int, amplitude: float = 0.6, days: float = 1.0,
+                     bins: int = 120, cv: float = 1.0) -> np.ndarray:
+    """Shaped after the Azure Functions trace's daily cycle, compressed into the run: `days` cycles
+    of rate x (1 - amplitude x cos(2 pi t / day)) (trough at the start, peak/trough
+    (1 + amplitude) / (1 - amplitude)), counted per bin and spread within each bin with Gamma
+    inter-arrivals of `cv`, as `azure_arrivals` spreads a trace's minutes. Mean `rate`."""
+    if rate <= 0 or not 0 <= amplitude < 1 or days <= 0 or bins < 1:
+        raise ValueError(f"rate > 0, 0 <= amplitude < 1, days > 0, bins >= 1; got {rate}, {amplitude}, {days}, {bins}")
+    width = duration_s / bins
+    mids = (np.arange(bins) + 0.5) * width
+    expected = rate * width * (1.0 - amplitude * np.cos(2 * np.pi * days * mids / duration_s))
+    return azure_arrivals(expected, cv, seed, minute_s=width)
 
 
 @dataclass(frozen=True)

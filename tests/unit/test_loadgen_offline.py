@@ -81,6 +81,30 @@ def test_gamma_arrivals_reach_their_rate_and_cv(cv):
     assert abs(poisson.std() / poisson.mean() - 1.0) < 0.05
 
 
+def test_bursty_arrivals_keep_their_mean_rate_and_come_in_spells():
+    """The long-run rate holds; the rate per 10 s swings far more than a Gamma process's of the
+    same gaps' CV would (bursts are spells, not independent short gaps); a seed fixes it."""
+    times = arr.bursty_arrivals(rate=10.0, duration_s=20000.0, seed=5)
+    assert abs(len(times) / 20000.0 - 10.0) < 0.5
+    gaps = np.diff(times)
+    plain = arr.gamma_arrivals(10.0, gaps.std() / gaps.mean(), 20000.0, seed=5)
+    per_window = np.histogram(times, bins=2000, range=(0, 20000))[0]
+    plain_window = np.histogram(plain, bins=2000, range=(0, 20000))[0]
+    assert per_window.std() > 2 * plain_window.std()
+    assert np.array_equal(times, arr.bursty_arrivals(10.0, 20000.0, seed=5))
+    assert not np.array_equal(times, arr.bursty_arrivals(10.0, 20000.0, seed=6))
+
+
+def test_diurnal_arrivals_follow_their_daily_cycle():
+    times = arr.diurnal_arrivals(rate=10.0, duration_s=12000.0, seed=2, amplitude=0.6, days=1.0)
+    assert abs(len(times) / 12000.0 - 10.0) < 0.3
+    quarters = np.histogram(times, bins=4, range=(0, 12000))[0] / 3000.0
+    assert quarters[1] > quarters[0] * 2 and quarters[2] > quarters[3] * 2  # trough at the ends, peak mid-run
+    assert times.min() >= 0 and times.max() < 12000.0 and np.all(np.diff(times) >= 0)
+    with pytest.raises(ValueError):
+        arr.diurnal_arrivals(10.0, 100.0, seed=0, amplitude=1.0)
+
+
 def test_prompt_lengths_follow_the_trace():
     pool = PromptPool(["a" * 40, "b" * 400, "c" * 4000, "d" * 80])
     rng = np.random.default_rng(0)
