@@ -98,7 +98,6 @@ class Unsplit:
             self.models[served] = copy.deepcopy(self.models[torch.float32]).to(served)
         for m in self.models.values():
             m.to(self.device)
-        for m in self.models.values():
             # End of text ignored, as the pipeline's requests ask: generate() always makes `new` tokens.
             m.generation_config.eos_token_id = None
 

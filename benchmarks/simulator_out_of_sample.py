@@ -21,11 +21,10 @@ import sys
 
 import numpy as np
 
-from autoscaler.policy.baselines import BASELINES
 from autoscaler.policy.controller import POLICIES, VARIANTS
 from benchmarks.report import RESULTS, conditions, table, write
 from benchmarks.simulator_policies import MEASURES as POLICY_MEASURES
-from benchmarks.simulator_policies import RATE, SLO_X, figures_of, separate, simulate_all, style
+from benchmarks.simulator_policies import RATE, SLO_X, figures_of, simulate_all, style, versus_baselines
 
 MEASURES = POLICY_MEASURES  # the code measured (benchmarks/freshness.py)
 
@@ -58,21 +57,9 @@ def rows_of(runs: list[dict]) -> list[dict]:
 
 
 def ratios_of(rows: list[dict]) -> list[dict]:
-    """Per workload and QUART policy: latency and goodput over the best baseline's, and whether the
-    seeds' 95 % intervals separate."""
-    out = []
-    for label in WORKLOADS:
-        mine = [r for r in rows if r["workload"] == label]
-        baselines = [r for r in mine if r["policy"] in BASELINES]
-        fastest = min(baselines, key=lambda r: r["mean_ms"])
-        best_good = max(baselines, key=lambda r: r["goodput"])
-        for r in (r for r in mine if r["policy"] in (*VARIANTS, CALM[0])):
-            out.append({"workload": label, "policy": r["policy"], "in_sample": r["in_sample"],
-                        "latency_ratio": r["mean_ms"] / fastest["mean_ms"], "vs_latency": fastest["policy"],
-                        "latency_separate": separate(r, fastest, "mean_ms", "mean_ci_ms"),
-                        "goodput_ratio": r["goodput"] / best_good["goodput"], "vs_goodput": best_good["policy"],
-                        "goodput_separate": separate(r, best_good, "goodput", "goodput_ci")})
-    return out
+    """Per workload and QUART policy: latency and goodput over the workload's best baselines."""
+    return [{"workload": label, "in_sample": WORKLOADS[label][2], **r} for label in WORKLOADS
+            for r in versus_baselines([r for r in rows if r["workload"] == label], (*VARIANTS, CALM[0]))]
 
 
 def plot(rows: list[dict]) -> None:
@@ -109,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=2)
     a = parser.parse_args(argv or [])
     runs = simulate_all(jobs(a.seeds, a.duration), a.workers)
-    rows, ratios = rows_of(runs), ratios_of(rows_of(runs))
+    rows = rows_of(runs)
+    ratios = ratios_of(rows)
     print(table(f"5 models x {RATE:g} req/s, {a.duration:g} s, mean and 95 % interval over {a.seeds} seeds",
                 ["workload", "policy", "mean ms", "±", "goodput req/s", "±", "replica-s"],
                 [[r["workload"], r["policy"], round(r["mean_ms"]), round(r["mean_ci_ms"]), round(r["goodput"], 2),
@@ -118,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "do not overlap)", ["workload", "sample", "policy", "latency ×", "vs", "separate", "goodput ×", "vs",
                                     "separate"],
                 [[r["workload"], "in" if r["in_sample"] else "out", r["policy"], round(r["latency_ratio"], 2),
-                  r["vs_latency"], r["latency_separate"], round(r["goodput_ratio"], 2), r["vs_goodput"],
+                  r["best_latency_baseline"], r["latency_separate"], round(r["goodput_ratio"], 2), r["best_goodput_baseline"],
                   r["goodput_separate"]] for r in ratios]))
     plot(rows)
     sample = lambda r: "in sample" if r["in_sample"] else "out of sample"  # noqa: E731
@@ -128,10 +116,10 @@ def main(argv: list[str] | None = None) -> dict:
                  "ci95": round(r["goodput_ci"], 3), "sample": sample(r)} for r in rows]
     figures += [{"name": f"{r['workload']} {r['policy']} replica-seconds", "value": round(r["replica_s"]), "unit": "s"}
                 for r in rows]
-    figures += [{"name": f"{r['workload']} {r['policy']} latency / best baseline ({r['vs_latency']})",
+    figures += [{"name": f"{r['workload']} {r['policy']} latency / best baseline ({r['best_latency_baseline']})",
                  "value": round(r["latency_ratio"], 3), "unit": "ratio", "separate": r["latency_separate"],
                  "sample": sample(r)} for r in ratios]
-    figures += [{"name": f"{r['workload']} {r['policy']} goodput / best baseline ({r['vs_goodput']})",
+    figures += [{"name": f"{r['workload']} {r['policy']} goodput / best baseline ({r['best_goodput_baseline']})",
                  "value": round(r["goodput_ratio"], 3), "unit": "ratio", "separate": r["goodput_separate"],
                  "sample": sample(r)} for r in ratios]
     write("simulator_out_of_sample", figures, conditions(

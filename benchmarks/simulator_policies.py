@@ -127,19 +127,23 @@ def fastest_baseline(rows: list[dict], cv: float) -> dict:
 
 
 def against_best(rows: list[dict]) -> list[dict]:
-    """Per CV and QUART policy: its latency and goodput over the best baseline's (lowest mean
-    latency; highest goodput), and whether the seeds' intervals separate."""
-    out = []
-    for cv in CVS:
-        fastest = fastest_baseline(rows, cv)
-        best_good = max((r for r in rows if r["cv"] == cv and r["policy"] in BASELINES), key=lambda r: r["goodput"])
-        for r in (r for r in rows if r["cv"] == cv and r["policy"] in VARIANTS):
-            out.append({"cv": cv, "policy": r["policy"], "best_latency_baseline": fastest["policy"],
-                        "latency_ratio": r["mean_ms"] / fastest["mean_ms"],
-                        "latency_separate": separate(r, fastest, "mean_ms", "mean_ci_ms"),
-                        "best_goodput_baseline": best_good["policy"], "goodput_ratio": r["goodput"] / best_good["goodput"],
-                        "goodput_separate": separate(r, best_good, "goodput", "goodput_ci")})
-    return out
+    """Per CV and QUART policy: its latency and goodput over the best baseline's, and whether the
+    seeds' intervals separate."""
+    return [{"cv": cv, **r} for cv in CVS for r in versus_baselines([r for r in rows if r["cv"] == cv], VARIANTS)]
+
+
+def versus_baselines(group: list[dict], policies) -> list[dict]:
+    """Each of `policies`' rows in `group` (one workload's rows) against the group's best baselines
+    (lowest mean latency; highest goodput): the ratios, and whether the seeds' 95 % intervals separate."""
+    baselines = [r for r in group if r["policy"] in BASELINES]
+    fastest = min(baselines, key=lambda r: r["mean_ms"])
+    best_good = max(baselines, key=lambda r: r["goodput"])
+    return [{"policy": r["policy"], "best_latency_baseline": fastest["policy"],
+             "latency_ratio": r["mean_ms"] / fastest["mean_ms"],
+             "latency_separate": separate(r, fastest, "mean_ms", "mean_ci_ms"),
+             "best_goodput_baseline": best_good["policy"], "goodput_ratio": r["goodput"] / best_good["goodput"],
+             "goodput_separate": separate(r, best_good, "goodput", "goodput_ci")}
+            for r in group if r["policy"] in policies]
 
 
 def ablation_rows(runs: list[dict]) -> list[dict]:
