@@ -11,6 +11,7 @@ import torch
 from contracts.config import Limits
 from contracts.wire import BadRequest, Header
 from engine.batch_policy import MIGRATE
+from engine.step_profile import StepProfile
 from models.batched_decoder import BatchedDecoder, Step
 from models.kv_cache import KVStore, NoRoom, split_cache
 from models.sampling import Sampling, sample
@@ -107,7 +108,7 @@ class GenerationStage:
         done = [w for w in works if w not in self.waiting]
         if not steps:
             return BatchResult(outcomes, done)
-        started = time.perf_counter()
+        started, profile = time.perf_counter(), StepProfile(self.engine.kv_shape().device)
         try:
             outputs = self.engine.forward([s for _, s in steps])
         except Exception as exc:  # one bad batch must not take the replica down; its requests get the error
@@ -115,6 +116,7 @@ class GenerationStage:
                 self.store.free(s.seq.seq_id)
                 outcomes.append(_error(w, exc, 500))
             return BatchResult(outcomes, done, len(steps), time.perf_counter() - started)
+        profile.done(len(steps), self.first)
         service = time.perf_counter() - started
         for (w, s), out in zip(steps, outputs):
             outcomes += self._hand_off(w, s, out)
