@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.decoder_attention import LayerCall
+from models.decoder_attention import LayerCall, kernels
 from models.kv_cache import KVShape, KVStore, Sequence
 
 
@@ -72,6 +72,18 @@ class BatchedDecoder:
         x = self._inputs(steps)
         positions = torch.cat([torch.arange(s.start, s.start + s.tokens) for s in steps]).unsqueeze(0).to(x.device)
         spans = _spans(steps)
+        with kernels(x.device):
+            x = self._layers(x, positions, steps, spans)
+        for s in steps:
+            s.seq.length = s.start + s.tokens
+        if self.head is None:
+            return [x[0, a:b] for a, b in spans]
+        if all_positions:
+            return [self._logits(x[:, a:b])[0] for a, b in spans]
+        return list(self._logits(x[:, [b - 1 for _, b in spans]])[0])
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, steps: list[Step],
+                spans: list[tuple[int, int]]) -> torch.Tensor:
         index = 0
         for rotary, per_kind, layers, kinds in self.blocks:
             embeddings = _position_embeddings(rotary, per_kind, x, positions, kinds)
@@ -80,13 +92,7 @@ class BatchedDecoder:
                             quart=LayerCall(index, steps, spans))
                 x = out[0] if isinstance(out, tuple) else out
                 index += 1
-        for s in steps:
-            s.seq.length = s.start + s.tokens
-        if self.head is None:
-            return [x[0, a:b] for a, b in spans]
-        if all_positions:
-            return [self._logits(x[:, a:b])[0] for a, b in spans]
-        return list(self._logits(x[:, [b - 1 for _, b in spans]])[0])
+        return x
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.norm(hidden)).float()

@@ -2,7 +2,8 @@
 split decoder whose stages were loaded on the CPU and moved (as a replica forked from a zygote
 moves) generates on CUDA what the unsplit model loaded there does, in each dtype; float32 on CUDA
 agrees with float32 on the CPU; a seed samples the same token from CUDA logits as from the same
-logits on the CPU; and the embedded runtime serving with QUART_DEVICE=cuda answers like the
+logits on the CPU; decode steps run no cuDNN attention (it builds a plan per new length); and
+the embedded runtime serving with QUART_DEVICE=cuda answers like the
 unsplit model, its replicas holding GPU memory."""
 from __future__ import annotations
 
@@ -55,6 +56,18 @@ def test_a_split_moved_to_cuda_generates_what_the_unsplit_model_there_does(dtype
     assert got_logits.device.type == "cuda"
     assert got == expected
     assert (got_logits - logits).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_decode_steps_on_cuda_keep_off_cudnn_attention(checkpoint, tmp_path):
+    """cuDNN's attention builds a plan for every new key length, i.e. on every decode step of a new
+    sequence (40-130 ms of CPU per stage on an H100); the stages' steps run none of its kernels."""
+    chain = moved_chain(partition(checkpoint, 2, tmp_path / "two"), "bfloat16")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        greedy_cached(chain, PROMPT, NEW)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert names, "the profiler saw no CUDA kernel"
+    assert not [n for n in names if "cudnn" in n.lower()], names
 
 
 def test_float32_on_cuda_agrees_with_float32_on_the_cpu(checkpoint, tmp_path):
