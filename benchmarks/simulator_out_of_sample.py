@@ -32,6 +32,7 @@ FRESH_SEED = 1000
 # Label -> (workload, CV, in sample): the columns of the tables.
 WORKLOADS = {"gamma cv4 (in sample)": ("gamma", 4.0, True), "gamma cv4, fresh seeds": ("gamma", 4.0, False),
              "bursty, fresh seeds": ("bursty", None, False), "diurnal, fresh seeds": ("diurnal", None, False)}
+BURSTY = "bursty, fresh seeds"
 CALM = ("quart-flow calm 0.6", "quart-flow", {"calm_utilization": 0.6})  # the tuned headroom as a policy of its own
 
 
@@ -52,8 +53,19 @@ def name(run: dict) -> str:
 def rows_of(runs: list[dict]) -> list[dict]:
     names = [*POLICIES, CALM[0]]
     return [{"workload": label, "policy": p, "in_sample": WORKLOADS[label][2],
-             **figures_of([r for r in runs if r["label"] == label and name(r) == p])}
-            for label in WORKLOADS for p in names]
+             **figures_of(mine), **where_bursts_wait(mine)}
+            for label in WORKLOADS for p in names
+            for mine in [[r for r in runs if r["label"] == label and name(r) == p]]]
+
+
+def where_bursts_wait(runs: list[dict]) -> dict:
+    """A burst's mean wait at the first stage and at the later ones together (ms), averaged over
+    the models and seeds that had bursts; empty without any."""
+    waits = [m["burst_waits_ms"] for r in runs for m in r["models_out"].values() if m.get("burst_waits_ms")]
+    if not waits:
+        return {}
+    first, later = np.mean(waits, axis=0)
+    return {"burst_first_ms": float(first), "burst_later_ms": float(later)}
 
 
 def ratios_of(rows: list[dict]) -> list[dict]:
@@ -108,6 +120,12 @@ def main(argv: list[str] | None = None) -> dict:
                 [[r["workload"], "in" if r["in_sample"] else "out", r["policy"], round(r["latency_ratio"], 2),
                   r["best_latency_baseline"], r["latency_separate"], round(r["goodput_ratio"], 2), r["best_goodput_baseline"],
                   r["goodput_separate"]] for r in ratios]))
+    bursty = [r for r in rows if r["workload"] == BURSTY]
+    print(table(f"where a burst waits ({BURSTY}; requests sent while the arrivals ran at 2x the mean rate or more): "
+                "mean wait at the first stage and at the later ones together, ms, over models and seeds",
+                ["policy", "first stage", "later stages", "mean latency ms"],
+                [[r["policy"], round(r["burst_first_ms"]), round(r["burst_later_ms"]), round(r["mean_ms"])]
+                 for r in bursty]))
     plot(rows)
     sample = lambda r: "in sample" if r["in_sample"] else "out of sample"  # noqa: E731
     figures = [{"name": f"{r['workload']} {r['policy']} mean latency", "value": round(r["mean_ms"], 1), "unit": "ms",
@@ -122,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     figures += [{"name": f"{r['workload']} {r['policy']} goodput / best baseline ({r['best_goodput_baseline']})",
                  "value": round(r["goodput_ratio"], 3), "unit": "ratio", "separate": r["goodput_separate"],
                  "sample": sample(r)} for r in ratios]
+    figures += [{"name": f"{BURSTY} {r['policy']} burst wait at the {where} stage{'s' if where == 'later' else ''}",
+                 "value": round(r[f"burst_{where}_ms"], 1), "unit": "ms"} for r in bursty for where in ("first", "later")]
     write("simulator_out_of_sample", figures, conditions(
         seeds=a.seeds, fresh_seeds_from=FRESH_SEED, duration_s=a.duration, rate_per_model_rps=RATE,
         slo=f"{SLO_X:g}x unloaded latency", workloads={k: list(v) for k, v in WORKLOADS.items()},

@@ -33,7 +33,7 @@ from autoscaler.policy.controller import POLICIES, VARIANTS
 from benchmarks.report import RESULTS, SIMULATOR, conditions, mean_ci95, table, write
 from contracts import artefacts
 from contracts.config import MECHANISMS, load_settings
-from loadgen.arrivals import bursty_arrivals, diurnal_arrivals, gamma_arrivals
+from loadgen.arrivals import bursty_arrivals, diurnal_arrivals, gamma_arrivals, in_burst
 from sim.config import quart_testbed
 from sim.models import table1
 from sim.run import replica_seconds, simulate, unloaded_latency
@@ -83,8 +83,20 @@ def run_one(job: dict) -> dict:
             "goodput": float((ok & (trace.latency <= SLO_X * unloaded)).sum()) / job["duration"],
             "attainment": [float((ok & (trace.latency <= x * unloaded)).sum()) / max(1, int(mine.sum()))
                            for x in SLO_MULTIPLES],
-            "queue": np.asarray(trace.samples[m.name]["queue"], dtype=float).mean(axis=0).round(3).tolist()}
+            "queue": np.asarray(trace.samples[m.name]["queue"], dtype=float).mean(axis=0).round(3).tolist(),
+            "burst_waits_ms": burst_waits(trace.wait[mine], trace.sent[mine], arrivals[m.name])}
     return out
+
+
+def burst_waits(wait: np.ndarray, sent: np.ndarray, arrivals: np.ndarray) -> list[float] | None:
+    """Of the requests sent in a burst (loadgen.arrivals.in_burst): their mean wait at the first
+    stage and summed over the later ones, ms (where a burst waits: at the entry only, or at each
+    stage in turn); None without a burst."""
+    burst = in_burst(arrivals, sent, RATE)
+    if not burst.any():
+        return None
+    per_stage = np.nanmean(wait[burst], axis=0) * 1000.0
+    return [round(float(per_stage[0]), 2), round(float(per_stage[1:].sum()), 2)]
 
 
 def gaps_cv(times: np.ndarray) -> float:

@@ -65,6 +65,17 @@ def bursty_arrivals(rate: float, duration_s: float, seed: int, burst_factor: flo
     return out[out < duration_s]
 
 
+def in_burst(arrivals: np.ndarray, at: np.ndarray, rate: float, factor: float = 2.0, window_s: float = 2.0) -> np.ndarray:
+    """Which of the times `at` fall in a burst of `arrivals`: where the arrivals within the
+    `window_s` around it run at `factor` times the long-run `rate` or more. `bursty_arrivals`'
+    bursts run at about 3.2x the mean and its calm spells at 0.4x; at 2x this marks 65 % of its
+    requests (68 % arrive in bursts) and 0.1 % of a Poisson stream's."""
+    ordered = np.sort(arrivals)
+    half = window_s / 2
+    count = np.searchsorted(ordered, at + half) - np.searchsorted(ordered, at - half)
+    return count / window_s >= factor * rate
+
+
 def diurnal_arrivals(rate: float, duration_s: float, seed: int, amplitude: float = 0.6, days: float = 1.0,
                      bins: int = 120, cv: float = 1.0) -> np.ndarray:
     """Shaped after the Azure Functions trace's daily cycle, compressed into the run: `days` cycles

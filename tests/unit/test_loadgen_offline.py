@@ -95,6 +95,16 @@ def test_bursty_arrivals_keep_their_mean_rate_and_come_in_spells():
     assert not np.array_equal(times, arr.bursty_arrivals(10.0, 20000.0, seed=6))
 
 
+def test_in_burst_marks_the_burst_spells_and_hardly_any_of_a_steady_stream():
+    bursty = arr.bursty_arrivals(rate=10.0, duration_s=3000.0, seed=3)
+    marked = arr.in_burst(bursty, bursty, rate=10.0)
+    assert 0.5 < marked.mean() < 0.8   # 68 % of its requests arrive in bursts
+    steady = arr.poisson_arrivals(10.0, 3000.0, seed=3)
+    assert arr.in_burst(steady, steady, rate=10.0).mean() < 0.01
+    # Times between arrivals are judged by the arrivals around them: a lone time in a gap is calm.
+    assert arr.in_burst(np.array([0.0, 0.05, 0.1, 0.15, 10.0]), np.array([0.1, 5.0]), rate=1.0).tolist() == [True, False]
+
+
 def test_diurnal_arrivals_follow_their_daily_cycle():
     times = arr.diurnal_arrivals(rate=10.0, duration_s=12000.0, seed=2, amplitude=0.6, days=1.0)
     assert abs(len(times) / 12000.0 - 10.0) < 0.3
