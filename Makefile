@@ -25,7 +25,7 @@ check: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 live: $(STAMP)
 	$(PY) -m pytest -q tests/live

@@ -14,8 +14,8 @@ against
   exactly), not from a live server: it is the baseline at its best, without HTTP.
 
 Goodput: requests answered within a 5 s end-to-end objective, per second of the trace. Refusals
-(429) and the time generations waited at the entry are reported apart. vLLM-CPU is not a baseline
-here: it is not installed on this machine.
+(429) and the time generations waited at the entry are reported apart. vLLM-CPU is a baseline of
+the generation benchmark (`benchmarks/vllm_cpu.py`), not yet of this one.
 
     python -m benchmarks bursts
     python -m benchmarks bursts --seconds 30 --rates 2 --cvs 4

