@@ -3,8 +3,8 @@ split decoder whose stages were loaded on the CPU and moved (as a replica forked
 moves) generates on CUDA what the unsplit model loaded there does, in each dtype; float32 on CUDA
 agrees with float32 on the CPU; a seed samples the same token from CUDA logits as from the same
 logits on the CPU; decode steps run no cuDNN attention (it builds a plan per new length); and
-the embedded runtime serving with QUART_DEVICE=cuda answers like the
-unsplit model, its replicas holding GPU memory."""
+the embedded runtime serving with QUART_DEVICE=cuda answers like the unsplit model, its replicas
+holding GPU memory."""
 from __future__ import annotations
 
 import pytest
