@@ -9,13 +9,15 @@ In order:
    wakes them when work waits in their streams, and is otherwise left at zero. (A request on its
    way in wakes them at the gateway, OpenFaaS's scale from zero; that clears the mark.)
 2. A model whose layout is, or goes, whole or splitting is the layout rule's: the whole-model
-   function serves it, and the stage functions are set by the layout alone.
+   function serves it, and the stage functions are set by the layout alone. Served whole and
+   idle for its zero-duration, it is put to sleep: its whole replicas go, and it wakes as its
+   stage functions (a pipelined layout; the layout rule may consolidate it again).
 3. A pipelined model idle for its zero-duration is put to sleep.
 4. Otherwise the autoscaling policy sets the stage functions; the layout rule may set the whole
    function beside them (consolidating starts it; staying pipelined keeps it at zero)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoscaler.policy import idle
 from autoscaler.policy import layout as layouts
@@ -53,7 +55,7 @@ def rule(state: PipelineState, rules: ModelRules) -> Ruling:
     current = change.layout if change else state.layout.layout if state.layout else PIPELINED
     if current in (WHOLE, SPLITTING):
         if change is None:
-            return HOLD
+            return _sleep_whole(state, rules) if current == WHOLE else HOLD
         stages = () if change.stages is None else tuple((i, change.stages) for i in range(len(state.stages)))
         return Ruling(False, stages, change.whole, change)
     whole = change.whole if change else None
@@ -61,6 +63,17 @@ def rule(state: PipelineState, rules: ModelRules) -> Ruling:
             and idle.decide(state.now, state.activity) == "sleep":
         return Ruling(False, tuple((i, 0) for i in rules.sleepers), whole, change, asleep=True)
     return Ruling(True, (), whole, change)
+
+
+def _sleep_whole(state: PipelineState, rules: ModelRules) -> Ruling:
+    """A model served whole goes to sleep as a pipelined one does, once idle; its replicas are the
+    whole function's (its stage functions are at zero for the layout)."""
+    if not rules.sleepers or state.activity is None or state.layout is None:
+        return HOLD
+    if idle.decide(state.now, replace(state.activity, replicas=state.layout.whole_desired)) != "sleep":
+        return HOLD
+    return Ruling(False, tuple((i, 0) for i in rules.sleepers), 0,
+                  LayoutDecision(PIPELINED, "asleep: it wakes as its stage functions", whole=0), asleep=True)
 
 
 def _asleep(state: PipelineState, rules: ModelRules) -> Ruling:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import redis
 from transformers import AutoTokenizer
 
 from autoscaler.policy.layout import PIPELINED, WHOLE
+from contracts.config import Settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stack import consolidating_stack, scale_to_zero_stack
@@ -47,14 +50,22 @@ def consolidating(request, home_settings, partitioned, tmp_path_factory):
         source.write_text(STACK_HEAD)
         stack_tool.add(source, model, str(reference), 4, cache)
     # The stage functions also scale to zero when idle (15 m): at zero for the layout, they stay there.
-    stack = scale_to_zero_stack(consolidating_stack(source, home / "whole.yml", model), home / "stack.yml", model, "15m")
+    with layout_runtime(home_settings, home, source, model, "15m") as settings:
+        yield settings, model, reference
+
+
+@contextmanager
+def layout_runtime(home_settings, home: Path, source: Path, model: str, idle: str) -> Iterator[Settings]:
+    """A runtime serving `model` from `source` with a whole-model function beside its stage
+    functions, these labelled to scale to zero after `idle`, and short layout windows."""
+    stack = scale_to_zero_stack(consolidating_stack(source, home / "whole.yml", model), home / "stack.yml", model, idle)
     settings = home_settings.replace(
         home=str(home), models=str(home_settings.models_dir), stack_file=str(stack),
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(), cache_stages="none",
         request_timeout_s=120.0, admit_wait_s=0.0, r_min=1, max_batch=4, layout_window_s=2.0, layout_windows=3)
     try:
         assert control.up(settings, timeout=600) == 0
-        yield settings, model, reference
+        yield settings
     finally:
         control.down(settings)
 
@@ -106,3 +117,36 @@ def test_a_quiet_model_consolidates_and_a_burst_splits_it(consolidating):
     changes = [c.layout for c in RedisStore(r).layout_changes(model)]
     cycle = ["consolidating", "whole", "splitting", "pipelined"]
     assert any(changes[i:i + 4] == cycle for i in range(len(changes))), changes
+
+
+def test_a_model_served_whole_sleeps_when_idle_and_a_request_wakes_its_stages(home_settings, partitioned, tmp_path):
+    """SmolLM2 consolidates while requests come one at a time; idle for its zero-duration, its
+    whole replica goes and it sleeps as a pipelined model; the next request wakes the stage
+    functions and is answered with the unsplit model's tokens."""
+    partitioned("smollm2", 4)
+    model, narrow = "smollm2", [f"smollm2-s{i}" for i in range(4)]
+    reference = bundled_dir("smollm2", home_settings.models_dir / "_sources")
+    tokenizer = AutoTokenizer.from_pretrained(reference)
+    expected = tokenizer.decode(greedy_reference(architecture("llama").reference(reference),
+                                                 tokenizer(PROMPT)["input_ids"], 8)[0], skip_special_tokens=True)
+    with layout_runtime(home_settings, tmp_path, REPO_ROOT / "stack.yml", model, "8s") as settings:
+        client, store = GatewayClient.for_settings(settings), RedisStore(redis.Redis.from_url(settings.redis_url))
+
+        def ask() -> str:
+            reply = client.invoke(model, {"prompt": PROMPT, "max_new_tokens": 8, "ignore_eos": True})
+            assert reply.status == 200, reply.body
+            return reply.json()["text"]
+
+        deadline = time.monotonic() + 180
+        while store.layout(model) != WHOLE:
+            assert time.monotonic() < deadline, f"no consolidation: {store.layout(model)}, {replicas(client, model)}"
+            assert ask() == expected
+        wait_until(lambda: store.asleep([model]) == {model}, 120, "the whole model asleep")
+        assert store.layout(model) == PIPELINED
+        wait_until(lambda: all(n == 0 for n in replicas(client, model).values()), 60, "every replica gone")
+        assert ask() == expected   # woken on its way in: its stage functions answer
+        assert all(replicas(client, model)[n] >= 1 for n in narrow)
+        changes = [(c.layout, c.reason) for c in store.layout_changes(model)]
+        slept = changes.index((PIPELINED, "asleep: it wakes as its stage functions"))
+        assert changes[slept - 1][0] == WHOLE, changes
+

@@ -2,7 +2,8 @@
 and idle rules (autoscaler/policy/arbitration.py), table-driven with explicit time as Knative's
 scaling tests are, and the `Controller` with both rules on the in-memory store: the Observer reads
 what the store holds, the step decides, `enact` carries it out into the store, and replicas come
-up as asked. A scale-to-zero cycle and a consolidation cycle, tick by tick."""
+up as asked. A scale-to-zero cycle, a consolidation cycle, and a consolidated model put to sleep
+and woken, tick by tick."""
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,16 @@ BOTH = ModelRules(LAYOUT, sleepers=(0, 1), wake_to=1, idle_s=10.0)
     ("consolidating, whole replica up: whole, the stages to zero", BOTH,
      pipeline(layout=laid(CONSOLIDATING, desired=1, whole=1), activity=idle_for(3)),
      Ruling(False, ((0, 0), (1, 0)), None, LayoutDecision(WHOLE, "whole replicas serving: the stages hand their caches over", stages=0))),
-    ("whole and steady: held, and never put to sleep by idleness", BOTH,
-     pipeline(layout=laid(WHOLE, desired=1, whole=1, stages=(0, 0)), activity=idle_for(60)), HOLD),
+    ("whole and steady, busy lately: held", BOTH,
+     pipeline(layout=laid(WHOLE, desired=1, whole=1, stages=(0, 0)), activity=idle_for(3, replicas=0)), HOLD),
+    ("whole and steady, idle long enough: asleep, to wake as its stage functions", BOTH,
+     pipeline(layout=laid(WHOLE, desired=1, whole=1, stages=(0, 0)), activity=idle_for(60, replicas=0)),
+     Ruling(False, ((0, 0), (1, 0)), 0, LayoutDecision(PIPELINED, "asleep: it wakes as its stage functions", whole=0),
+            asleep=True)),
+    ("whole, idle, but a request in flight: held", BOTH,
+     pipeline(layout=laid(WHOLE, desired=1, whole=1, stages=(0, 0)), activity=idle_for(60, replicas=0, work=1)), HOLD),
+    ("whole and idle, no stage labelled to sleep: held", ModelRules(LAYOUT),
+     pipeline(layout=laid(WHOLE, desired=1, whole=1, stages=(0, 0)), activity=idle_for(60, replicas=0)), HOLD),
     ("whole, a burst: splitting, the stages back", BOTH,
      pipeline(layout=laid(WHOLE, current=9, desired=1, whole=1, stages=(0, 0)), activity=idle_for(1)),
      Ruling(False, ((0, 1), (1, 1)), None, LayoutDecision(SPLITTING, "split: 3 whole replica(s) needed of 1 allowed", stages=1))),
@@ -186,3 +195,22 @@ def test_a_consolidation_cycle_tick_by_tick():
     [back] = tick(8.0)                                                    # the stages serve: the whole replica goes
     assert back.layout.layout == PIPELINED and back.whole == 0 and back.decision is not None and world.whole == 0
     assert [c.layout for c in store.layout_changes("m")] == [CONSOLIDATING, WHOLE, SPLITTING, PIPELINED]
+
+
+def test_a_model_served_whole_sleeps_when_idle_and_wakes_as_its_stage_functions():
+    clock, store, world, tick = harness(BOTH, replicas=1)
+    tick(0.0)
+    store.set_activity({"m": Activity(0.5, in_flight=0)})
+    tick(2.0)
+    tick(4.0)                                                             # two quiet windows: consolidating
+    tick(5.0)
+    assert store.layout("m") == WHOLE and world.whole == 1 and world.desired == {REFS[0]: 0, REFS[1]: 0}
+    assert tick(8.0) == []                                                # whole, idle 7.5 s of 10: held
+    [asleep] = tick(11.0)                                                 # idle 10.5 s: asleep
+    assert asleep.asleep is True and asleep.whole == 0 and world.whole == 0
+    assert store.layout("m") == PIPELINED and store.asleep(["m"]) == {"m"}
+    assert world.desired == {REFS[0]: 0, REFS[1]: 0}
+    assert tick(30.0) == []                                               # left at zero
+    store.set_backlog("m", 0, Backlog(waiting=1, arrivals=(31.0,)))       # work waits: the stages wake
+    [woken] = tick(31.5)
+    assert woken.asleep is False and world.desired == {REFS[0]: 1, REFS[1]: 1} and world.whole == 0
