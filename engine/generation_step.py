@@ -108,7 +108,7 @@ class GenerationStage:
         done = [w for w in works if w not in self.waiting]
         if not steps:
             return BatchResult(outcomes, done)
-        started, profile = time.perf_counter(), StepProfile(self.engine.kv_shape().device)
+        started, profile = time.perf_counter(), StepProfile(self.store.shape.device)
         try:
             outputs = self.engine.forward([s for _, s in steps])
         except Exception as exc:  # one bad batch must not take the replica down; its requests get the error

@@ -59,8 +59,7 @@ def rule(state: PipelineState, rules: ModelRules) -> Ruling:
         stages = () if change.stages is None else tuple((i, change.stages) for i in range(len(state.stages)))
         return Ruling(False, stages, change.whole, change)
     whole = change.whole if change else None
-    if current == PIPELINED and rules.sleepers and state.activity is not None \
-            and idle.decide(state.now, state.activity) == "sleep":
+    if current == PIPELINED and _idle(state, rules):
         return Ruling(False, tuple((i, 0) for i in rules.sleepers), whole, change, asleep=True)
     return Ruling(True, (), whole, change)
 
@@ -68,12 +67,20 @@ def rule(state: PipelineState, rules: ModelRules) -> Ruling:
 def _sleep_whole(state: PipelineState, rules: ModelRules) -> Ruling:
     """A model served whole goes to sleep as a pipelined one does, once idle; its replicas are the
     whole function's (its stage functions are at zero for the layout)."""
-    if not rules.sleepers or state.activity is None or state.layout is None:
-        return HOLD
-    if idle.decide(state.now, replace(state.activity, replicas=state.layout.whole_desired)) != "sleep":
+    if state.layout is None or not _idle(state, rules, state.layout.whole_desired):
         return HOLD
     return Ruling(False, tuple((i, 0) for i in rules.sleepers), 0,
                   LayoutDecision(PIPELINED, "asleep: it wakes as its stage functions", whole=0), asleep=True)
+
+
+def _idle(state: PipelineState, rules: ModelRules, replicas: int | None = None) -> bool:
+    """Whether the idle rule puts the model to sleep now: it has stage functions labelled to, and
+    has been idle for their zero-duration holding no work; `replicas` counts what it holds where
+    the stage functions' replicas do not (a model served whole)."""
+    if not rules.sleepers or state.activity is None:
+        return False
+    activity = state.activity if replicas is None else replace(state.activity, replicas=replicas)
+    return idle.decide(state.now, activity) == "sleep"
 
 
 def _asleep(state: PipelineState, rules: ModelRules) -> Ruling:
