@@ -124,7 +124,7 @@ def test_a_model_served_whole_sleeps_when_idle_and_a_request_wakes_its_stages(ho
     whole replica goes and it sleeps as a pipelined model; the next request wakes the stage
     functions and is answered with the unsplit model's tokens."""
     partitioned("smollm2", 4)
-    model, narrow = "smollm2", [f"smollm2-s{i}" for i in range(4)]
+    model = "smollm2"
     reference = bundled_dir("smollm2", home_settings.models_dir / "_sources")
     tokenizer = AutoTokenizer.from_pretrained(reference)
     expected = tokenizer.decode(greedy_reference(architecture("llama").reference(reference),
@@ -144,9 +144,14 @@ def test_a_model_served_whole_sleeps_when_idle_and_a_request_wakes_its_stages(ho
         wait_until(lambda: store.asleep([model]) == {model}, 120, "the whole model asleep")
         assert store.layout(model) == PIPELINED
         wait_until(lambda: all(n == 0 for n in replicas(client, model).values()), 60, "every replica gone")
-        assert ask() == expected   # woken on its way in: its stage functions answer
-        assert all(replicas(client, model)[n] >= 1 for n in narrow)
+        before = len(store.placements())
+        # Woken on its way in, as its stage functions: each of them placed again. (The layout rule may
+        # consolidate the model again right away, its arrival windows being old, and the whole
+        # replica may take the request first; so which replicas answered is not asserted.)
+        assert ask() == expected
         changes = [(c.layout, c.reason) for c in store.layout_changes(model)]
         slept = changes.index((PIPELINED, "asleep: it wakes as its stage functions"))
         assert changes[slept - 1][0] == WHOLE, changes
+        woken = {p.stage for p in store.placements()[before:] if p.op == "add"}
+        assert {f"{model}:{i}" for i in range(4)} <= woken, (woken, store.placements()[-8:])
 
