@@ -16,6 +16,13 @@ server's link; HydraServe's testbed has 16 Gbps), so s servers fetch over s link
 is dropped before each trial where the machine allows (the store then reads from disk and every
 process imports its libraries from disk, as on a cold node); the JSON says which.
 
+Algorithm 1 as the runtime runs it when a model wakes (scheduler/wake_layout.py: the whole model,
+or its 4 stage functions on servers of their own, the servers sharing this machine's cores) chooses
+from the calibration, for TTFT objectives below, between and above the two layouts' predictions;
+its choice's measured TTFT is set beside each fixed layout's (+overlap s=1 is the whole model,
++parallel s=4 the stage functions). The two layouts also start over a slower link
+(--slow-bandwidth), where the stages' parallel fetch outweighs their imports.
+
 The predictors are calibrated on the sequential and +prefetch runs (process creation, imports,
 prefill, the link's measured rate, the CPU a fetched byte costs) and predict every variant: Eq. 1
 where nothing overlaps, Eq. 5 where it does, and each also bounded below by the run's CPU work over
@@ -54,6 +61,7 @@ from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
 from scheduler.coldstart import ColdServer, ColdStartCosts, stage_ranges, ttft_overlapped, ttft_sequential
+from scheduler.wake_layout import choose
 from state import keys
 from state.store import RedisStore
 
@@ -266,6 +274,32 @@ def predict(v: Variant, cal: Calibration, model_bytes: float, cores: int) -> tup
     return paper, max(paper, work / cores)
 
 
+WHOLE_VARIANT, STAGES_VARIANT = "+overlap", f"+parallel s={STAGES}"
+
+
+def layout_choices(cal: Calibration, model_bytes: float, ttft: dict[str, float], cores: int) -> list[dict]:
+    """Algorithm 1's wake layout for objectives below both layouts' predictions, between them and
+    above both, with the measured TTFT (`ttft`: variant -> median) of its choice and of each
+    layout. The servers share this machine's `cores`, as the embedded runtime's do."""
+    servers = [ColdServer(f"srv-{i}", cal.bandwidth, cal.load_rate) for i in range(STAGES)]
+
+    def chosen(objective: float | None):
+        return choose(cal.costs, model_bytes, servers, STAGES, objective, shared_cores=cores,
+                      cpu_per_byte=cal.cpu_per_byte_prefetched)
+
+    low, high = sorted(chosen(None).predicted.values())
+    rows = []
+    for objective in (0.8 * low, (low + high) / 2, 1.25 * high):
+        choice = chosen(objective)
+        measured = ttft[WHOLE_VARIANT if choice.whole else STAGES_VARIANT]
+        rows.append({"objective_s": objective, "chosen": "whole" if choice.whole else "stages",
+                     "predicted_s": choice.plan.ttft_s, "measured_s": measured, "met": measured <= objective,
+                     "whole_s": ttft[WHOLE_VARIANT], "whole_met": ttft[WHOLE_VARIANT] <= objective,
+                     "stages_s": ttft[STAGES_VARIANT], "stages_met": ttft[STAGES_VARIANT] <= objective,
+                     "reason": choice.reason})
+    return rows
+
+
 def plot(summary: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -291,26 +325,17 @@ def plot(summary: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--bandwidth", type=float, default=2.5e8, help="bytes/s of each server's link to the store")
-    parser.add_argument("--warm-cache", action="store_true", help="leave the page cache as it is between trials")
-    args = parser.parse_args(argv)
-    settings = load_settings()
-    from models.partition import ensure_partitioned
-    manifest = ensure_partitioned(settings.models_dir, MODEL, STAGES, "random-llama", "balanced", CONFIG)
-    model_bytes = float(sum(s.bytes for s in manifest.stages))
-    dropped = not args.warm_cache and drop_page_cache()
-    cores = len(os.sched_getaffinity(0))
+def run(settings: Settings, bandwidth: float, variants: list[Variant], reps: int, dropped: bool) -> list[dict]:
+    """`reps` trials of each variant over links of `bandwidth` bytes/s."""
     work = Path(tempfile.mkdtemp(prefix="quart-coldstart-"))
-    bench = Bench(settings, args.bandwidth, work)
+    bench = Bench(settings, bandwidth, work)
     trials = []
     try:
-        for rep in range(args.reps):
-            for v in VARIANTS:
+        for rep in range(reps):
+            for v in variants:
                 t = bench.trial(v, dropped) | {"variant": v.name, "rep": rep}
-                print(f"  rep {rep} {v.name:15s} first token after {t['ttft_s']:.2f} s", flush=True)
+                print(f"  {bandwidth * 8 / 1e9:g} Gbps rep {rep} {v.name:15s} first token after {t['ttft_s']:.2f} s",
+                      flush=True)
                 trials.append(t)
     except BaseException:
         print(f"logs kept in {work / 'logs'}", file=sys.stderr)
@@ -319,7 +344,27 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
     finally:
         bench.close()
-    tokens = {t["token"] for t in trials}
+    return trials
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--bandwidth", type=float, default=2.5e8, help="bytes/s of each server's link to the store")
+    parser.add_argument("--slow-bandwidth", type=float, default=5e7,
+                        help="bytes/s of a slower link the two layouts also start over (0: none)")
+    parser.add_argument("--warm-cache", action="store_true", help="leave the page cache as it is between trials")
+    args = parser.parse_args(argv)
+    settings = load_settings()
+    from models.partition import ensure_partitioned
+    manifest = ensure_partitioned(settings.models_dir, MODEL, STAGES, "random-llama", "balanced", CONFIG)
+    model_bytes = float(sum(s.bytes for s in manifest.stages))
+    dropped = not args.warm_cache and drop_page_cache()
+    cores = len(os.sched_getaffinity(0))
+    trials = run(settings, args.bandwidth, VARIANTS, args.reps, dropped)
+    layouts = [v for v in VARIANTS if v.name in (WHOLE_VARIANT, STAGES_VARIANT)]
+    slow = run(settings, args.slow_bandwidth, layouts, args.reps, dropped) if args.slow_bandwidth else []
+    tokens = {t["token"] for t in trials + slow}
     cal = calibrate(trials, model_bytes)
     summary, figures = [], []
     base = statistics.median(t["ttft_s"] for t in trials if t["variant"] == "sequential")
@@ -361,11 +406,31 @@ def main(argv: list[str] | None = None) -> None:
                 ["variant", "process", "imports done", "fetch", "loaded", "TTFT", "× seq", "Eq. 1/5", "error",
                  "with CPU bound", "error"], rows))
     print(f"calibrated: {cal}; tokens {sorted(tokens)}")
+    medians = {r["variant"]: r["ttft_s"] for r in summary}
+    links = [(args.bandwidth, cal, medians)]
+    if slow:  # the same costs; the link measured at the default's ratio of measured to set rate
+        links.append((args.slow_bandwidth, dataclasses.replace(cal, bandwidth=cal.bandwidth * args.slow_bandwidth / args.bandwidth),
+                      {v.name: statistics.median(t["ttft_s"] for t in slow if t["variant"] == v.name) for v in layouts}))
+    for bandwidth, link_cal, ttft in links:
+        gbps = f"{bandwidth * 8 / 1e9:g} Gbps"
+        choices = layout_choices(link_cal, model_bytes, ttft, cores)
+        print(table(f"The layout a waking model gets (Algorithm 1) against each fixed one, {gbps} links, TTFT s",
+                    ["objective", "chosen", "predicted", "measured", "met", "whole", "met", "stages", "met"],
+                    [[c["objective_s"], c["chosen"], c["predicted_s"], c["measured_s"], c["met"], c["whole_s"],
+                      c["whole_met"], c["stages_s"], c["stages_met"]] for c in choices]))
+        for c in choices:
+            figures += [{"name": f"{gbps} objective {c['objective_s']:.2f} s: chosen layout's TTFT",
+                         "value": round(c["measured_s"], 3), "unit": "s", "chosen": c["chosen"],
+                         "predicted_s": round(c["predicted_s"], 3), "met": c["met"], "whole_s": round(c["whole_s"], 3),
+                         "stages_s": round(c["stages_s"], 3), "reason": c["reason"]}]
+        if bandwidth != args.bandwidth:
+            figures += [{"name": f"{gbps} {v} TTFT", "value": round(t, 3), "unit": "s",
+                         "samples": [round(x["ttft_s"], 3) for x in slow if x["variant"] == v]} for v, t in ttft.items()]
     png = RESULTS / "coldstart.png"
     plot(summary, png)
     path = write("coldstart", figures, conditions(
         model=f"random LLaMA {CONFIG}", model_bytes=int(model_bytes), stages=STAGES, prompt_tokens=len(PROMPT),
-        bandwidth_bytes_per_s=args.bandwidth, reps=args.reps, threads_per_worker=1,
+        bandwidth_bytes_per_s=args.bandwidth, slow_bandwidth_bytes_per_s=args.slow_bandwidth, reps=args.reps, threads_per_worker=1,
         page_cache="dropped before each trial" if dropped else "warm (left as it was)",
         calibration={**dataclasses.asdict(cal.costs), "bandwidth_bytes_per_s": cal.bandwidth,
                      "load_rate_bytes_per_s": cal.load_rate, "cpu_s_per_gb": cal.cpu_per_byte * 1e9,

@@ -36,6 +36,7 @@ from runtime.placer import Placer
 from runtime.state_file import save as save_state
 from runtime.state_file import state_path
 from runtime.supervisor import Supervisor
+from runtime.wake_planner import WakePlanner
 from state.store import Store
 
 log = logging.getLogger("quart.provider")
@@ -115,7 +116,8 @@ class LocalProvider:
         self._draining: list[FunctionState] = []
         self.processes = ProcessManager(settings, keys)
         self.placer = Placer(settings, self.processes, store)
-        self.activator = Activator(store, lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s)
+        self.activator = Activator(store, lambda fn: self._initial_replicas(fn.deployment), settings.data.request_timeout_s,
+                                   WakePlanner(settings, store, self.placer.shard_bytes), settings.data.records_maxlen)
         self.registry = CollectorRegistry()
         self.invocations = Counter("gateway_function_invocation", "Function invocations",
                                    ("function_name", "code"), registry=self.registry)

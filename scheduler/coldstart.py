@@ -7,6 +7,7 @@ memory; here: the cores a replica of the whole model would get), a *partial* one
 others and computes at 1/s of the speed. Pure: measured costs and servers in, a choice out."""
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 MAX_PIPELINE = 4  # HydraServe: larger sizes gain little
@@ -75,17 +76,20 @@ def tpot(costs: ColdStartCosts, size: int, full: int) -> float:
 
 
 def allocate(costs: ColdStartCosts, model_bytes: float, servers: list[ColdServer], slo_ttft_s: float,
-             slo_tpot_s: float, overlapped: bool = True, max_size: int = MAX_PIPELINE) -> ColdStartPlan:
+             slo_tpot_s: float, overlapped: bool = True, max_size: int = MAX_PIPELINE,
+             sizes: Collection[int] | None = None, floor_s: Callable[[int], float] | None = None) -> ColdStartPlan:
     """Algorithm 1: every (s, w) with its best servers (full workers on the fastest servers that
     fit a whole model, partial ones on the fastest of the rest); of those meeting both SLOs the one
     using least memory, then the soonest first token; none meeting them: one full worker on the
-    fastest server (HydraServe's fallback), or the soonest plan where no server fits a whole model."""
+    fastest server (HydraServe's fallback), or the soonest plan where no server fits a whole model.
+    `sizes`: the pipeline sizes to consider (a model that declares its layouts), else 1..max_size;
+    `floor_s(s)`: the least time s workers take (where they share one host's cores), if any."""
     def speed(x: ColdServer) -> float:
         return 1 / x.bandwidth + 1 / x.load_rate
 
     fulls = sorted((x for x in servers if x.fits_full), key=speed)
     plans = []
-    for s in range(1, max_size + 1):
+    for s in sorted(sizes) if sizes is not None else range(1, max_size + 1):
         for w in range(1 if s == 1 else 0, s + 1):  # one worker alone is a full one
             if w > len(fulls):
                 break
@@ -94,10 +98,11 @@ def allocate(costs: ColdStartCosts, model_bytes: float, servers: list[ColdServer
             if len(chosen) < s:
                 continue
             ttft = (ttft_overlapped if overlapped else ttft_sequential)(costs, model_bytes, chosen, w)
+            ttft = max(ttft, floor_s(s)) if floor_s else ttft
             plans.append(ColdStartPlan(s, w, tuple(x.name for x in chosen), ttft, tpot(costs, s, w),
                                        w + (s - w) / s))
     if not plans:
-        raise ValueError("no server has room for any worker of this model")
+        raise ValueError("the servers have room for no plan of the sizes considered")
     meeting = [p for p in plans if p.ttft_s <= slo_ttft_s and p.tpot_s <= slo_tpot_s]
     if meeting:
         return min(meeting, key=lambda p: (p.memory, p.ttft_s))

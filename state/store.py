@@ -368,11 +368,16 @@ class RedisStore:
 
 def after_fetch_s(store: Store, stage: StageRef, stages: list[StageRef], samples: int = 50) -> float:
     """What follows a cold start's fetch before the first token, as measured: this stage's latest
-    load after its bytes were in, plus the model's prefill pass (each stage's median prefill
-    service time over its latest records); 0 for what was never measured."""
+    load after its bytes were in, plus the model's prefill pass; 0 for what was never measured."""
     cold = store.cold_start(stage)
-    prefill = 0.0
+    return (cold.load_after_fetch_s if cold else 0.0) + pass_s(store, stages, "prefill", samples)
+
+
+def pass_s(store: Store, stages: list[StageRef], kind: str, samples: int = 50) -> float:
+    """A pass of `kind` (prefill, decode) through `stages`, as measured: each stage's median
+    service time of that kind over its latest `samples` records, summed; 0 for a stage never measured."""
+    total = 0.0
     for s in stages:
-        times = sorted(x.service_ms for x in store.latest_samples(s.model, s.first, samples) if x.kind == "prefill")
-        prefill += times[len(times) // 2] / 1000.0 if times else 0.0
-    return (cold.load_after_fetch_s if cold else 0.0) + prefill
+        times = sorted(x.service_ms for x in store.latest_samples(s.model, s.first, samples) if x.kind == kind)
+        total += times[len(times) // 2] / 1000.0 if times else 0.0
+    return total

@@ -10,8 +10,9 @@ In order:
    way in wakes them at the gateway, OpenFaaS's scale from zero; that clears the mark.)
 2. A model whose layout is, or goes, whole or splitting is the layout rule's: the whole-model
    function serves it, and the stage functions are set by the layout alone. Served whole and
-   idle for its zero-duration, it is put to sleep: its whole replicas go, and it wakes as its
-   stage functions (a pipelined layout; the layout rule may consolidate it again).
+   idle for its zero-duration, it is put to sleep: its whole replicas go and its layout is
+   recorded pipelined; the gateway's wake chooses its layout (runtime/activator.py), this rule's
+   wake (1.) its stage functions.
 3. A pipelined model idle for its zero-duration is put to sleep.
 4. Otherwise the autoscaling policy sets the stage functions; the layout rule may set the whole
    function beside them (consolidating starts it; staying pipelined keeps it at zero)."""
@@ -70,7 +71,7 @@ def _sleep_whole(state: PipelineState, rules: ModelRules) -> Ruling:
     if state.layout is None or not _idle(state, rules, state.layout.whole_desired):
         return HOLD
     return Ruling(False, tuple((i, 0) for i in rules.sleepers), 0,
-                  LayoutDecision(PIPELINED, "asleep: it wakes as its stage functions", whole=0), asleep=True)
+                  LayoutDecision(PIPELINED, "asleep: its layout is chosen as it wakes", whole=0), asleep=True)
 
 
 def _idle(state: PipelineState, rules: ModelRules, replicas: int | None = None) -> bool:

@@ -65,7 +65,7 @@ BOTH = ModelRules(LAYOUT, sleepers=(0, 1), wake_to=1, idle_s=10.0)
      pipeline(layout=laid(WHOLE, desired=1, whole=1, stages=(0, 0)), activity=idle_for(3, replicas=0)), HOLD),
     ("whole and steady, idle long enough: asleep, to wake as its stage functions", BOTH,
      pipeline(layout=laid(WHOLE, desired=1, whole=1, stages=(0, 0)), activity=idle_for(60, replicas=0)),
-     Ruling(False, ((0, 0), (1, 0)), 0, LayoutDecision(PIPELINED, "asleep: it wakes as its stage functions", whole=0),
+     Ruling(False, ((0, 0), (1, 0)), 0, LayoutDecision(PIPELINED, "asleep: its layout is chosen as it wakes", whole=0),
             asleep=True)),
     ("whole, idle, but a request in flight: held", BOTH,
      pipeline(layout=laid(WHOLE, desired=1, whole=1, stages=(0, 0)), activity=idle_for(60, replicas=0, work=1)), HOLD),
