@@ -14,6 +14,7 @@ from typing import Protocol
 from contracts.http_client import GatewayClient
 from contracts.stack import Pipeline
 from contracts.stage import StageRef
+from scheduler.coldstart import ColdServer
 from state.store import Store
 
 log = logging.getLogger("quart.backend")
@@ -26,6 +27,10 @@ class Backend(Protocol):
     # A function outside the pipelines (a model's whole-model function), by name.
     def function_replicas(self, name: str) -> int: ...
     def scale_function(self, name: str, replicas: int) -> None: ...
+    # Where a sleeping model may wake (Algorithm 1's servers; none: no view of them), and what a
+    # cold start of a stage reads.
+    def cold_servers(self, load_rate: float) -> list[ColdServer]: ...
+    def shard_bytes(self, stage: StageRef) -> float: ...
 
 
 class GatewayFunctions:
@@ -57,6 +62,14 @@ class GatewayBackend(GatewayFunctions):
 
     def set_replicas(self, stage: StageRef, replicas: int) -> None:
         self.scale_function(self.pipelines[stage.model].function(stage), replicas)
+
+    def cold_servers(self, load_rate: float) -> list[ColdServer]:
+        """None: a gateway does not say where replicas run (the embedded runtime's gateway
+        chooses a waking model's layout itself, on the request's way in)."""
+        return []
+
+    def shard_bytes(self, stage: StageRef) -> float:
+        return 0.0
 
     def set_cpus(self, stage: StageRef, cpus: int) -> None:
         if not self._warned:

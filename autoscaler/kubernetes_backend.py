@@ -33,6 +33,7 @@ from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 from models.fetch import FetchError, ensure_model
 from models.sizes import stage_bytes
+from scheduler.coldstart import ColdServer
 from scheduler.placement import Scheduler, SchedulerParams
 from scheduler.state import Change, ClusterState, PlacedReplica, ReplicaId, Schedule, ServerView, cluster_state, fetches_under_way
 from state.records import Placement
@@ -165,6 +166,14 @@ class KubernetesBackend(GatewayFunctions):
                      for f in view.forks]
         return cluster_state(servers, replicas, (s.key for s in self.store.key_stages()), now,
                              self.settings.servers.cache_bytes)
+
+    def cold_servers(self, load_rate: float) -> list[ColdServer]:
+        """Each schedulable node as a cold start sees it: its link (QUART_SERVER_BANDWIDTH), and a
+        free slot or not, for the layout a sleeping model wakes in."""
+        view = self.view()
+        used = Counter(r.server for r in self.state(view).replicas)
+        return [ColdServer(node, self.settings.servers.bandwidth, load_rate, fits_full=used[node] < slots)
+                for node, slots in sorted(view.nodes.items())]
 
     def shard_bytes(self, stage: StageRef) -> float:
         """Bytes a cold start of the stage reads (from the manifest, fetched once if need be)."""

@@ -15,15 +15,18 @@ from autoscaler.backends import Backend
 from autoscaler.host_cpu import HostCpu
 from autoscaler.metrics import AutoscalerMetrics
 from autoscaler.observe import Observer
+from autoscaler.policy import idle
 from autoscaler.policy.controller import Actions, Controller, enact, model_rules
 from autoscaler.policy.layout import LayoutDecision
+from autoscaler.policy.state import PipelineState
 from contracts.config import Settings
 from contracts.loops import every_in_thread
 from contracts.stack import Pipeline
 from contracts.stage import StageRef
 from models.profiles import profile
+from scheduler.wake_layout import WakeChoice, choose
 from state.records import LayoutChange
-from state.store import Store
+from state.store import Store, cold_start_costs
 
 log = logging.getLogger("quart.autoscaler")
 
@@ -68,13 +71,35 @@ class ControlLoop:
             free = self.host_cpu.idle_cores()
             observations = {m: s if self.pipelines[m].emulated else replace(s, cpu_free=free)
                             for m, s in observations.items()}
-        steps = self.controller.step(now, observations)
+        steps = self.controller.step(now, self._wake_layouts(observations))
         for actions in steps:
             enact(self, actions, log)
             if actions.decision is not None:
                 self.store.add_decision(actions.model, actions.record(), self.settings.data.records_maxlen)
             log.log(*actions.log_line())
         return steps
+
+    def _wake_layouts(self, states: dict[str, PipelineState]) -> dict[str, PipelineState]:
+        """For a model that work is about to wake, all its stage functions asleep and a whole-model
+        function beside them: the layout Algorithm 1 chooses over the backend's servers (read
+        only then: it asks the cluster)."""
+        for m, s in states.items():
+            p = self.pipelines[m]
+            if p.whole and s.asleep and len(p.sleepers) == len(p.stages) and s.activity is not None \
+                    and idle.decide(s.now, s.activity) == "wake":
+                states[m] = replace(s, wake=self._wake_choice(p))
+        return states
+
+    def _wake_choice(self, p: Pipeline) -> WakeChoice | None:
+        costs, load_rate = cold_start_costs(self.store, list(p.stages))
+        servers = self.backend.cold_servers(load_rate)
+        if not servers:
+            return None  # no view of the servers: it wakes as its stage functions
+        try:
+            return choose(costs, sum(self.backend.shard_bytes(s) for s in p.stages), servers, len(p.stages), p.ttft_slo_s)
+        except ValueError as exc:
+            log.warning("%s wakes as its stage functions: %s", p.model, exc)
+            return None
 
     # -- the Mechanism the controller's actions go through ---------------------------------------
 

@@ -158,6 +158,7 @@ class Pipeline:
     whole: str | None = None          # the function serving [0, num_stages) that it may consolidate into
     whole_max: int = 1                # replicas that function may have (its com.openfaas.scale.max)
     zero: tuple[ZeroScaling, ...] = ()  # each stage function's scale-to-zero labels (none: never)
+    ttft_slo_s: float | None = None   # its TTFT objective: the least its stage functions' labels set
 
     @property
     def sleepers(self) -> tuple[StageRef, ...]:
@@ -208,6 +209,8 @@ def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
                               emulated=next((e for f in fns if (e := f.deployment["envVars"].get("QUART_EMULATE"))), ""),
                               source=model_source(functions, model),
                               zero=tuple(ZeroScaling.from_labels(f.deployment.get("labels") or {}) for f in fns),
+                              ttft_slo_s=min((t for f in fns if (t := ttft_slo_s(f.deployment.get("labels") or {}))),
+                                             default=None),
                               **_whole(wholes.pop(model, None), end))
     if wholes:
         raise ValueError(f"{sorted(wholes)}: a function labelled {WHOLE_LABEL} but no stage functions")

@@ -4,6 +4,7 @@ registrations, the stages' records, key stages, zygotes, cold starts and start f
 tests/live/test_state_store.py holds both to one behaviour."""
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -11,6 +12,7 @@ from typing import Protocol
 import redis
 
 from contracts.stage import StageRef
+from scheduler.coldstart import ColdStartCosts
 from state import keys
 from state.records import (
     PIPELINED,
@@ -381,3 +383,17 @@ def pass_s(store: Store, stages: list[StageRef], kind: str, samples: int = 50) -
         times = sorted(x.service_ms for x in store.latest_samples(s.model, s.first, samples) if x.kind == kind)
         total += times[len(times) // 2] / 1000.0 if times else 0.0
     return total
+
+
+def cold_start_costs(store: Store, stages: list[StageRef]) -> tuple[ColdStartCosts, float]:
+    """HydraServe's costs from the stages' latest cold starts and records, and the rate (bytes/s)
+    fetched bytes became weights at after the fetch (infinite where loading kept up with it).
+    Unmeasured, and taken as 0: process creation before the interpreter runs (either layout pays
+    it) and the hops between stages (milliseconds, where the choice turns on seconds of fetch)."""
+    colds = [c for s in stages if (c := store.cold_start(s)) is not None]
+    imports = [c.imported_at - c.process_at for c in colds if c.imported_at and c.process_at]
+    loading = sum(c.load_after_fetch_s for c in colds if c.bytes)
+    load_rate = sum(c.bytes for c in colds) / loading if loading > 0 else float("inf")
+    costs = ColdStartCosts(create_s=0.0, libraries_s=statistics.median(imports) if imports else 0.0,
+                           prefill_s=pass_s(store, stages, "prefill"), decode_s=pass_s(store, stages, "decode"), hop_s=0.0)
+    return costs, load_rate

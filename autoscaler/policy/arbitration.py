@@ -6,7 +6,8 @@ policy and carries the ruling out with the policy's decision, through `enact`.
 
 In order:
 1. A model asleep (its labelled stage functions put to zero for idleness) is the idle rule's: it
-   wakes them when work waits in their streams, and is otherwise left at zero. (A request on its
+   wakes them when work waits in their streams (or its whole-model function, where the layout
+   chosen for the wake, Algorithm 1's, is whole), and is otherwise left at zero. (A request on its
    way in wakes them at the gateway, OpenFaaS's scale from zero; that clears the mark.)
 2. A model whose layout is, or goes, whole or splitting is the layout rule's: the whole-model
    function serves it, and the stage functions are set by the layout alone. Served whole and
@@ -89,7 +90,18 @@ def _asleep(state: PipelineState, rules: ModelRules) -> Ruling:
     if activity is None:
         return HOLD
     if idle.decide(state.now, activity) == "wake":
-        return Ruling(False, tuple((i, rules.wake_to) for i in rules.sleepers), asleep=False)
+        return _wake(state, rules)
     if activity.replicas > 0:
         return Ruling(False, asleep=False)  # scaled up by hand: the autoscaler's again from the next tick
     return HOLD
+
+
+def _wake(state: PipelineState, rules: ModelRules) -> Ruling:
+    """Back from zero as its stage functions, or as its whole-model function where the layout
+    chosen for the wake (state.wake) says so; a choice is recorded as a layout change."""
+    choice = state.wake
+    if choice is not None and choice.whole:
+        return Ruling(False, (), 1, LayoutDecision(WHOLE, choice.reason, whole=1), asleep=False)
+    stages = tuple((i, rules.wake_to) for i in rules.sleepers)
+    return Ruling(False, stages, layout=None if choice is None else LayoutDecision(PIPELINED, choice.reason),
+                  asleep=False)

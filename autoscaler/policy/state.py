@@ -9,6 +9,7 @@ from autoscaler.policy.idle import ModelActivity
 from autoscaler.policy.layout import LayoutState
 from contracts.config import Bounds
 from contracts.stage_graph import chain
+from scheduler.wake_layout import WakeChoice
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,9 @@ class PipelineState:
     layout: LayoutState | None = None
     activity: ModelActivity | None = None
     asleep: bool = False
+    # Asleep with work waiting and a whole-model function: the layout Algorithm 1 chose for it to
+    # wake in (None: no view of the servers; it wakes as its stage functions).
+    wake: WakeChoice | None = None
 
     def graph(self) -> tuple[tuple[int, int], ...]:
         if self.edges is not None:

@@ -13,6 +13,7 @@ import pytest
 from kubernetes_validate import ValidationError
 
 from autoscaler.kubernetes_backend import DELETION_COST, KubernetesBackend
+from autoscaler.loop import ControlLoop
 from contracts.http_client import GatewayClient
 from contracts.stack import pipelines, read_stack
 from contracts.stage import StageRef
@@ -118,6 +119,18 @@ def test_pods_not_ready_yet_are_cold_starts_under_way_on_their_node(cluster) -> 
     assert servers["km-test"].fetches == ()
     (fetch,) = servers["node-b"].fetches
     assert 0 < fetch.pending_bytes <= backend.shard_bytes(S2)
+
+
+def test_a_sleeping_model_may_wake_on_the_nodes_with_a_free_slot(cluster) -> None:
+    backend, _, _, _ = cluster
+    backend.settings = backend.settings.replace(threads=8, server_bandwidth=1e8)  # km-test: 2 slots, both taken
+    servers = backend.cold_servers(load_rate=2e9)
+    assert [(s.name, s.bandwidth, s.load_rate, s.fits_full) for s in servers] == \
+        [("km-test", 1e8, 2e9, False), ("node-b", 1e8, 2e9, True)]
+    # The autoscaler's choice over them: four stage functions need four free nodes, so the model wakes whole.
+    loop = ControlLoop(backend.settings, backend, backend.store, backend.pipelines)
+    choice = loop._wake_choice(backend.pipelines["smollm2"])
+    assert choice.whole and choice.plan.servers == ("node-b",) and "the only layout with room" in choice.reason
 
 
 def test_the_checks_refuse_what_the_api_would() -> None:

@@ -18,6 +18,8 @@ from autoscaler.policy.idle import ModelActivity
 from autoscaler.policy.layout import LayoutDecision, LayoutRule, LayoutState
 from autoscaler.policy.state import PipelineState, StageState
 from contracts.stage import StageRef
+from scheduler.coldstart import ColdStartPlan
+from scheduler.wake_layout import WakeChoice
 from state.memory import MemoryStore
 from state.records import CONSOLIDATING, PIPELINED, SPLITTING, WHOLE, Activity, Backlog, LayoutChange, ReplicaRecord, StageSample
 
@@ -26,10 +28,15 @@ LAYOUT = LayoutRule(windows=2, per_replica=4, max_whole=1, window_s=2.0)
 
 
 def pipeline(now: float = 100.0, layout: LayoutState | None = None, activity: ModelActivity | None = None,
-             asleep: bool = False) -> PipelineState:
+             asleep: bool = False, wake: WakeChoice | None = None) -> PipelineState:
     stages = tuple(StageState(stage=i, arrival_rate=1.0, service_time_s=0.05, replicas=1) for i in range(2))
     return PipelineState("m", stages, slo_s=2.0, entry_rate=1.0, now=now, layout=layout, activity=activity,
-                         asleep=asleep)
+                         asleep=asleep, wake=wake)
+
+
+def chosen(whole: bool) -> WakeChoice:
+    """Algorithm 1's choice for a wake (scheduler/wake_layout.py), as the live loop gives it."""
+    return WakeChoice(whole, ColdStartPlan(1 if whole else 2, 1 if whole else 2, ("n0",), 1.0, 0.1, 1.0), {}, "why")
 
 
 def idle_for(seconds: float, replicas: int = 2, work: int = 0) -> ModelActivity:
@@ -52,6 +59,12 @@ BOTH = ModelRules(LAYOUT, sleepers=(0, 1), wake_to=1, idle_s=10.0)
     ("asleep, nothing waits: held at zero", SLEEPY, pipeline(activity=idle_for(60, replicas=0), asleep=True), HOLD),
     ("asleep, work waits: woken", SLEEPY, pipeline(activity=idle_for(60, replicas=0, work=2), asleep=True),
      Ruling(False, ((0, 1), (1, 1)), asleep=False)),
+    ("asleep, work waits, whole chosen for the wake: the whole function woken", BOTH,
+     pipeline(activity=idle_for(60, replicas=0, work=2), asleep=True, wake=chosen(whole=True)),
+     Ruling(False, (), 1, LayoutDecision(WHOLE, "why", whole=1), asleep=False)),
+    ("asleep, work waits, stages chosen for the wake: woken, the choice recorded", BOTH,
+     pipeline(activity=idle_for(60, replicas=0, work=2), asleep=True, wake=chosen(whole=False)),
+     Ruling(False, ((0, 1), (1, 1)), layout=LayoutDecision(PIPELINED, "why"), asleep=False)),
     ("asleep, scaled up by hand: awake again", SLEEPY, pipeline(activity=idle_for(60, replicas=2), asleep=True),
      Ruling(False, asleep=False)),
     ("pipelined, still warming: the policy's", BOTH, pipeline(layout=laid(PIPELINED, counts=(0,)), activity=idle_for(3)),
