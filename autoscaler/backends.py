@@ -64,7 +64,7 @@ class GatewayBackend(GatewayFunctions):
         self.scale_function(self.pipelines[stage.model].function(stage), replicas)
 
     def cold_servers(self, load_rate: float) -> list[ColdServer]:
-        """None: a gateway does not say where replicas run (the embedded runtime's gateway
+        """None known: a gateway does not say where replicas run (the embedded runtime's gateway
         chooses a waking model's layout itself, on the request's way in)."""
         return []
 

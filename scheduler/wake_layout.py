@@ -26,8 +26,8 @@ class WakeChoice:
 def choose(costs: ColdStartCosts, model_bytes: float, servers: list[ColdServer], stages: int,
            slo_ttft_s: float | None, slo_tpot_s: float | None = None, shared_cores: int | None = None,
            cpu_per_byte: float = 0.0) -> WakeChoice:
-    """Algorithm 1 over sizes 1 and `stages`; no objective is met by every plan, so the whole
-    model (the fewest replicas) wakes where no TTFT objective is set. `shared_cores`: the cores
+    """Algorithm 1 over sizes 1 and `stages`; without a TTFT objective every plan meets it, so
+    the whole model (the fewest replicas) wakes. `shared_cores`: the cores
     the servers share, where they are emulated on one host (`cpu_per_byte`: CPU seconds a fetched
     byte costs there, where measured). ValueError where no server has a free slot for either."""
     full = [ColdServer(x.name, x.bandwidth, x.load_rate, x.fits_full, fits_part=False) for x in servers]
