@@ -60,7 +60,7 @@ from models.sampling import Sampling
 from runtime.functions import start_watchdog
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
-from scheduler.coldstart import ColdServer, ColdStartCosts, stage_ranges, ttft_overlapped, ttft_sequential
+from scheduler.coldstart import ColdServer, ColdStartCosts, shared_host_s, stage_ranges, ttft_overlapped, ttft_sequential
 from scheduler.wake_layout import choose
 from state import keys
 from state.store import RedisStore
@@ -270,8 +270,7 @@ def predict(v: Variant, cal: Calibration, model_bytes: float, cores: int) -> tup
             costs = dataclasses.replace(costs, create_s=0.0, libraries_s=0.0)
         paper = ttft_overlapped(costs, model_bytes, servers, v.size)
     per_byte = cal.cpu_per_byte_prefetched if v.prefetch else cal.cpu_per_byte
-    work = v.size * costs.libraries_s + model_bytes * per_byte + costs.prefill_s
-    return paper, max(paper, work / cores)
+    return paper, max(paper, shared_host_s(costs, model_bytes, v.size, cores, per_byte))
 
 
 WHOLE_VARIANT, STAGES_VARIANT = "+overlap", f"+parallel s={STAGES}"

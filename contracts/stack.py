@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +75,11 @@ def ttft_slo_s(labels: Mapping[str, str]) -> float | None:
     if seconds <= 0:
         raise ValueError(f"label {TTFT_SLO_LABEL}={raw!r} must be a positive duration")
     return seconds
+
+
+def least_ttft_slo_s(labels: Iterable[Mapping[str, str]]) -> float | None:
+    """A model's TTFT objective: the least its stage functions' labels set, None without one."""
+    return min((t for x in labels if (t := ttft_slo_s(x)) is not None), default=None)
 
 
 def substitute(text: str, environ: Mapping[str, str] | None = None) -> str:
@@ -209,8 +214,7 @@ def pipelines(functions: list[StackFunction]) -> dict[str, Pipeline]:
                               emulated=next((e for f in fns if (e := f.deployment["envVars"].get("QUART_EMULATE"))), ""),
                               source=model_source(functions, model),
                               zero=tuple(ZeroScaling.from_labels(f.deployment.get("labels") or {}) for f in fns),
-                              ttft_slo_s=min((t for f in fns if (t := ttft_slo_s(f.deployment.get("labels") or {}))),
-                                             default=None),
+                              ttft_slo_s=least_ttft_slo_s(f.deployment.get("labels") or {} for f in fns),
                               **_whole(wholes.pop(model, None), end))
     if wholes:
         raise ValueError(f"{sorted(wholes)}: a function labelled {WHOLE_LABEL} but no stage functions")

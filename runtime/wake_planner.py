@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from contracts.config import Settings
-from contracts.stack import is_whole, ttft_slo_s
+from contracts.stack import is_whole, least_ttft_slo_s
 from runtime.functions import FunctionState
 from scheduler.coldstart import ColdServer
 from scheduler.wake_layout import WakeChoice, choose
@@ -26,10 +26,10 @@ class WakePlanner:
         ValueError where no server has a free slot."""
         stage_fns = [fn for fn in functions if fn.stage is not None and fn.stage.model == model and not is_whole(fn)]
         costs, load_rate = cold_start_costs(self.store, [fn.stage for fn in stage_fns])
-        objectives = [s for fn in stage_fns if (s := ttft_slo_s(fn.deployment.get("labels") or {})) is not None]
+        objective = least_ttft_slo_s(fn.deployment.get("labels") or {} for fn in stage_fns)
         # The virtual servers share this host's cores: s workers import their libraries s times on them.
         return choose(costs, sum(self.shard_bytes(fn) for fn in stage_fns), self.servers(functions, load_rate),
-                      len(stage_fns), min(objectives, default=None), shared_cores=len(os.sched_getaffinity(0)))
+                      len(stage_fns), objective, shared_cores=len(os.sched_getaffinity(0)))
 
     def servers(self, functions: list[FunctionState], load_rate: float) -> list[ColdServer]:
         used = Counter(r.server for fn in functions for r in fn.serving())

@@ -75,6 +75,12 @@ def tpot(costs: ColdStartCosts, size: int, full: int) -> float:
     return costs.decode_s * compute_factor(size, full) + costs.hop_s * size
 
 
+def shared_host_s(costs: ColdStartCosts, model_bytes: float, size: int, cores: int, cpu_per_byte: float = 0.0) -> float:
+    """The least time `size` workers emulated on one host of `cores` take to a first token: their
+    imports, the fetched bytes' CPU and the prefill, spread over the cores."""
+    return (size * costs.libraries_s + model_bytes * cpu_per_byte + costs.prefill_s) / cores
+
+
 def allocate(costs: ColdStartCosts, model_bytes: float, servers: list[ColdServer], slo_ttft_s: float,
              slo_tpot_s: float, overlapped: bool = True, max_size: int = MAX_PIPELINE,
              sizes: Collection[int] | None = None, floor_s: Callable[[int], float] | None = None) -> ColdStartPlan:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scheduler.coldstart import ColdServer, ColdStartCosts, ColdStartPlan, allocate
+from scheduler.coldstart import ColdServer, ColdStartCosts, ColdStartPlan, allocate, shared_host_s
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def choose(costs: ColdStartCosts, model_bytes: float, servers: list[ColdServer],
     full = [ColdServer(x.name, x.bandwidth, x.load_rate, x.fits_full, fits_part=False) for x in servers]
     ttft, tpot = slo_ttft_s or math.inf, slo_tpot_s or math.inf
     floor = None if shared_cores is None else \
-        (lambda s: (s * costs.libraries_s + model_bytes * cpu_per_byte + costs.prefill_s) / shared_cores)
+        (lambda s: shared_host_s(costs, model_bytes, s, shared_cores, cpu_per_byte))
     plan = allocate(costs, model_bytes, full, ttft, tpot, sizes=(1, stages), floor_s=floor)
     predicted = {}
     for size in (1, stages):
