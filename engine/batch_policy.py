@@ -29,6 +29,15 @@ def migration_peer(sequences: Mapping[str, int]) -> str | None:
     return min(sequences, key=lambda r: (sequences[r], r)) if sequences else None
 
 
+def still_fed(readers: int, upstream: int, unread: int) -> bool:
+    """Whether a draining replica must still take new items from its stage's stream: when no
+    replica that is not draining reads that stream (`readers`), and work may yet arrive there:
+    a replica of an earlier stage is still registered (it forwards what it holds or takes, as a
+    consolidating pipeline's stage 0 does while the later stages drain) or items wait unread.
+    Otherwise what an upstream replica forwards would wait in a stream nobody reads."""
+    return readers == 0 and (upstream > 0 or unread > 0)
+
+
 def handover_peer(last: int, peers: Mapping[str, tuple[int, int]]) -> tuple[str, str] | None:
     """Of a draining replica's live, not draining peers starting at its stage (replica ->
     (end of its range, sequences it holds)): the one taking its sequences, and how. A wider peer

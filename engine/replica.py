@@ -25,7 +25,7 @@ from contracts.proc_stat import started_at
 from contracts.stage import StageRef
 from contracts.stage_graph import Edges, chain
 from contracts.wire import BadRequest, Header, StageTiming, decode_tensors, encode_tensors
-from engine.batch_policy import handover_peer, new_item_slots
+from engine.batch_policy import handover_peer, new_item_slots, still_fed
 from engine.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from engine.routes import Routes
 from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
@@ -51,6 +51,8 @@ MIGRATIONS = Counter("quart_stage_migrations_total", "KV caches moved between re
                      _LABELS + ("direction",))
 KV_BYTES = Gauge("quart_stage_kv_bytes", "KV-cache bytes reserved by the sequences this replica holds", _LABELS)
 WAITING_POLL_MS = 50
+# How often a draining replica looks up whether it must still read its stage's stream.
+FED_CHECK_S = 0.25
 
 
 def stage_graph(runner: StageRunner | EmulatedRunner) -> Edges:
@@ -101,6 +103,8 @@ class StageReplica:
         self._steps_without_new = 0
         self._peer: tuple[str, str] | None = None
         self._peer_checked = 0.0
+        self._fed = False
+        self._fed_checked = float("-inf")
         self.first_work_at: float | None = None
         self._allowed_cpus = sorted(os.sched_getaffinity(0))
         self.cpus = max(1, settings.compute.threads)
@@ -145,13 +149,14 @@ class StageReplica:
 
     def stop(self) -> None:
         """Stops taking new work, finishes what it holds (the item in hand; the requests whose
-        KV cache it holds, within the drain timeout), and leaves the registry."""
+        KV cache it holds, within the drain timeout), and leaves the registry. Until then it
+        still takes what an earlier stage forwards where nobody else would (`_still_fed`)."""
         self._draining = True
         self.store.update_replica(self.replica_id, draining=True)  # peers do not migrate to it
         deadline = time.monotonic() + self.settings.data.drain_timeout_s
+        while (self._holding() or self._still_fed()) and time.monotonic() < deadline and self.alive():
+            time.sleep(0.05)
         if self.generation is not None:
-            while self.generation.store.sequences and time.monotonic() < deadline and self.alive():
-                time.sleep(0.05)
             if self.generation.store.sequences:
                 log.warning("%s stops holding %d sequences; their requests will prefill again elsewhere",
                             self.replica_id, len(self.generation.store.sequences))
@@ -167,6 +172,30 @@ class StageReplica:
         self.store.deregister(self.info)
         self.transport.close(self.info.server)
         log.info("replica %s stopped", self.replica_id)
+
+    def _holding(self) -> bool:
+        return self.generation is not None and bool(self.generation.store.sequences)
+
+    def _still_fed(self) -> bool:
+        """batch_policy.still_fed for this replica, read from the registry at most every
+        FED_CHECK_S: replicas reading this stage's stream that are not draining, replicas of
+        earlier stages that may forward to it, items waiting in it. False while Redis is down
+        (nothing can arrive then)."""
+        now = time.monotonic()
+        if now - self._fed_checked < FED_CHECK_S:
+            return self._fed
+        self._fed_checked = now
+        try:
+            live = self.store.live_among([(self.model, s) for s in range(self.first + 1)])
+            unread = self.store.backlog(self.model, self.first).waiting
+        except Down:
+            self._fed = False
+            return False
+        readers = sum(x.stage_start == self.first and not x.draining and x.replica_id != self.replica_id
+                      for x in live[(self.model, self.first)])
+        upstream = {x.replica_id for s in range(self.first) for x in live[(self.model, s)] if x.stage_end <= self.first}
+        self._fed = still_fed(readers, len(upstream), unread)
+        return self._fed
 
     def _give_back_waiting(self) -> None:
         """Prefills waiting here for KV room go back to the shared stream for other replicas
@@ -185,7 +214,7 @@ class StageReplica:
                 reclaim = time.monotonic() >= next_reclaim
                 if reclaim:
                     next_reclaim = time.monotonic() + self.settings.data.reclaim_idle_ms / 2000.0
-                if self._draining and self.generation is not None and self.generation.waiting:
+                if self._draining and self.generation is not None and self.generation.waiting and not self._still_fed():
                     self._give_back_waiting()
                 works = self._gather(reclaim)
                 if self.generation is None:
@@ -227,7 +256,7 @@ class StageReplica:
             return (t.claim_abandoned() if reclaim else []) or t.read({t.shared: ">"}, 1, self.settings.data.block_ms)
         max_batch = self.settings.batching.max_batch
         works = t.read({t.private: ">"}, max_batch, None)
-        take_new = not self._draining and not self.generation.waiting
+        take_new = (not self._draining or self._still_fed()) and not self.generation.waiting
         if take_new:
             slots = new_item_slots(max_batch, len(works), self._steps_without_new)
             if slots > 0:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from contracts.config import load_settings
-from engine.batch_policy import GATHER, MIGRATE, PREFILL_EVERY, handover_peer, migration_peer, new_item_slots
+from engine.batch_policy import GATHER, MIGRATE, PREFILL_EVERY, handover_peer, migration_peer, new_item_slots, still_fed
 from sim.config import SimConfig, embedded_runtime
 from sim.models import GenerativeModel, resolve
 from sim.run import report_run, unloaded_generation
@@ -157,6 +157,13 @@ def test_a_draining_replica_hands_over_to_a_wider_peer_first_then_same_then_narr
     assert handover_peer(1, {"same": (1, 3), "other": (1, 2)}) == ("other", MIGRATE)
     assert handover_peer(4, {"a": (1, 5), "b": (2, 1)}) == ("b", MIGRATE)
     assert handover_peer(4, {}) is None
+
+
+def test_a_draining_replica_reads_on_while_only_it_can_take_what_an_earlier_stage_sends():
+    assert still_fed(readers=0, upstream=1, unread=0)      # stage 0 may still forward a prefill
+    assert still_fed(readers=0, upstream=0, unread=2)      # items already forwarded wait unread
+    assert not still_fed(readers=1, upstream=1, unread=2)  # a replica that stays reads them
+    assert not still_fed(readers=0, upstream=0, unread=0)  # nothing can arrive: it may leave
 
 
 def test_step_cost_fit_recovers_known_coefficients():
