@@ -149,7 +149,7 @@ def _hypercube(corners: list[int], order: list[int]) -> list[list[tuple[int, int
                 moves.append((source, target, block))
                 sending.add(source)
                 receiving.add(target)
-        for source, target, block in moves:
+        for _, target, block in moves:
             have[target].add(block)
         rounds.append(moves)
     return rounds

@@ -7,8 +7,17 @@ import math
 
 import pytest
 
-from scheduler.multicast import (MulticastPlan, binary_tree_rounds, chunk_orders, elbow_blocks, execution_pipelines,
-                                 lower_bound_rounds, plan, subgroups, unicast_rounds)
+from scheduler.multicast import (
+    MulticastPlan,
+    binary_tree_rounds,
+    chunk_orders,
+    elbow_blocks,
+    execution_pipelines,
+    lower_bound_rounds,
+    plan,
+    subgroups,
+    unicast_rounds,
+)
 
 
 def replay(p: MulticastPlan, holders: list[str], targets: list[str]) -> dict[str, set[int]]:
