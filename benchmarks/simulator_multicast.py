@@ -7,7 +7,7 @@ FaaSNet's binary tree and one holder sending to each server in turn.
 Modelled, not measured: a plan of R rounds takes R·M/(b·B), every link at its full rate and no
 cost per block or per round (λScale's RDMA request overhead and NCCL's group set-up are not in
 it). So the ratios are the planners' alone; λScale measured up to 1.82x over FaaSNet with those
-costs in. The live multicast between KeysManagers is not built yet (docs/limitations.md).
+costs in. The live multicast between KeysManagers (runtime/multicast.py) is not measured here.
 
     python -m benchmarks simulator_multicast
 """

@@ -26,6 +26,15 @@ the metrics needs the runtime's internal token (`Authorization: Bearer ...`); 40
     GET  /models/{model}               the files of a partitioned model: [{"path", "bytes"}]
     GET  /models/{model}/{path}        one of them (replicas on a cluster fetch their shards here:
                                        models/fetch.py)
+    GET  /blocks/{model}/{shard}/{first}-{end}
+                                       pieces [first, end) of a shard held or being received here
+                                       (λScale's multicast: keysmanager/blocks.py), sent at this
+                                       server's QUART_SERVER_BANDWIDTH; 409 for pieces still on
+                                       their way, 416 out of range, 413 over MAX_PULL_PIECES
+    POST /multicast {"model", "shard", "pulls": [{"source", "first", "end"}], "fallbacks": [url]}
+                                       receive a shard from peers by that schedule (its pulls tile
+                                       the shard's pieces); 404 unknown model or shard
+    GET  /multicast                    the shards being received or received here
 """
 from __future__ import annotations
 
@@ -42,14 +51,20 @@ from contracts.loops import every
 from contracts.requests import BadRequest, load_json
 from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
+from keysmanager.blocks import MAX_PULL_PIECES, Gone, NotYet, Pull, Receiver
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
 from keysmanager.metrics import Families, replica_families
+from keysmanager.pacing import Uplink
 from keysmanager.prefetch import NoStore, Prefetcher
 from models.fetch import FetchError, served_file, served_files
+from models.manifest import MANIFEST_NAME, Manifest, StageInfo
 
 log = logging.getLogger("quart.keysmanager")
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
+# What the block route writes at a time, each through the server's paced uplink.
+SEND_CHUNK = 256 << 10
+URL_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -100,8 +115,41 @@ def _env(body: dict) -> dict[str, str]:
     return env
 
 
+def _pulls(body: dict) -> tuple[list[Pull], list[str]]:
+    pulls, fallbacks = body.get("pulls"), body.get("fallbacks", [])
+    if not isinstance(pulls, list) or not pulls:
+        raise Invalid("'pulls' must be a non-empty list of {source, first, end}")
+    out = []
+    for pull in pulls:
+        if not isinstance(pull, dict):
+            raise Invalid("each pull is an object {source, first, end}")
+        source, first, end = pull.get("source"), pull.get("first"), pull.get("end")
+        if not isinstance(source, str) or not URL_RE.match(source):
+            raise Invalid("a pull's 'source' must be a KeysManager's http(s) URL")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (first, end)):
+            raise Invalid("a pull's 'first' and 'end' must be piece indices")
+        out.append(Pull(source, first, end))
+    if not isinstance(fallbacks, list) or not all(isinstance(f, str) and URL_RE.match(f) for f in fallbacks):
+        raise Invalid("'fallbacks' must be a list of KeysManagers' http(s) URLs")
+    return out, fallbacks
+
+
+def _tiles(pulls: list[Pull], pieces: int) -> None:
+    """Invalid unless the pulls cover pieces [0, pieces) once each, each within MAX_PULL_PIECES."""
+    at = 0
+    for pull in sorted(pulls, key=lambda p: p.first):
+        if pull.first != at or not pull.first < pull.end <= pieces or pull.end - pull.first > MAX_PULL_PIECES:
+            raise Invalid(f"the pulls must cover the shard's {pieces} pieces once each, in runs of 1 to "
+                          f"{MAX_PULL_PIECES} (at piece {at}: {pull.first}-{pull.end})")
+        at = pull.end
+    if at != pieces:
+        raise Invalid(f"the pulls cover pieces 0-{at} of {pieces}")
+
+
 def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> web.Application:
     prefetcher = Prefetcher(manager.settings)
+    receiver = Receiver(manager.settings)
+    uplink = Uplink(manager.settings.servers.bandwidth)
 
     def run(fn, *args):
         return asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -181,6 +229,72 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             raise FileNotFoundError(f"no file {request.match_info['path']!r} in model {directory.name!r}")
         return web.FileResponse(path)
 
+    def shard_here(model: str, shard: str) -> tuple[StageInfo, Path | None] | None:
+        """A shard's manifest entry and its file where this server holds the model, else the
+        entry of one it is receiving; None where it has neither (nothing is fetched to find out)."""
+        directory = manager.settings.model_dir(model)
+        if (directory / MANIFEST_NAME).is_file():
+            info = next((s for s in Manifest.load(directory).stages if s.shard == shard), None)
+            return (info, directory / shard) if info else None
+        job = receiver.receiving(model, shard)
+        return (job.info, None) if job else None
+
+    async def blocks(request: web.Request) -> web.StreamResponse:
+        model, shard = request.match_info["model"], request.match_info["shard"]
+        first, end = int(request.match_info["first"]), int(request.match_info["end"])
+        if not NAME_RE.fullmatch(model):
+            raise Invalid("not a model name")
+        found = await run(shard_here, model, shard)
+        if found is None:
+            raise FileNotFoundError(f"no shard {shard!r} of {model!r} held or being received here")
+        info, local = found
+        if not info.pieces:
+            return web.json_response({"error": f"{model} was partitioned without piece hashes; partition it again"},
+                                     status=409)
+        if end - first > MAX_PULL_PIECES:
+            return web.json_response({"error": f"at most {MAX_PULL_PIECES} pieces a pull, not {end - first}"}, status=413)
+        if not 0 <= first < end <= len(info.pieces):
+            return web.json_response({"error": f"pieces {first}-{end} are outside {shard}'s 0-{len(info.pieces)}"},
+                                     status=416)
+        try:
+            data = await run(receiver.pieces, model, info, local, first, end)
+        except NotYet as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+        except Gone as exc:
+            return web.json_response({"error": str(exc)}, status=410)
+        reply = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        reply.content_length = len(data)
+        await reply.prepare(request)
+        for at in range(0, len(data), SEND_CHUNK):
+            chunk = data[at:at + SEND_CHUNK]
+            await uplink.send(len(chunk))
+            await reply.write(chunk)
+        await reply.write_eof()
+        return reply
+
+    async def multicast(request: web.Request) -> web.Response:
+        body = await _json(request)
+        model, shard = body.get("model"), body.get("shard")
+        if not isinstance(model, str) or not NAME_RE.fullmatch(model):
+            raise Invalid("'model' must be a model name")
+        if not isinstance(shard, str):
+            raise Invalid("'shard' must be a shard's file name")
+        pulls, fallbacks = _pulls(body)
+        try:
+            manifest = await run(receiver.manifest, model)
+        except FetchError as exc:
+            return web.json_response({"error": str(exc)}, status=404 if exc.status == 404 else 502)
+        info = next((s for s in manifest.stages if s.shard == shard), None)
+        if info is None:
+            raise FileNotFoundError(f"{model} has no shard {shard!r}")
+        if not info.pieces:
+            return web.json_response({"error": f"{model} was partitioned without piece hashes; partition it again"},
+                                     status=409)
+        _tiles(pulls, len(info.pieces))
+        if (manager.settings.model_dir(model) / shard).is_file():
+            return web.json_response({"model": model, "shard": shard, "state": "held"})
+        return web.json_response(await run(receiver.start, model, info, pulls, fallbacks))
+
     async def prefetch(request: web.Request) -> web.Response:
         stage = _stage_range(await _json(request))
         try:
@@ -225,6 +339,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
     async def stop(app: web.Application) -> None:
         app["watcher"].cancel()
         app["sweeper"].cancel()
+        await run(receiver.shutdown)
         await run(prefetcher.shutdown)
         await run(manager.shutdown)
 
@@ -252,6 +367,9 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
     app.router.add_post("/prefetch", prefetch)
     app.router.add_get("/prefetch", lambda _: web.json_response(prefetcher.list()))
     app.router.add_delete("/prefetch/{model}", cancel_prefetch)
+    app.router.add_get("/blocks/{model}/{shard}/{first:\\d+}-{end:\\d+}", blocks)
+    app.router.add_post("/multicast", multicast)
+    app.router.add_get("/multicast", lambda _: web.json_response(receiver.list()))
     app.router.add_get("/models/{model}", model_files)
     app.router.add_get("/models/{model}/{path:.+}", model_file)
     app.on_startup.append(watch)

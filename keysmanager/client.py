@@ -70,5 +70,12 @@ class KeysClient(HttpClient):
     def stats(self) -> dict:
         return self._call("GET", "/stats")
 
+    def receive(self, model: str, shard: str, pulls: list[dict], fallbacks: list[str]) -> dict:
+        """Starts receiving a shard from peers: `pulls` [{"source", "first", "end"}] in order."""
+        return self._call("POST", "/multicast", {"model": model, "shard": shard, "pulls": pulls, "fallbacks": fallbacks})
+
+    def receptions(self) -> list[dict]:
+        return self._call("GET", "/multicast")
+
     def set_threshold(self, fraction: float) -> dict:
         return self._call("PUT", "/config", {"memory_threshold": fraction})

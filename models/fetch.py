@@ -118,17 +118,18 @@ def download(url: str, token: str, target: Path, sha256: str | None = None,
              cancelled: Callable[[], bool] = lambda: False, partial: Path | None = None) -> None:
     """`url` to `target` (whole, or not at all: it is written to `partial` until checked against
     `sha256` when given, then renamed); FetchError once `cancelled()` says so."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = partial or partial_path(target)
     digest = hashlib.sha256()
     try:
-        with open_url(url, token) as reply, open(partial, "wb") as out:
-            while chunk := reply.read(CHUNK):
-                if cancelled():
-                    raise FetchError(f"{url}: cancelled")
-                digest.update(chunk)
-                out.write(chunk)
-                out.flush()  # a reader following the .part sees each chunk as it lands
+        with open_url(url, token) as reply:
+            target.parent.mkdir(parents=True, exist_ok=True)  # only once the source has it: a miss leaves nothing
+            with open(partial, "wb") as out:
+                while chunk := reply.read(CHUNK):
+                    if cancelled():
+                        raise FetchError(f"{url}: cancelled")
+                    digest.update(chunk)
+                    out.write(chunk)
+                    out.flush()  # a reader following the .part sees each chunk as it lands
         if sha256 is not None and digest.hexdigest() != sha256:
             raise FetchError(f"{url}: sha256 {digest.hexdigest()[:12]}… is not the manifest's {sha256[:12]}…")
     except BaseException:

@@ -12,7 +12,10 @@ if TYPE_CHECKING:
 
 MANIFEST_NAME = "manifest.json"
 # Raised when what the partitioner writes changes; a partition of another format is made again.
-FORMAT = 2
+# 3: each shard's pieces' hashes (what a server receiving it from a peer checks each block by).
+FORMAT = 3
+# A shard is hashed in pieces of this size; a multicast's block is a run of whole pieces.
+PIECE_BYTES = 1 << 20
 
 
 @dataclass
@@ -26,6 +29,7 @@ class StageInfo:
     shard: str                      # file name inside the model directory
     sha256: str
     bytes: int
+    pieces: tuple[str, ...] = ()    # sha256 of each PIECE_BYTES piece of the shard, in order
 
 
 @dataclass
@@ -82,14 +86,21 @@ class Manifest:
             raise FileNotFoundError(f"no {MANIFEST_NAME} in {directory}: partition the model first "
                                     f"(python -m models.partition --help)")
         data = json.loads(path.read_text())
-        stages = [StageInfo(**{**s, "units": tuple(s["units"]), "layers": tuple(s["layers"])})
+        stages = [StageInfo(**{**s, "units": tuple(s["units"]), "layers": tuple(s["layers"]),
+                                "pieces": tuple(s.get("pieces", ()))})
                   for s in data.pop("stages")]
         return cls(stages=stages, directory=directory, **data)
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+    return file_hashes(path)[0]
+
+
+def file_hashes(path: Path) -> tuple[str, tuple[str, ...]]:
+    """The file's sha256 and each PIECE_BYTES piece's, in one read."""
+    digest, pieces = hashlib.sha256(), []
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        for piece in iter(lambda: f.read(PIECE_BYTES), b""):
+            digest.update(piece)
+            pieces.append(hashlib.sha256(piece).hexdigest())
+    return digest.hexdigest(), tuple(pieces)

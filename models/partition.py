@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from contracts.config import add_arguments, exit_on_config_error, settings_from_args
 from models.architectures import EMBED, HEAD, unit_names, unit_of
-from models.manifest import FORMAT, Manifest, StageInfo, sha256_file
+from models.manifest import FORMAT, Manifest, StageInfo, file_hashes
 from models.sources import Checkpoint, resolve
 
 
@@ -119,10 +119,11 @@ def partition(ckpt: Checkpoint, stages: int, out: Path, method: str = "balanced"
         (tmp / shard).chmod(0o644)  # safetensors writes 0600; an image's replicas run as another user
         blocks = [int(u.split(".")[1]) for u in units if u.startswith("layer.")]
         first_block = blocks[0] if blocks else _blocks_before(names, a)
+        sha256, pieces = file_hashes(tmp / shard)
         infos.append(StageInfo(
             index=index, units=(a, b), layers=(first_block, first_block + len(blocks)),
             has_embed=EMBED in units, has_head=HEAD in units, params=sum(t.numel() for t in state.values()),
-            shard=shard, sha256=sha256_file(tmp / shard), bytes=(tmp / shard).stat().st_size))
+            shard=shard, sha256=sha256, bytes=(tmp / shard).stat().st_size, pieces=pieces))
         del state
     _copy_tokenizer(ckpt.folder, tmp / "tokenizer")
     manifest = Manifest(

@@ -64,6 +64,16 @@ class MulticastPlan:
         return done
 
 
+def block_pieces(pieces: int, blocks: int, block: int) -> tuple[int, int]:
+    """The pieces [first, end) that block `block` of `blocks` covers in a shard of `pieces`
+    hashed pieces (models/manifest.PIECE_BYTES each): runs as even as whole pieces allow."""
+    if not 1 <= blocks <= pieces:
+        raise ValueError(f"a shard of {pieces} pieces is sent in 1 to {pieces} blocks, not {blocks}")
+    if not 0 <= block < blocks:
+        raise ValueError(f"block {block} is not one of {blocks}")
+    return block * pieces // blocks, (block + 1) * pieces // blocks
+
+
 def chunk_orders(k: int, blocks: int) -> list[list[int]]:
     """λScale's Algorithm 1: the blocks cut into k chunks of ⌈b/k⌉, and sub-group i's order the
     chunks circularly shifted by i, so the sub-groups' first blocks differ."""
@@ -173,6 +183,15 @@ def plan(holders: Sequence[str], targets: Sequence[str], blocks: int) -> Multica
             merged[index] += [Transfer(group[s], group[t], block) for s, t, block in moves]
     return MulticastPlan(blocks, tuple(tuple(g) for g in groups), tuple(tuple(o) for o in orders),
                          tuple(tuple(r) for r in merged))
+
+
+def pulls_by_target(p: MulticastPlan) -> dict[str, list[tuple[str, int]]]:
+    """Each target's part of the plan, as it executes it: (source, block) in round order."""
+    out: dict[str, list[tuple[str, int]]] = {t: [] for g in p.groups for t in g[1:]}
+    for transfers in p.rounds:
+        for t in transfers:
+            out[t.target].append((t.source, t.block))
+    return out
 
 
 def binary_tree_rounds(n: int, blocks: int) -> int:

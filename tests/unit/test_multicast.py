@@ -10,11 +10,13 @@ import pytest
 from scheduler.multicast import (
     MulticastPlan,
     binary_tree_rounds,
+    block_pieces,
     chunk_orders,
     elbow_blocks,
     execution_pipelines,
     lower_bound_rounds,
     plan,
+    pulls_by_target,
     subgroups,
     unicast_rounds,
 )
@@ -123,3 +125,22 @@ def test_algorithm_2_forms_pipelines_across_subgroups():
     assert execution_pipelines([["a", "b", "c"], ["d"]]) == [["a", "d"], ["b", "c"]]
     assert execution_pipelines([["a", "b"]]) == [["a", "b"]]
     assert execution_pipelines([]) == []
+
+
+def test_blocks_are_even_runs_of_whole_pieces():
+    assert [block_pieces(10, 4, i) for i in range(4)] == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert [block_pieces(3, 3, i) for i in range(3)] == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="1 to 3 blocks"):
+        block_pieces(3, 4, 0)
+    with pytest.raises(ValueError, match="not one of"):
+        block_pieces(8, 4, 4)
+
+
+def test_each_target_executes_its_transfers_in_round_order():
+    p = plan(["a"], ["b", "c", "d"], 2)
+    steps = pulls_by_target(p)
+    assert set(steps) == {"b", "c", "d"}
+    for target, pulls in steps.items():
+        assert sorted(block for _, block in pulls) == [0, 1]
+        expected = [(t.source, t.block) for r in p.rounds for t in r if t.target == target]
+        assert pulls == expected

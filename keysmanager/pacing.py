@@ -1,0 +1,24 @@
+"""A server's uplink as the embedded runtime's virtual servers share one machine's loopback:
+what the KeysManager sends its peers goes out no faster than QUART_SERVER_BANDWIDTH bytes/s, all
+its responses together, so that several servers on one machine behave as several machines with
+links of that speed. Written here because the pacing is of this server's sends, on its event
+loop: a virtual clock of when the link is next free, which each chunk advances by its size."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+class Uplink:
+    def __init__(self, bytes_per_s: float) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError(f"a link's speed is positive, not {bytes_per_s}")
+        self.rate = bytes_per_s
+        self._free_at = 0.0
+
+    async def send(self, size: int) -> None:
+        """Returns once `size` more bytes would have left at the link's speed, after what was
+        sent before them."""
+        now = time.monotonic()
+        self._free_at = max(now, self._free_at) + size / self.rate
+        await asyncio.sleep(self._free_at - now)

@@ -1,0 +1,46 @@
+"""Runs a λScale multicast of one shard across servers' KeysManagers: the plan from
+scheduler/multicast.py, each target's part of it posted to its KeysManager as a schedule of pulls
+(keysmanager/blocks.py), which the targets then execute among themselves, each pulling its blocks
+from the peers the plan names (waiting for a peer that has yet to receive one) and from the
+holders where a peer does not answer."""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from keysmanager.client import KeysClient
+from models.manifest import StageInfo
+from scheduler.multicast import MulticastPlan, block_pieces, plan, pulls_by_target
+
+
+def start(clients: Mapping[str, KeysClient], holders: Sequence[str], targets: Sequence[str], model: str,
+          info: StageInfo, blocks: int) -> MulticastPlan:
+    """Plans the multicast of `info`'s shard from `holders` to `targets` in `blocks` blocks
+    (servers named as in `clients`) and starts every target's part."""
+    p = plan(holders, targets, blocks)
+    fallbacks = [clients[h].url for h in holders]
+    for target, steps in pulls_by_target(p).items():
+        pulls = []
+        for source, block in steps:
+            first, end = block_pieces(len(info.pieces), blocks, block)
+            pulls.append({"source": clients[source].url, "first": first, "end": end})
+        clients[target].receive(model, info.shard, pulls, fallbacks)
+    return p
+
+
+def wait(clients: Mapping[str, KeysClient], targets: Sequence[str], shard: str, timeout_s: float) -> dict[str, dict]:
+    """Each target's reception of `shard` once none is still receiving (or at the timeout); a
+    target whose KeysManager does not answer is {"state": "unreachable"}."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        views = {t: _reception(clients[t], shard) for t in targets}
+        if all(v.get("state") in ("done", "failed", "unreachable") for v in views.values()) or time.monotonic() > deadline:
+            return views
+        time.sleep(0.05)
+
+
+def _reception(client: KeysClient, shard: str) -> dict:
+    try:
+        return next((r for r in client.receptions() if r["shard"] == shard), {})
+    except OSError:
+        return {"state": "unreachable"}
