@@ -24,6 +24,7 @@ from benchmarks import (
     live_dag,
     live_policies,
     loadgen,
+    multicast,
     overload,
     pipeline_overhead,
     placement,
@@ -50,6 +51,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([]),
               "simulator_coldstart": lambda: simulator_coldstart.main([]),
               "simulator_multicast": lambda: simulator_multicast.main([]),
+              "multicast": lambda: multicast.main([]),
               "simulator_policies": lambda: simulator_policies.main([]),
               "simulator_out_of_sample": lambda: simulator_out_of_sample.main([]),
               "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([]),
@@ -61,7 +63,7 @@ WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "c
                 "simulator_coldstart": simulator_coldstart.main, "simulator_policies": simulator_policies.main,
                 "simulator_out_of_sample": simulator_out_of_sample.main,
                 "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main,
-                "bursts": bursts.main, "soak": soak.main}
+                "bursts": bursts.main, "soak": soak.main, "multicast": multicast.main}
 
 
 def main(argv: list[str]) -> int:

@@ -60,12 +60,13 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
     return float(a.mean()), float(t975(len(a) - 1) * a.std(ddof=1) / np.sqrt(len(a)))
 
 
-def verdict(mean: float, half: float, target: float) -> str:
-    """Whether a figure whose target is an upper bound met it: only when its whole 95 % interval
-    clears the target, missed only when the whole interval is past it."""
-    if mean + half <= target:
+def verdict(mean: float, half: float, target: float, at_least: bool = False) -> str:
+    """Whether a figure met its target (an upper bound; a lower one `at_least`): only when its
+    whole 95 % interval clears the target, missed only when the whole interval is past it."""
+    low, high = mean - half, mean + half
+    if (low >= target) if at_least else (high <= target):
         return "met"
-    return "missed" if mean - half > target else "not separable from the target"
+    return "missed" if ((high < target) if at_least else (low > target)) else "not separable from the target"
 
 
 # What a benchmark does not run: edits to these while it measures leave its commit clean.

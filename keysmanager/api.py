@@ -35,6 +35,7 @@ the metrics needs the runtime's internal token (`Authorization: Bearer ...`); 40
                                        receive a shard from peers by that schedule (its pulls tile
                                        the shard's pieces); 404 unknown model or shard
     GET  /multicast                    the shards being received or received here
+    DELETE /multicast/{model}          stop receiving that model's shards and free them
 """
 from __future__ import annotations
 
@@ -295,6 +296,12 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             return web.json_response({"model": model, "shard": shard, "state": "held"})
         return web.json_response(await run(receiver.start, model, info, pulls, fallbacks))
 
+    async def cancel_multicast(request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if not NAME_RE.fullmatch(model):
+            raise Invalid("not a model name")
+        return web.json_response({"cancelled": await run(receiver.cancel, model)})
+
     async def prefetch(request: web.Request) -> web.Response:
         stage = _stage_range(await _json(request))
         try:
@@ -370,6 +377,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
     app.router.add_get("/blocks/{model}/{shard}/{first:\\d+}-{end:\\d+}", blocks)
     app.router.add_post("/multicast", multicast)
     app.router.add_get("/multicast", lambda _: web.json_response(receiver.list()))
+    app.router.add_delete("/multicast/{model}", cancel_multicast)
     app.router.add_get("/models/{model}", model_files)
     app.router.add_get("/models/{model}/{path:.+}", model_file)
     app.on_startup.append(watch)

@@ -13,6 +13,7 @@ that fails its hash is fetched again; a peer that does not answer is replaced by
 from __future__ import annotations
 
 import hashlib
+import http.client
 import logging
 import threading
 import time
@@ -79,8 +80,11 @@ class Reception:
         return self.target.with_name(self.target.name + PART)
 
     def add(self, first: int, pieces: list[bytes]) -> None:
-        """Checked pieces from `first` on (`checked_pieces`), written in order as far as they reach."""
+        """Checked pieces from `first` on (`checked_pieces`), written in order as far as they reach
+        (nothing once cancelled: its files are being freed)."""
         with self.lock:
+            if self.cancelled.is_set():
+                return
             for offset, piece in enumerate(pieces):
                 if first + offset >= self.filled:
                     self.held[first + offset] = piece
@@ -153,8 +157,10 @@ class Receiver:
                 job.add(pull.first, self._fetch(job, pull))
                 if job.cancelled.is_set():
                     raise FetchError("cancelled")
-        except (FetchError, OSError) as exc:
-            job.error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever stops it, the reception fails with its reason
+            job.error = str(exc) or type(exc).__name__
+            if job.cancelled.is_set():
+                return  # cancel() frees its files
             job.part.unlink(missing_ok=True)
             record_prefetch_error(job.target, job.error)
             log.warning("receiving %s/%s failed: %s", job.model, job.info.shard, exc)
@@ -196,7 +202,7 @@ class Receiver:
                 if exc.code not in (404, 409) or time.monotonic() > deadline:
                     log.warning("%s: %s", url, exc)
                     return None
-            except OSError as exc:
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, cut off mid-block
                 log.warning("%s: %s", url, exc)
                 return None
             time.sleep(NOT_YET_POLL_S)
@@ -226,6 +232,22 @@ class Receiver:
     def list(self) -> list[dict]:
         with self._lock:
             return [job.view() for job in self._jobs.values()]
+
+    def cancel(self, model: str) -> list[dict]:
+        """Stops receiving `model`'s shards and frees what they had written here, and the whole
+        shards of it an earlier run of this KeysManager left (a prefetch still being written is
+        the prefetcher's to cancel)."""
+        with self._lock:
+            jobs = [self._jobs.pop(key) for key in [k for k in self._jobs if k[0] == model]]
+        for job in jobs:
+            job.cancelled.set()
+            with job.lock:
+                job.part.unlink(missing_ok=True)
+        folder = self.root / model
+        for path in folder.glob("*") if folder.is_dir() else ():
+            if not path.name.endswith(PART):
+                path.unlink(missing_ok=True)
+        return [job.view() for job in jobs]
 
     def shutdown(self) -> None:
         with self._lock:

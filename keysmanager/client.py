@@ -77,5 +77,8 @@ class KeysClient(HttpClient):
     def receptions(self) -> list[dict]:
         return self._call("GET", "/multicast")
 
+    def cancel_receptions(self, model: str) -> dict:
+        return self._call("DELETE", f"/multicast/{model}")
+
     def set_threshold(self, fraction: float) -> dict:
         return self._call("PUT", "/config", {"memory_threshold": fraction})

@@ -1,5 +1,5 @@
-"""Runs a λScale multicast of one shard across servers' KeysManagers: the plan from
-scheduler/multicast.py, each target's part of it posted to its KeysManager as a schedule of pulls
+"""Runs a λScale multicast of one shard across servers' KeysManagers: a plan from
+scheduler/multicast.py (λScale's, or a baseline's), each target's part of it posted to its KeysManager as a schedule of pulls
 (keysmanager/blocks.py), which the targets then execute among themselves, each pulling its blocks
 from the peers the plan names (waiting for a peer that has yet to receive one) and from the
 holders where a peer does not answer."""
@@ -10,19 +10,17 @@ from collections.abc import Mapping, Sequence
 
 from keysmanager.client import KeysClient
 from models.manifest import StageInfo
-from scheduler.multicast import MulticastPlan, block_pieces, plan, pulls_by_target
+from scheduler.multicast import MulticastPlan, block_pieces, pulls_by_target
 
 
-def start(clients: Mapping[str, KeysClient], holders: Sequence[str], targets: Sequence[str], model: str,
-          info: StageInfo, blocks: int) -> MulticastPlan:
-    """Plans the multicast of `info`'s shard from `holders` to `targets` in `blocks` blocks
-    (servers named as in `clients`) and starts every target's part."""
-    p = plan(holders, targets, blocks)
-    fallbacks = [clients[h].url for h in holders]
+def start(clients: Mapping[str, KeysClient], p: MulticastPlan, model: str, info: StageInfo) -> MulticastPlan:
+    """Starts every target's part of plan `p` for `info`'s shard (servers named as in `clients`);
+    the plan's holders are every target's fallbacks."""
+    fallbacks = [clients[group[0]].url for group in p.groups]
     for target, steps in pulls_by_target(p).items():
         pulls = []
         for source, block in steps:
-            first, end = block_pieces(len(info.pieces), blocks, block)
+            first, end = block_pieces(len(info.pieces), p.blocks, block)
             pulls.append({"source": clients[source].url, "first": first, "end": end})
         clients[target].receive(model, info.shard, pulls, fallbacks)
     return p

@@ -12,7 +12,7 @@ every link works at once instead of every target reading from one source.
   optimum for one-port links; otherwise the hypercube of the next power of two has empty corners
   and the best of a few placements of the servers in it is taken (one round more at most for
   N ≤ 64, `tests/unit/test_multicast.py`).
-- `binary_tree_rounds` and `unicast_rounds`: FaaSNet's binary tree and one source sending to each
+- `binary_tree_plan` and `unicast_plan`: FaaSNet's binary tree and one source sending to each
   target in turn, the baselines λScale is measured against.
 - `elbow_blocks`: the block count past which more blocks gain little (λScale §7.6's elbow), from
   measured multicast times.
@@ -194,29 +194,40 @@ def pulls_by_target(p: MulticastPlan) -> dict[str, list[tuple[str, int]]]:
     return out
 
 
-def binary_tree_rounds(n: int, blocks: int) -> int:
-    """FaaSNet's binary tree over n servers (0 the holder, server i's children 2i+1 and 2i+2),
-    one block a round per link: each parent alternates its two children, sending each the next
-    block in order it has and the child lacks. The rounds until every server holds all."""
+def binary_tree_plan(holder: str, targets: Sequence[str], blocks: int) -> MulticastPlan:
+    """FaaSNet's binary tree (holder at the root, server i's children 2i+1 and 2i+2 in the order
+    given), one block a round per link: each parent alternates its two children, sending each the
+    next block in order that it has and the child lacks."""
+    names = [holder, *targets]
+    n = len(names)
     have = [blocks] + [0] * (n - 1)  # servers receive in order: a count is the prefix held
-    rounds = 0
     turn = [0] * n
+    rounds: list[tuple[Transfer, ...]] = []
     while min(have) < blocks:
         moves = []
         for parent in range(n):
             children = [c for c in (2 * parent + 1, 2 * parent + 2) if c < n and have[c] < have[parent]]
             if children:
-                child = children[turn[parent] % len(children)] if len(children) > 1 else children[0]
+                child = children[turn[parent] % len(children)]
                 turn[parent] += 1
-                moves.append(child)
-        for child in moves:
-            have[child] += 1
-        rounds += 1
-    return rounds
+                moves.append(Transfer(names[parent], names[child], have[child]))
+        for move in moves:
+            have[names.index(move.target)] += 1
+        rounds.append(tuple(moves))
+    return MulticastPlan(blocks, (tuple(names),), (tuple(range(blocks)),), tuple(rounds))
+
+
+def unicast_plan(holder: str, targets: Sequence[str], blocks: int) -> MulticastPlan:
+    """One holder sending the whole stage to each target in turn, a block a round."""
+    rounds = tuple((Transfer(holder, target, block),) for target in targets for block in range(blocks))
+    return MulticastPlan(blocks, ((holder, *targets),), (tuple(range(blocks)),), rounds)
+
+
+def binary_tree_rounds(n: int, blocks: int) -> int:
+    return len(binary_tree_plan("0", [str(i) for i in range(1, n)], blocks).rounds)
 
 
 def unicast_rounds(n: int, blocks: int) -> int:
-    """One holder sending the whole stage to each of the n - 1 others in turn."""
     return (n - 1) * blocks
 
 

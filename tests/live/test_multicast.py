@@ -28,6 +28,7 @@ from models.shard_reader import start_readers
 from runtime import multicast
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
+from scheduler.multicast import binary_tree_plan, plan
 from tests.live.runtime_helpers import wait_until
 
 MODEL = "smollm2"
@@ -92,7 +93,7 @@ def sha256(path: Path) -> str:
 def test_one_holder_sends_a_stage_to_three_servers_byte_for_byte_and_a_replica_follows_it(servers):
     info = servers.manifest.stages[1]
     targets = ["vm-1", "vm-2", "vm-3"]
-    p = multicast.start(servers.clients, ["vm-0"], targets, MODEL, info, blocks=8)
+    p = multicast.start(servers.clients, plan(["vm-0"], targets, 8), MODEL, info)
     # A replica starting on vm-2 now reads the shard as it arrives there, not from the store.
     target_settings = servers.settings["vm-2"]
     reader = start_readers(target_settings, StageRef(MODEL, 1, 2))[1]
@@ -108,9 +109,9 @@ def test_one_holder_sends_a_stage_to_three_servers_byte_for_byte_and_a_replica_f
 
 def test_two_holders_send_in_two_subgroups_and_a_receiver_becomes_a_holder(servers):
     info = servers.manifest.stages[2]
-    first = multicast.start(servers.clients, ["vm-0"], ["vm-1"], MODEL, info, blocks=4)
+    first = multicast.start(servers.clients, plan(["vm-0"], ["vm-1"], 4), MODEL, info)
     assert multicast.wait(servers.clients, ["vm-1"], info.shard, 60)["vm-1"]["state"] == "done"
-    p = multicast.start(servers.clients, ["vm-0", "vm-1"], ["vm-2", "vm-3"], MODEL, info, blocks=4)
+    p = multicast.start(servers.clients, plan(["vm-0", "vm-1"], ["vm-2", "vm-3"], 4), MODEL, info)
     views = multicast.wait(servers.clients, ["vm-2", "vm-3"], info.shard, 120)
     assert {t: v["state"] for t, v in views.items()} == {"vm-2": "done", "vm-3": "done"}, views
     for target in ("vm-1", "vm-2", "vm-3"):
@@ -160,7 +161,7 @@ def test_a_corrupted_block_is_detected_and_fetched_again(servers):
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
         via_proxy = {**servers.clients, "vm-0": KeysClient(f"http://127.0.0.1:{proxy.server_port}")}
-        multicast.start(via_proxy, ["vm-0"], ["vm-1"], MODEL, info, blocks=4)
+        multicast.start(via_proxy, plan(["vm-0"], ["vm-1"], 4), MODEL, info)
         view = multicast.wait(servers.clients, ["vm-1"], info.shard, 60)["vm-1"]
     finally:
         proxy.shutdown()
@@ -172,7 +173,7 @@ def test_a_corrupted_block_is_detected_and_fetched_again(servers):
 def test_a_receiver_killed_mid_multicast_leaves_the_others_complete(servers):
     info = servers.manifest.stages[0]
     targets = ["vm-1", "vm-2", "vm-3"]
-    multicast.start(servers.clients, ["vm-0"], targets, MODEL, info, blocks=16)
+    multicast.start(servers.clients, plan(["vm-0"], targets, 16), MODEL, info)
     # vm-1 relays blocks to vm-3 in the plan: kill it once it holds some, before it holds all.
     wait_until(lambda: 0 < multicast.wait(servers.clients, ["vm-1"], info.shard, 0)["vm-1"].get("filled", 0),
                60, "vm-1 receiving")
@@ -243,3 +244,16 @@ def test_bad_multicast_requests_get_json_errors_and_leave_nothing(servers, body,
     assert servers.clients["vm-2"].receptions() == before
     assert not (Path(servers.settings["vm-2"].models_dir) / "nosuch").exists()
     assert not os.path.exists(servers.received("vm-2", "stage-07.safetensors"))
+
+
+def test_a_binary_tree_plan_runs_too_and_cancelling_frees_what_arrived(servers):
+    """The baseline the benchmark sets beside λScale's plan runs on the same machinery; and a
+    model's receptions cancelled free their files."""
+    info = servers.manifest.stages[1]
+    for name in ("vm-1", "vm-2", "vm-3"):
+        servers.clients[name].cancel_receptions(MODEL)
+        assert not servers.received(name, info.shard).exists() and servers.clients[name].receptions() == []
+    multicast.start(servers.clients, binary_tree_plan("vm-0", ["vm-1", "vm-2", "vm-3"], 4), MODEL, info)
+    views = multicast.wait(servers.clients, ["vm-1", "vm-2", "vm-3"], info.shard, 120)
+    assert {v["state"] for v in views.values()} == {"done"}, views
+    assert sha256(servers.received("vm-3", info.shard)) == info.sha256  # vm-3 took it from vm-1

@@ -9,6 +9,7 @@ import pytest
 
 from scheduler.multicast import (
     MulticastPlan,
+    binary_tree_plan,
     binary_tree_rounds,
     block_pieces,
     chunk_orders,
@@ -18,6 +19,7 @@ from scheduler.multicast import (
     plan,
     pulls_by_target,
     subgroups,
+    unicast_plan,
     unicast_rounds,
 )
 
@@ -144,3 +146,13 @@ def test_each_target_executes_its_transfers_in_round_order():
         assert sorted(block for _, block in pulls) == [0, 1]
         expected = [(t.source, t.block) for r in p.rounds for t in r if t.target == target]
         assert pulls == expected
+
+
+def test_the_baselines_plans_replay_to_every_block_everywhere():
+    names = servers(7)
+    for p in (binary_tree_plan(names[0], names[1:], 5), unicast_plan(names[0], names[1:], 5)):
+        have = replay(p, names[:1], names[1:])
+        assert all(h == set(range(5)) for h in have.values())
+    tree = binary_tree_plan(names[0], names[1:], 5)
+    assert {t.source for r in tree.rounds for t in r if t.target == "vm-3"} == {"vm-1"}  # 3's parent is 1
+    assert len(unicast_plan(names[0], names[1:], 5).rounds) == 6 * 5

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import __main__ as bench
 from benchmarks.freshness import benchmark_of, declared_paths, freshness
-from benchmarks.report import CPU_FEATURES, commit, conditions, mean_ci95, t975
+from benchmarks.report import CPU_FEATURES, commit, conditions, mean_ci95, t975, verdict
 from contracts.paths import REPO_ROOT
 from tools.results_page import results_page
 
@@ -105,3 +105,10 @@ def test_results_say_which_cpu_and_features_measured_them():
     assert stamped["cpu_model"] and set(stamped["cpu_features"]) <= set(CPU_FEATURES) and stamped["extra"] == 1
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     assert ("avx2" in stamped["cpu_features"]) == ("avx2" in flags)
+
+
+def test_a_target_is_met_only_when_the_whole_interval_clears_it():
+    assert verdict(1.0, 0.1, 1.2) == "met" and verdict(1.3, 0.05, 1.2) == "missed"
+    assert verdict(1.15, 0.1, 1.2) == "not separable from the target"
+    assert verdict(1.8, 0.2, 1.5, at_least=True) == "met" and verdict(1.2, 0.2, 1.5, at_least=True) == "missed"
+    assert verdict(1.55, 0.1, 1.5, at_least=True) == "not separable from the target"
