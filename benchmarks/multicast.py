@@ -14,7 +14,7 @@ set beside its plan's rounds × M/(b·B), and λScale's (b + ⌈log₂N⌉ − 1
 within 1.2× of that, and at least 1.5× faster than the binary tree at N = 8 (λScale measured up to
 1.82× over FaaSNet).
 
-    python -m benchmarks multicast [--bandwidth 25e6] [--reps 3]
+    python -m benchmarks multicast [--bandwidth 2e7] [--reps 3]
 """
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ class Servers:
             s = settings.replace(
                 home=str(home), server=name, keysmanager_port=ports[name], redis_port=port, server_bandwidth=bandwidth,
                 internal_token="multicast-benchmark", log_level="WARNING",
+                warm_runtime=False,  # no runtime zygote importing torch beside the transfers
                 models=str(settings.models_dir if name in HOLDERS else home / "models"),
                 models_url="" if name in HOLDERS else f"http://127.0.0.1:{ports['vm-0']}")
             self.clients[name] = KeysClient.for_settings(s, timeout=60)
@@ -144,7 +145,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bandwidth", type=float, default=25e6, help="bytes/s of each server's uplink")
+    parser.add_argument("--bandwidth", type=float, default=2e7, help="bytes/s of each server's uplink")
     parser.add_argument("--reps", type=int, default=3, help="runs of the headline plans (N = 8, b = 16)")
     args = parser.parse_args(argv)
     settings = load_settings()

@@ -1,6 +1,6 @@
 """A server's uplink as the embedded runtime's virtual servers share one machine's loopback:
 what the KeysManager sends its peers goes out no faster than QUART_SERVER_BANDWIDTH bytes/s, all
-its responses together, so that several servers on one machine behave as several machines with
+its responses together (a chunk starts once the link has carried the ones before it), so that several servers on one machine behave as several machines with
 links of that speed. Written here because the pacing is of this server's sends, on its event
 loop: a virtual clock of when the link is next free, which each chunk advances by its size."""
 from __future__ import annotations
@@ -17,8 +17,10 @@ class Uplink:
         self._free_at = 0.0
 
     async def send(self, size: int) -> None:
-        """Returns once `size` more bytes would have left at the link's speed, after what was
-        sent before them."""
+        """Returns when `size` more bytes may start out: once the link has carried what was
+        sent before them (it is then busy with these for size/rate seconds)."""
         now = time.monotonic()
-        self._free_at = max(now, self._free_at) + size / self.rate
-        await asyncio.sleep(self._free_at - now)
+        start = max(now, self._free_at)
+        self._free_at = start + size / self.rate
+        if start > now:
+            await asyncio.sleep(start - now)

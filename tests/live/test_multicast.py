@@ -68,7 +68,7 @@ def servers(home_settings, partitioned, tmp_path_factory):
         (home / "models").mkdir(parents=True)
         settings[name] = home_settings.replace(
             home=str(home), server=name, keysmanager_port=ports[name], redis_port=redis_port, internal_token=TOKEN,
-            server_bandwidth=bandwidth,
+            server_bandwidth=bandwidth, warm_runtime=False,  # no zygote importing torch beside the transfers
             # vm-0 holds the model; the others read its manifest from vm-0 as their model store.
             models=str(home_settings.models_dir if name == "vm-0" else home / "models"),
             models_url="" if name == "vm-0" else f"http://127.0.0.1:{ports['vm-0']}")
