@@ -1,8 +1,9 @@
 """A server's uplink as the embedded runtime's virtual servers share one machine's loopback:
 what the KeysManager sends its peers goes out no faster than QUART_SERVER_BANDWIDTH bytes/s, all
-its responses together (a chunk starts once the link has carried the ones before it), so that several servers on one machine behave as several machines with
+its responses together, so that several servers on one machine behave as several machines with
 links of that speed. Written here because the pacing is of this server's sends, on its event
-loop: a virtual clock of when the link is next free, which each chunk advances by its size."""
+loop: a virtual clock of when the link is next free, which each chunk advances by its size (a
+chunk starts once the link has carried the ones before it)."""
 from __future__ import annotations
 
 import asyncio
