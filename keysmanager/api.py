@@ -30,7 +30,7 @@ the metrics needs the runtime's internal token (`Authorization: Bearer ...`); 40
                                        pieces [first, end) of a shard held or being received here
                                        (λScale's multicast: keysmanager/blocks.py), sent at this
                                        server's QUART_SERVER_BANDWIDTH; 409 for pieces still on
-                                       their way, 416 out of range, 413 over MAX_PULL_PIECES
+                                       their way after HOLD_S, 416 out of range, 413 over MAX_PULL_PIECES
     POST /multicast {"model", "shard", "pulls": [{"source", "first", "end"}], "fallbacks": [url]}
                                        receive a shard from peers by that schedule (its pulls tile
                                        the shard's pieces); 404 unknown model or shard
@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -52,7 +53,7 @@ from contracts.loops import every
 from contracts.requests import BadRequest, load_json
 from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
-from keysmanager.blocks import MAX_PULL_PIECES, Gone, NotYet, Pull, Receiver
+from keysmanager.blocks import HOLD_S, MAX_PULL_PIECES, NOT_YET_POLL_S, Gone, NotYet, Pull, Receiver
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
 from keysmanager.metrics import Families, replica_families
@@ -257,6 +258,9 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
         if not 0 <= first < end <= len(info.pieces):
             return web.json_response({"error": f"pieces {first}-{end} are outside {shard}'s 0-{len(info.pieces)}"},
                                      status=416)
+        held_until = time.monotonic() + HOLD_S
+        while local is None and receiver.arriving(model, shard, first, end) and time.monotonic() < held_until:
+            await asyncio.sleep(NOT_YET_POLL_S)
         try:
             data = await run(receiver.pieces, model, info, local, first, end)
         except NotYet as exc:

@@ -34,8 +34,11 @@ log = logging.getLogger("quart.multicast")
 MAX_PULL_PIECES = 256
 # Tries of one block from one peer whose answer failed its hash, before the next source.
 CORRUPT_TRIES = 2
-# How often a pull of pieces the peer does not hold yet is asked again.
+# How often a pull of pieces the peer does not hold yet is asked again; the peer holds such a
+# pull this long, answering as soon as they arrive, before it answers 409 (a pull a round,
+# not a request every poll, even when a block arrives late).
 NOT_YET_POLL_S = 0.01
+HOLD_S = 2.0
 
 
 class NotYet(Exception):
@@ -95,6 +98,10 @@ class Reception:
             if self.filled == len(self.info.pieces):
                 self.part.rename(self.target)  # the reader's sign that the shard is whole and checked
                 self.finished = time.time()
+
+    def has(self, first: int, end: int) -> bool:
+        with self.lock:
+            return all(i < self.filled or i in self.held for i in range(first, end))
 
     def read(self, first: int, end: int) -> bytes:
         """Pieces [first, end) as far as they are here; NotYet for any that is not."""
@@ -223,6 +230,11 @@ class Receiver:
         if received.is_file():
             return _read_range(received, first, end)
         raise FileNotFoundError(f"{model}/{info.shard} is neither held nor being received here")
+
+    def arriving(self, model: str, shard: str, first: int, end: int) -> bool:
+        """Whether some of those pieces are still on their way here (a live reception lacks them)."""
+        job = self.receiving(model, shard)
+        return job is not None and not job.error and not job.cancelled.is_set() and not job.has(first, end)
 
     def receiving(self, model: str, shard: str) -> Reception | None:
         """The reception of that shard here (under way, done or failed), if any."""
