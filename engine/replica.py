@@ -105,6 +105,7 @@ class StageReplica:
         self._peer_checked = 0.0
         self._fed = False
         self._fed_checked = float("-inf")
+        self._fed_lock = threading.Lock()  # the work loop and stop() both ask
         self.first_work_at: float | None = None
         self._allowed_cpus = sorted(os.sched_getaffinity(0))
         self.cpus = max(1, settings.compute.threads)
@@ -180,22 +181,23 @@ class StageReplica:
         """batch_policy.still_fed for this replica, read from the registry at most every
         FED_CHECK_S: replicas reading this stage's stream that are not draining, replicas of
         earlier stages that may forward to it, items waiting in it. False while Redis is down
-        (nothing can arrive then)."""
-        now = time.monotonic()
-        if now - self._fed_checked < FED_CHECK_S:
+        (nothing can arrive then). A caller that comes while another reads waits for that answer,
+        never the one before it."""
+        with self._fed_lock:
+            if time.monotonic() - self._fed_checked < FED_CHECK_S:
+                return self._fed
+            try:
+                live = self.store.live_among([(self.model, s) for s in range(self.first + 1)])
+                unread = self.store.backlog(self.model, self.first).waiting
+                readers = sum(x.stage_start == self.first and not x.draining and x.replica_id != self.replica_id
+                              for x in live[(self.model, self.first)])
+                upstream = {x.replica_id for s in range(self.first) for x in live[(self.model, s)]
+                            if x.stage_end <= self.first}
+                self._fed = still_fed(readers, len(upstream), unread)
+            except Down:
+                self._fed = False
+            self._fed_checked = time.monotonic()
             return self._fed
-        self._fed_checked = now
-        try:
-            live = self.store.live_among([(self.model, s) for s in range(self.first + 1)])
-            unread = self.store.backlog(self.model, self.first).waiting
-        except Down:
-            self._fed = False
-            return False
-        readers = sum(x.stage_start == self.first and not x.draining and x.replica_id != self.replica_id
-                      for x in live[(self.model, self.first)])
-        upstream = {x.replica_id for s in range(self.first) for x in live[(self.model, s)] if x.stage_end <= self.first}
-        self._fed = still_fed(readers, len(upstream), unread)
-        return self._fed
 
     def _give_back_waiting(self) -> None:
         """Prefills waiting here for KV room go back to the shared stream for other replicas

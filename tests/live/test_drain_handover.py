@@ -48,15 +48,25 @@ def start(settings, replicas: list[StageReplica], first: int, last: int) -> Stag
     return replica
 
 
-def stop_in_background(replica: StageReplica, stopped: dict[str, float]) -> threading.Thread:
-    """Stops `replica` in a thread of its own (stop() returns once it has drained), noting when."""
-    def run() -> None:
-        replica.stop()
-        stopped[replica.replica_id] = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
+def stop_in_background(replica: StageReplica) -> threading.Thread:
+    """Stops `replica` in a thread of its own (stop() returns once it has drained)."""
+    thread = threading.Thread(target=replica.stop, daemon=True)
     thread.start()
     wait_until(lambda: replica._draining, 10, f"{replica.replica_id} draining")
     return thread
+
+
+def watch_registry(settings, ids: list[str], gone: dict[str, float], done: threading.Event) -> None:
+    """Notes when each of `ids` leaves the registry (a replica leaves only once the stage before
+    it has, so these times are in stage order)."""
+    store = RedisStore(redis.Redis.from_url(settings.redis_url))
+    while not done.is_set() and len(gone) < len(ids):
+        live = {x.replica_id for s in range(4) for x in store.live_replicas("smollm2", s)}
+        now = time.monotonic()
+        for replica_id in ids:
+            if replica_id not in live:
+                gone.setdefault(replica_id, now)
+        time.sleep(0.01)
 
 
 def test_a_prefill_forwarded_to_draining_stages_is_answered_and_gathered_into_the_whole_replica(
@@ -68,8 +78,12 @@ def test_a_prefill_forwarded_to_draining_stages_is_answered_and_gathered_into_th
     draining stage leaves only after the stage before it has."""
     settings, replicas = data_plane
     stages = [start(settings, replicas, k, k + 1) for k in range(4)]
-    stopped: dict[str, float] = {}
-    stoppers = [stop_in_background(replica, stopped) for replica in stages[1:]]
+    gone: dict[str, float] = {}  # when each stage replica left the registry
+    watching = threading.Event()
+    watcher = threading.Thread(target=watch_registry, args=(settings, [r.replica_id for r in stages], gone, watching),
+                               daemon=True)
+    watcher.start()
+    stoppers = [stop_in_background(replica) for replica in stages[1:]]
     prompt = tokenizer("The capital of France is")["input_ids"]
     expected = reference_greedy(sources, prompt, NEW_TOKENS)
 
@@ -79,20 +93,22 @@ def test_a_prefill_forwarded_to_draining_stages_is_answered_and_gathered_into_th
         tokens = client.generate("r1", prompt, NEW_TOKENS, Sampling(), time.time() + 120, progress)
         # Without a draining replica reading on, the prefill would wait in stage 1's stream.
         got = [await asyncio.wait_for(anext(tokens), 90)]
-        assert not stopped, f"a draining stage left while stage 0 still served: {stopped}"
+        assert not gone, f"a draining stage left while stage 0 still served: {gone}"
         whole = await asyncio.to_thread(start, settings, replicas, 0, 4)
-        stoppers.append(await asyncio.to_thread(stop_in_background, stages[0], stopped))
+        stoppers.append(await asyncio.to_thread(stop_in_background, stages[0]))
         got += [token async for token in tokens]
         return got, progress, whole
 
     got, progress, whole = asyncio.run(generate())
     for thread in stoppers:
         thread.join(timeout=90)
+    watching.set()
+    watcher.join(timeout=10)
     assert got == expected[:len(got)] and len(got) == min(NEW_TOKENS, len(expected)), (got, expected)
     assert progress.recomputes == 0
     last_step = {t.replica for t in progress.timings[-1]}
     assert last_step == {whole.replica_id}, f"the last step ran on {last_step}, not the whole replica"
-    order = [stopped.get(replica.replica_id) for replica in stages]
+    order = [gone.get(replica.replica_id) for replica in stages]
     assert None not in order and order == sorted(order), f"stages left out of order: {order}"
     store = RedisStore(redis.Redis.from_url(settings.redis_url))
     assert [x.replica_id for s in range(4) for x in store.live_replicas("smollm2", s)] == [whole.replica_id] * 4
