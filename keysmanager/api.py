@@ -148,6 +148,12 @@ def _tiles(pulls: list[Pull], pieces: int) -> None:
         raise Invalid(f"the pulls cover pieces 0-{at} of {pieces}")
 
 
+def _no_pieces(model: str) -> web.Response:
+    """A model partitioned before manifests carried piece hashes: nothing to check a block by."""
+    return web.json_response({"error": f"{model} was partitioned without piece hashes; partition it again"},
+                             status=409)
+
+
 def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> web.Application:
     prefetcher = Prefetcher(manager.settings)
     receiver = Receiver(manager.settings)
@@ -251,8 +257,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             raise FileNotFoundError(f"no shard {shard!r} of {model!r} held or being received here")
         info, local = found
         if not info.pieces:
-            return web.json_response({"error": f"{model} was partitioned without piece hashes; partition it again"},
-                                     status=409)
+            return _no_pieces(model)
         if end - first > MAX_PULL_PIECES:
             return web.json_response({"error": f"at most {MAX_PULL_PIECES} pieces a pull, not {end - first}"}, status=413)
         if not 0 <= first < end <= len(info.pieces):
@@ -293,8 +298,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
         if info is None:
             raise FileNotFoundError(f"{model} has no shard {shard!r}")
         if not info.pieces:
-            return web.json_response({"error": f"{model} was partitioned without piece hashes; partition it again"},
-                                     status=409)
+            return _no_pieces(model)
         _tiles(pulls, len(info.pieces))
         if (manager.settings.model_dir(model) / shard).is_file():
             return web.json_response({"model": model, "shard": shard, "state": "held"})
