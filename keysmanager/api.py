@@ -26,12 +26,15 @@ the metrics needs the runtime's internal token (`Authorization: Bearer ...`); 40
     GET  /models/{model}               the files of a partitioned model: [{"path", "bytes"}]
     GET  /models/{model}/{path}        one of them (replicas on a cluster fetch their shards here:
                                        models/fetch.py)
-    GET  /blocks/{model}/{shard}/{first}-{end}
+    GET  /blocks/{model}/{shard}/{first}-{end}[?plan=&round=&after=]
                                        pieces [first, end) of a shard held or being received here
                                        (λScale's multicast: keysmanager/blocks.py), sent at this
-                                       server's QUART_SERVER_BANDWIDTH; 409 for pieces still on
-                                       their way after HOLD_S, 416 out of range, 413 over MAX_PULL_PIECES
-    POST /multicast {"model", "shard", "pulls": [{"source", "first", "end"}], "fallbacks": [url]}
+                                       server's QUART_SERVER_BANDWIDTH, after this server's send of
+                                       round `after` of the same plan (keysmanager/pacing.py); 409
+                                       for pieces still on their way after HOLD_S, 416 out of
+                                       range, 413 over MAX_PULL_PIECES
+    POST /multicast {"model", "shard", "pulls": [{"source", "first", "end"[, "plan", "round",
+                    "after"]}], "fallbacks": [url]}
                                        receive a shard from peers by that schedule (its pulls tile
                                        the shard's pieces); 404 unknown model or shard
     GET  /multicast                    the shards being received or received here
@@ -43,6 +46,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from aiohttp import web
@@ -53,11 +57,11 @@ from contracts.loops import every
 from contracts.requests import BadRequest, load_json
 from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
-from keysmanager.blocks import HOLD_S, MAX_PULL_PIECES, NOT_YET_POLL_S, Gone, NotYet, Pull, Receiver
+from keysmanager.blocks import HOLD_S, MAX_PULL_PIECES, NOT_YET_POLL_S, URL_RE, Gone, NotYet, Pull, Receiver, Turn
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
 from keysmanager.metrics import Families, replica_families
-from keysmanager.pacing import Uplink
+from keysmanager.pacing import SendOrder, Uplink
 from keysmanager.prefetch import NoStore, Prefetcher
 from models.fetch import FetchError, served_file, served_files
 from models.manifest import MANIFEST_NAME, Manifest, StageInfo
@@ -66,7 +70,8 @@ log = logging.getLogger("quart.keysmanager")
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
 # What the block route writes at a time, each through the server's paced uplink.
 SEND_CHUNK = 256 << 10
-URL_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+# The least time a block waits for its plan's earlier send from this server while the link is idle.
+ORDER_GRACE_S = 0.5
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -117,21 +122,23 @@ def _env(body: dict) -> dict[str, str]:
     return env
 
 
+def _turn(query: Mapping[str, str]) -> Turn | None:
+    """A block pull's place in its multicast plan, from the block route's query."""
+    try:
+        return Turn.parse(query)
+    except ValueError as exc:
+        raise Invalid(f"the query's {exc}") from None
+
+
 def _pulls(body: dict) -> tuple[list[Pull], list[str]]:
     pulls, fallbacks = body.get("pulls"), body.get("fallbacks", [])
     if not isinstance(pulls, list) or not pulls:
         raise Invalid("'pulls' must be a non-empty list of {source, first, end}")
-    out = []
-    for pull in pulls:
-        if not isinstance(pull, dict):
-            raise Invalid("each pull is an object {source, first, end}")
-        source, first, end = pull.get("source"), pull.get("first"), pull.get("end")
-        if not isinstance(source, str) or not URL_RE.match(source):
-            raise Invalid("a pull's 'source' must be a KeysManager's http(s) URL")
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (first, end)):
-            raise Invalid("a pull's 'first' and 'end' must be piece indices")
-        out.append(Pull(source, first, end))
-    if not isinstance(fallbacks, list) or not all(isinstance(f, str) and URL_RE.match(f) for f in fallbacks):
+    try:
+        out = [Pull.from_json(pull) for pull in pulls]
+    except ValueError as exc:
+        raise Invalid(str(exc)) from None
+    if not isinstance(fallbacks, list) or not all(isinstance(f, str) and URL_RE.fullmatch(f) for f in fallbacks):
         raise Invalid("'fallbacks' must be a list of KeysManagers' http(s) URLs")
     return out, fallbacks
 
@@ -158,6 +165,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
     prefetcher = Prefetcher(manager.settings)
     receiver = Receiver(manager.settings)
     uplink = Uplink(manager.settings.servers.bandwidth)
+    order = SendOrder(uplink)
 
     def run(fn, *args):
         return asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -263,8 +271,10 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
         if not 0 <= first < end <= len(info.pieces):
             return web.json_response({"error": f"pieces {first}-{end} are outside {shard}'s 0-{len(info.pieces)}"},
                                      status=416)
+        turn = _turn(request.query)
         held_until = time.monotonic() + HOLD_S
-        while local is None and receiver.arriving(model, shard, first, end) and time.monotonic() < held_until:
+        while not (local and local.is_file()) and receiver.arriving(model, shard, first, end) \
+                and time.monotonic() < held_until:
             await asyncio.sleep(NOT_YET_POLL_S)
         try:
             data = await run(receiver.pieces, model, info, local, first, end)
@@ -272,6 +282,15 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             return web.json_response({"error": str(exc)}, status=409)
         except Gone as exc:
             return web.json_response({"error": str(exc)}, status=410)
+        if turn is None:
+            return await send(request, data)
+        await order.turn(turn.plan, turn.after, max(ORDER_GRACE_S, len(data) / uplink.rate))
+        try:
+            return await send(request, data)
+        finally:  # sent, or cut off on the way: its successors go on either way
+            await order.sent(turn.plan, turn.round)
+
+    async def send(request: web.Request, data: bytes) -> web.StreamResponse:
         reply = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         reply.content_length = len(data)
         await reply.prepare(request)

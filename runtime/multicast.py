@@ -6,8 +6,10 @@ holders where a peer does not answer."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 
+from keysmanager.blocks import Pull, Turn
 from keysmanager.client import KeysClient
 from models.manifest import StageInfo
 from scheduler.multicast import MulticastPlan, block_pieces, pulls_by_target
@@ -17,11 +19,12 @@ def start(clients: Mapping[str, KeysClient], p: MulticastPlan, model: str, info:
     """Starts every target's part of plan `p` for `info`'s shard (servers named as in `clients`);
     the plan's holders are every target's fallbacks."""
     fallbacks = [clients[group[0]].url for group in p.groups]
+    plan_id = uuid.uuid4().hex
     for target, steps in pulls_by_target(p).items():
         pulls = []
-        for source, block in steps:
-            first, end = block_pieces(len(info.pieces), p.blocks, block)
-            pulls.append({"source": clients[source].url, "first": first, "end": end})
+        for step in steps:
+            first, end = block_pieces(len(info.pieces), p.blocks, step.block)
+            pulls.append(Pull(clients[step.source].url, first, end, Turn(plan_id, step.round, step.after)).to_json())
         clients[target].receive(model, info.shard, pulls, fallbacks)
     return p
 

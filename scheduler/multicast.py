@@ -185,12 +185,25 @@ def plan(holders: Sequence[str], targets: Sequence[str], blocks: int) -> Multica
                          tuple(tuple(r) for r in merged))
 
 
-def pulls_by_target(p: MulticastPlan) -> dict[str, list[tuple[str, int]]]:
-    """Each target's part of the plan, as it executes it: (source, block) in round order."""
-    out: dict[str, list[tuple[str, int]]] = {t: [] for g in p.groups for t in g[1:]}
-    for transfers in p.rounds:
+@dataclass(frozen=True)
+class Step:
+    """One pull of a target's part of a plan: the block, from whom, in which round, and the round
+    of that source's send before it (-1 for its first), which the source sends first."""
+    source: str
+    block: int
+    round: int
+    after: int
+
+
+def pulls_by_target(p: MulticastPlan) -> dict[str, list[Step]]:
+    """Each target's part of the plan, as it executes it: its pulls in round order."""
+    out: dict[str, list[Step]] = {t: [] for g in p.groups for t in g[1:]}
+    last_send: dict[str, int] = {}
+    for index, transfers in enumerate(p.rounds):
         for t in transfers:
-            out[t.target].append((t.source, t.block))
+            out[t.target].append(Step(t.source, t.block, index, last_send.get(t.source, -1)))
+        for t in transfers:
+            last_send[t.source] = index
     return out
 
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -206,6 +207,9 @@ def _get(servers: Servers, path: str, token: str | None = TOKEN) -> tuple[int, d
     (f"/blocks/{MODEL}/stage-00.safetensors/3-3", TOKEN, 416),           # empty
     (f"/blocks/{MODEL}/stage-00.safetensors/0-257", TOKEN, 413),         # over MAX_PULL_PIECES
     (f"/blocks/{MODEL}/stage-00.safetensors/0-x", TOKEN, 404),           # not a range
+    (f"/blocks/{MODEL}/stage-00.safetensors/0-1?plan=xyz&round=1&after=0", TOKEN, 400),  # not a plan id
+    (f"/blocks/{MODEL}/stage-00.safetensors/0-1?plan=ab&round=one", TOKEN, 400),       # not a round
+    (f"/blocks/{MODEL}/stage-00.safetensors/0-1?plan=ab&round=1&after=1", TOKEN, 400),  # not before it
     (f"/blocks/{MODEL}/stage-00.safetensors/0-1", None, 401),            # no token
     (f"/blocks/{MODEL}/stage-00.safetensors/0-1", "wrong", 401),         # wrong token
 ])
@@ -223,6 +227,44 @@ def test_a_block_is_the_shards_bytes(servers):
     with open(servers.manifest.shard_path(0), "rb") as f:
         f.seek(2 * PIECE_BYTES)
         assert data == f.read(2 * PIECE_BYTES)
+
+
+def test_a_server_sends_a_plans_blocks_in_its_rounds_order(servers):
+    """A pull of round 1 that asks first still goes out after the same server's round 0: the
+    link carries one block at a time in the plan's order (sent together, both would share it and
+    round 1, started first, would end first)."""
+    shard = servers.manifest.stages[0].shard
+    ended: dict[int, float] = {}
+
+    def pull(first: int, round_: int, after: int) -> None:
+        query = f"plan=ab12&round={round_}&after={after}"
+        request = urllib.request.Request(f"{servers.clients['vm-0'].url}/blocks/{MODEL}/{shard}/{first}-{first + 48}?{query}",
+                                         headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            assert len(reply.read()) == 48 * PIECE_BYTES
+        ended[round_] = time.monotonic()
+
+    later = threading.Thread(target=pull, args=(48, 1, 0))
+    later.start()
+    time.sleep(0.3)
+    pull(0, 0, -1)
+    later.join(timeout=120)
+    assert ended[1] > ended[0], ended
+
+
+def test_a_pull_of_pieces_still_on_their_way_is_held_until_they_land(servers):
+    """A peer asking a receiver for a block it is still receiving gets the block once it is in,
+    not a refusal to ask again (up to HOLD_S)."""
+    info = servers.manifest.stages[2]
+    servers.clients["vm-3"].cancel_receptions(MODEL)
+    multicast.start(servers.clients, plan(["vm-0"], ["vm-3"], 8), MODEL, info)
+    request = urllib.request.Request(f"{servers.clients['vm-3'].url}/blocks/{MODEL}/{info.shard}/0-2",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        data = reply.read()
+    with open(servers.manifest.shard_path(2), "rb") as f:
+        assert data == f.read(2 * PIECE_BYTES)
+    assert multicast.wait(servers.clients, ["vm-3"], info.shard, 60)["vm-3"]["state"] == "done"
 
 
 @pytest.mark.parametrize("body,status", [

@@ -143,9 +143,24 @@ def test_each_target_executes_its_transfers_in_round_order():
     steps = pulls_by_target(p)
     assert set(steps) == {"b", "c", "d"}
     for target, pulls in steps.items():
-        assert sorted(block for _, block in pulls) == [0, 1]
-        expected = [(t.source, t.block) for r in p.rounds for t in r if t.target == target]
-        assert pulls == expected
+        assert sorted(s.block for s in pulls) == [0, 1]
+        expected = [(t.source, t.block, i) for i, r in enumerate(p.rounds) for t in r if t.target == target]
+        assert [(s.source, s.block, s.round) for s in pulls] == expected
+
+
+def test_each_pull_names_its_sources_send_before_it():
+    p = plan(["a"], servers(7), 4)
+    sends: dict[str, list[int]] = {}
+    for index, transfers in enumerate(p.rounds):
+        for t in transfers:
+            sends.setdefault(t.source, []).append(index)
+    for pulls in pulls_by_target(p).values():
+        for step in pulls:
+            mine = sends[step.source]
+            at = mine.index(step.round)
+            assert step.after == (mine[at - 1] if at else -1)
+    holder_rounds = [s.round for pulls in pulls_by_target(p).values() for s in pulls if s.source == "a"]
+    assert sorted(holder_rounds) == list(range(len(holder_rounds)))  # one send a round from round 0 on
 
 
 def test_the_baselines_plans_replay_to_every_block_everywhere():

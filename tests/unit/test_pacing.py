@@ -1,0 +1,61 @@
+"""A server's paced uplink and the order of its multicast sends (keysmanager/pacing.py), on a real
+event loop: a send waits for its plan's earlier send from the same server, and not forever when
+that one never comes; the link carries no more than its rate."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from keysmanager.pacing import SendOrder, Uplink
+
+
+def test_a_send_waits_for_its_plans_earlier_send_from_this_server():
+    async def scenario() -> list[str]:
+        order, done = SendOrder(Uplink(1e6)), []
+
+        async def pull(round_: int, after: int) -> None:
+            await order.turn("p1", after, grace_s=30)
+            done.append(f"r{round_}")
+            await order.sent("p1", round_)
+
+        later = asyncio.create_task(pull(2, 0))       # asks first, but its turn is after round 0
+        await asyncio.sleep(0.2)
+        assert not later.done()
+        await asyncio.create_task(pull(0, -1))
+        await asyncio.wait_for(later, 10)
+        return done
+
+    assert asyncio.run(scenario()) == ["r0", "r2"]
+
+
+def test_another_plans_sends_do_not_count():
+    async def scenario() -> bool:
+        order = SendOrder(Uplink(1e6))
+        await order.sent("p1", 0)
+        waiting = asyncio.create_task(order.turn("p2", 0, grace_s=30))
+        await asyncio.sleep(0.2)
+        return waiting.done()
+
+    assert not asyncio.run(scenario())
+
+
+def test_a_send_whose_predecessor_never_asks_goes_once_the_link_has_idled_the_grace():
+    async def scenario() -> float:
+        order = SendOrder(Uplink(1e6))
+        started = time.monotonic()
+        await asyncio.wait_for(order.turn("p1", 3, grace_s=0.3), 10)
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) >= 0.3
+
+
+def test_the_link_carries_no_more_than_its_rate():
+    async def scenario() -> float:
+        link = Uplink(1e6)
+        started = time.monotonic()
+        for _ in range(10):
+            await link.send(100_000)
+        return time.monotonic() - started
+
+    # ten chunks of 0.1 s each: the last may start once nine have gone, less the burst allowance
+    assert asyncio.run(scenario()) >= 0.9 - 0.02
