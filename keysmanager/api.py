@@ -31,8 +31,9 @@ the metrics needs the runtime's internal token (`Authorization: Bearer ...`); 40
                                        (λScale's multicast: keysmanager/blocks.py), sent at this
                                        server's QUART_SERVER_BANDWIDTH, after this server's send of
                                        round `after` of the same plan (keysmanager/pacing.py); 409
-                                       for pieces still on their way after HOLD_S, 416 out of
-                                       range, 413 over MAX_PULL_PIECES
+                                       for pieces still on their way after HOLD_S, 429 while its
+                                       turn has not come after HOLD_S, 416 out of range, 413 over
+                                       MAX_PULL_PIECES
     POST /multicast {"model", "shard", "pulls": [{"source", "first", "end"[, "plan", "round",
                     "after"]}], "fallbacks": [url]}
                                        receive a shard from peers by that schedule (its pulls tile
@@ -64,7 +65,7 @@ from keysmanager.metrics import Families, replica_families
 from keysmanager.pacing import SendOrder, Uplink
 from keysmanager.prefetch import NoStore, Prefetcher
 from models.fetch import FetchError, served_file, served_files
-from models.manifest import MANIFEST_NAME, Manifest, StageInfo
+from models.manifest import MANIFEST_NAME, PIECE_BYTES, Manifest, StageInfo
 
 log = logging.getLogger("quart.keysmanager")
 STAGES_RE = re.compile(r"^\d+(-\d+)?$")
@@ -276,6 +277,10 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
         while not (local and local.is_file()) and receiver.arriving(model, shard, first, end) \
                 and time.monotonic() < held_until:
             await asyncio.sleep(NOT_YET_POLL_S)
+        grace_s = max(ORDER_GRACE_S, (end - first) * PIECE_BYTES / uplink.rate)
+        if turn is not None and not await order.turn(turn.plan, turn.after, grace_s, HOLD_S):
+            return web.json_response({"error": f"round {turn.round} of plan {turn.plan} goes out after this "
+                                               f"server's round {turn.after}"}, status=429, headers={"Retry-After": "0"})
         try:
             data = await run(receiver.pieces, model, info, local, first, end)
         except NotYet as exc:
@@ -284,7 +289,6 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             return web.json_response({"error": str(exc)}, status=410)
         if turn is None:
             return await send(request, data)
-        await order.turn(turn.plan, turn.after, max(ORDER_GRACE_S, len(data) / uplink.rate))
         try:
             return await send(request, data)
         finally:  # sent, or cut off on the way: its successors go on either way

@@ -311,9 +311,10 @@ class Receiver:
 
     def _get(self, job: Reception, source: str, pull: Pull) -> list[bytes] | None:
         """The pieces from one peer, each checked as it comes in (Corrupt for one that does not
-        match), waiting for up to the stall time while the peer answers 409 (they are on their
-        way there) or 404 (its own schedule is on its way); None when it does not answer, or cannot
-        serve them (410: its reception failed)."""
+        match), waiting while the peer answers 429 (their turn on its link has not come), and for
+        up to the stall time while it answers 409 (they are on their way there) or 404 (its own
+        schedule is on its way); None when it does not answer, or cannot serve them (410: its
+        reception failed)."""
         url = f"{source.rstrip('/')}/blocks/{job.model}/{job.info.shard}/{pull.first}-{pull.end}"
         if source == pull.source and pull.turn:  # a holder standing in for a peer sends it out of turn
             url += "?" + urllib.parse.urlencode(pull.turn.fields())
@@ -323,7 +324,9 @@ class Receiver:
                 with urllib.request.urlopen(urllib.request.Request(url, headers=bearer(self._token)), timeout=30) as reply:
                     return read_checked(job.info, pull, reply)
             except urllib.error.HTTPError as exc:
-                if exc.code not in (404, 409) or time.monotonic() > deadline:
+                if exc.code == 429:  # the peer's link is busy with its plan's earlier rounds: it is alive
+                    deadline = time.monotonic() + self.settings.coldstart.stall_s
+                elif exc.code not in (404, 409) or time.monotonic() > deadline:
                     log.warning("%s: %s", url, exc)
                     return None
             except (OSError, http.client.HTTPException) as exc:  # refused, reset, cut off mid-block

@@ -12,13 +12,16 @@ round of the source's send before it, and waits until that one has gone out, so 
 carries one block at a time in the plan's order, as the plan's rounds assume. Without it a holder
 (which has every block) or a peer that is early serves several rounds' pulls at once, each at a
 fraction of the link, and every server downstream of them waits (measured: 1.75× the plan's
-time at N = 8). A predecessor that never asks (its receiver died, or took the block from a holder)
-holds the rest up no longer than the link stays idle for `grace_s` while they wait."""
+time at N = 8). A pull waits here a while at most, then is told to ask again (the wait for a turn
+can last the plan's earlier rounds, as long as a unicast's whole). A predecessor that never asks
+(its receiver died, or took the block from a holder) holds the rest up no longer than the link
+stays idle for `grace_s` once the plan has asked here."""
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 # The plans whose sends a server remembers (a few rounds' numbers each).
 PLANS_KEPT = 256
@@ -50,34 +53,53 @@ class Uplink:
         return max(0.0, now - max(since, self._free_at))
 
 
+@dataclass
+class _Plan:
+    asked: float                                  # when a pull of it first asked here (monotonic)
+    sent: set[int] = field(default_factory=set)   # its rounds sent from here
+
+
 class SendOrder:
     def __init__(self, uplink: Uplink) -> None:
         self.uplink = uplink
-        self._sent: OrderedDict[str, set[int]] = OrderedDict()
+        self._plans: OrderedDict[str, _Plan] = OrderedDict()
         self._changed = asyncio.Condition()
 
-    async def turn(self, plan: str, after: int, grace_s: float) -> None:
-        """Returns once this server's send of round `after` of `plan` has gone out (at once for
-        after < 0), or the link has been idle `grace_s` since this was asked."""
+    async def turn(self, plan: str, after: int, grace_s: float, wait_s: float) -> bool:
+        """Whether this server's send of round `after` of `plan` has gone out (at once for
+        after < 0), or the link has been idle `grace_s` since the plan first asked here, within
+        `wait_s`; False if neither has come by then (the link is busy with the plan's earlier
+        rounds: the puller asks again)."""
         if after < 0:
-            return
-        asked = time.monotonic()
+            return True
+        until = time.monotonic() + wait_s
         async with self._changed:
-            while after not in self._sent.get(plan, ()):
-                idle = self.uplink.idle_since(asked)
+            record = self._record(plan)
+            while after not in record.sent:
+                idle = self.uplink.idle_since(record.asked)
+                left = min(grace_s - idle, until - time.monotonic())
                 if idle >= grace_s:
-                    return
+                    return True
+                if left <= 0:
+                    return False
                 try:
-                    await asyncio.wait_for(self._changed.wait(), grace_s - idle)
+                    await asyncio.wait_for(self._changed.wait(), left)
                 except TimeoutError:
                     pass
+            return True
 
     async def sent(self, plan: str, round_: int) -> None:
         """Round `round_` of `plan` has gone out from here (or failed to: either way its
         successors need not wait for it)."""
         async with self._changed:
-            self._sent.setdefault(plan, set()).add(round_)
-            self._sent.move_to_end(plan)
-            while len(self._sent) > PLANS_KEPT:
-                self._sent.popitem(last=False)
+            self._record(plan).sent.add(round_)
             self._changed.notify_all()
+
+    def _record(self, plan: str) -> _Plan:
+        record = self._plans.get(plan)
+        if record is None:
+            record = self._plans[plan] = _Plan(time.monotonic())
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(plan)
+        return record

@@ -29,7 +29,7 @@ from models.shard_reader import start_readers
 from runtime import multicast
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
-from scheduler.multicast import binary_tree_plan, plan
+from scheduler.multicast import binary_tree_plan, plan, unicast_plan
 from tests.live.runtime_helpers import wait_until
 
 MODEL = "smollm2"
@@ -299,3 +299,19 @@ def test_a_binary_tree_plan_runs_too_and_cancelling_frees_what_arrived(servers):
     views = multicast.wait(servers.clients, ["vm-1", "vm-2", "vm-3"], info.shard, 120)
     assert {v["state"] for v in views.values()} == {"done"}, views
     assert sha256(servers.received("vm-3", info.shard)) == info.sha256  # vm-3 took it from vm-1
+
+
+def test_a_unicast_plan_completes_though_the_last_target_waits_its_turn_for_longer_than_a_pull_is_held(servers):
+    """One holder sends the stage to each target in turn: the last one's pulls wait two shards'
+    time (about 8 s) for their turn, told to ask again every HOLD_S, and it still completes."""
+    info = servers.manifest.stages[3]
+    targets = ["vm-1", "vm-2", "vm-3"]
+    for name in targets:
+        servers.clients[name].cancel_receptions(MODEL)
+    p = multicast.start(servers.clients, unicast_plan("vm-0", targets, 2), MODEL, info)
+    views = multicast.wait(servers.clients, targets, info.shard, 120)
+    assert {v["state"] for v in views.values()} == {"done"}, views
+    assert views["vm-3"]["finished"] > views["vm-2"]["finished"] > views["vm-1"]["finished"]
+    assert all(v["rerouted"] == 0 for v in views.values()) and len(p.rounds) == 6
+    for name in targets:
+        assert sha256(servers.received(name, info.shard)) == info.sha256

@@ -14,7 +14,7 @@ def test_a_send_waits_for_its_plans_earlier_send_from_this_server():
         order, done = SendOrder(Uplink(1e6)), []
 
         async def pull(round_: int, after: int) -> None:
-            await order.turn("p1", after, grace_s=30)
+            assert await order.turn("p1", after, grace_s=30, wait_s=30)
             done.append(f"r{round_}")
             await order.sent("p1", round_)
 
@@ -32,21 +32,24 @@ def test_another_plans_sends_do_not_count():
     async def scenario() -> bool:
         order = SendOrder(Uplink(1e6))
         await order.sent("p1", 0)
-        waiting = asyncio.create_task(order.turn("p2", 0, grace_s=30))
+        waiting = asyncio.create_task(order.turn("p2", 0, grace_s=30, wait_s=30))
         await asyncio.sleep(0.2)
         return waiting.done()
 
     assert not asyncio.run(scenario())
 
 
-def test_a_send_whose_predecessor_never_asks_goes_once_the_link_has_idled_the_grace():
-    async def scenario() -> float:
+def test_a_pull_waits_a_while_then_asks_again_and_the_grace_counts_from_the_plans_first_ask():
+    async def scenario() -> tuple[bool, bool, float]:
         order = SendOrder(Uplink(1e6))
         started = time.monotonic()
-        await asyncio.wait_for(order.turn("p1", 3, grace_s=0.3), 10)
-        return time.monotonic() - started
+        first = await order.turn("p1", 3, grace_s=0.6, wait_s=0.2)    # round 3 not sent, link idle 0.2 s
+        while not await order.turn("p1", 3, grace_s=0.6, wait_s=0.2):  # asked again, and again ...
+            pass
+        return first, True, time.monotonic() - started                 # ... until the link idled 0.6 s
 
-    assert asyncio.run(scenario()) >= 0.3
+    first, went, waited = asyncio.run(scenario())
+    assert not first and went and 0.6 <= waited < 5
 
 
 def test_the_link_carries_no_more_than_its_rate():
