@@ -40,7 +40,7 @@ from models.manifest import Manifest, StageInfo
 from runtime import multicast
 from runtime.ports import free_port
 from runtime.redis_server import start_redis
-from scheduler.multicast import MulticastPlan, binary_tree_plan, lower_bound_rounds, plan, unicast_plan
+from scheduler.multicast import MulticastPlan, binary_tree_plan, elbow_blocks, lower_bound_rounds, plan, unicast_plan
 
 MEASURES = ("keysmanager/blocks.py", "keysmanager/api.py", "keysmanager/pacing.py", "runtime/multicast.py",
             "scheduler/multicast.py")  # the code measured (benchmarks/freshness.py)
@@ -193,6 +193,13 @@ def report(rows: list[dict], info: StageInfo, args: argparse.Namespace) -> None:
     worst = max(r["seconds"] / r["lambdascale_s"] for r in binomial)
     figures.append({"name": "binomial over (b + ceil(log2 N) - 1) M/(b B), worst of all configurations", "value": round(worst, 3),
                     "unit": "ratio", "goal": "<= 1.2", "met": worst <= 1.2})
+    for n in sorted({r["n"] for r in binomial}):
+        measured = {r["b"]: r["seconds"] for r in binomial if r["n"] == n and r["k"] == 1}
+        elbow = elbow_blocks(measured)
+        figures.append({"name": f"elbow block count, N={n}", "value": elbow, "unit": "blocks",
+                        "rule": "the fewest b past which doubling gains under 10 % (λScale §7.6)",
+                        "measured_s": measured})
+        print(f"N = {n}: the elbow is b = {elbow} (more blocks gain under 10 %)")
     head = {r["plan"]: r for r in rows if (r["n"], r["k"], r["b"]) == (HEADLINE_N, 1, HEADLINE_B)}
     print(f"binomial within {worst:.2f}x of λScale's model at worst (goal <= 1.2)")
     if "binary tree" in head:

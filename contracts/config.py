@@ -483,7 +483,9 @@ VARIABLES: tuple[Var, ...] = (
         "replica slots per server; 0: 8 per core this host may use, divided by QUART_THREADS", _not_negative),
     Var("QUART_SERVER_CACHE_BYTES", "servers.cache_bytes", "host-memory budget for cached stages per server (0: none)",
         _not_negative),
-    Var("QUART_SERVER_BANDWIDTH", "servers.bandwidth", "bytes/s a cold start reads its shard at", _positive),
+    Var("QUART_SERVER_BANDWIDTH", "servers.bandwidth", "bytes/s of a server's link each way: what a cold start "
+        "reads its shard at, and what a KeysManager sends its peers and reads from them and the model store at",
+        _positive),
     Var("QUART_COLD_DEADLINE_S", "servers.cold_deadline_s", "a cold start must have read its shard by then (HydraServe)",
         _positive),
     Var("QUART_SCHEDULER_PARAMS", "servers.scheduler_params", "the scheduler's parameters as JSON (`SchedulerParams`)"),

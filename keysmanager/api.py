@@ -62,7 +62,7 @@ from keysmanager.blocks import HOLD_S, MAX_PULL_PIECES, NOT_YET_POLL_S, URL_RE, 
 from keysmanager.cache_policy import OverBudget
 from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
 from keysmanager.metrics import Families, replica_families
-from keysmanager.pacing import SendOrder, Uplink
+from keysmanager.pacing import Link, SendOrder
 from keysmanager.prefetch import NoStore, Prefetcher
 from models.fetch import FetchError, served_file, served_files
 from models.manifest import MANIFEST_NAME, PIECE_BYTES, Manifest, StageInfo
@@ -163,9 +163,9 @@ def _no_pieces(model: str) -> web.Response:
 
 
 def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> web.Application:
-    prefetcher = Prefetcher(manager.settings)
-    receiver = Receiver(manager.settings)
-    uplink = Uplink(manager.settings.servers.bandwidth)
+    uplink, downlink = Link(manager.settings.servers.bandwidth), Link(manager.settings.servers.bandwidth)
+    prefetcher = Prefetcher(manager.settings, downlink)
+    receiver = Receiver(manager.settings, downlink)
     order = SendOrder(uplink)
 
     def run(fn, *args):
@@ -251,7 +251,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
         entry of one it is receiving; None where it has neither (nothing is fetched to find out)."""
         directory = manager.settings.model_dir(model)
         if (directory / MANIFEST_NAME).is_file():
-            info = next((s for s in Manifest.load(directory).stages if s.shard == shard), None)
+            info = Manifest.load(directory).stage_of(shard)
             return (info, directory / shard) if info else None
         job = receiver.receiving(model, shard)
         return (job.info, None) if job else None
@@ -317,7 +317,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             manifest = await run(receiver.manifest, model)
         except FetchError as exc:
             return web.json_response({"error": str(exc)}, status=404 if exc.status == 404 else 502)
-        info = next((s for s in manifest.stages if s.shard == shard), None)
+        info = manifest.stage_of(shard)
         if info is None:
             raise FileNotFoundError(f"{model} has no shard {shard!r}")
         if not info.pieces:

@@ -23,13 +23,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from contracts.config import Settings
 from contracts.secrets import bearer
+from keysmanager.pacing import Link
 from models.fetch import FetchError, ensure_manifest
 from models.manifest import PIECE_BYTES, Manifest, StageInfo
 from models.shard_reader import ERROR, PART, record_prefetch_error
@@ -238,8 +239,10 @@ def _read_range(path: Path, first: int, end: int) -> bytes:
 class Receiver:
     """The shards this server receives from its peers, and the pieces it serves them."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, downlink: Link | None = None) -> None:
+        """`downlink`: what this server's receptions read through (keysmanager/pacing.py)."""
         self.settings = settings
+        self.downlink = downlink or Link(settings.servers.bandwidth)
         self.root = settings.prefetch_dir(settings.server)
         self._token = settings.internal_api_token()
         self._jobs: dict[tuple[str, str], Reception] = {}
@@ -322,7 +325,7 @@ class Receiver:
         while not job.cancelled.is_set():
             try:
                 with urllib.request.urlopen(urllib.request.Request(url, headers=bearer(self._token)), timeout=30) as reply:
-                    return read_checked(job.info, pull, reply)
+                    return read_checked(job.info, pull, reply, self.downlink.take)
             except urllib.error.HTTPError as exc:
                 if exc.code == 429:  # the peer's link is busy with its plan's earlier rounds: it is alive
                     deadline = time.monotonic() + self.settings.coldstart.stall_s
@@ -387,13 +390,15 @@ class Receiver:
                 job.cancel()
 
 
-def read_checked(info: StageInfo, pull: Pull, stream: BinaryIO) -> list[bytes]:
-    """The pull's pieces read from `stream` one at a time, each checked against the manifest's
-    hash as it comes (so the hashing overlaps the transfer); Corrupt for a piece that does not
-    match or a body of the wrong length."""
+def read_checked(info: StageInfo, pull: Pull, stream: BinaryIO,
+                 pace: Callable[[int], None] = lambda size: None) -> list[bytes]:
+    """The pull's pieces read from `stream` one at a time (each once `pace` lets its bytes in),
+    each checked against the manifest's hash as it comes (so the hashing overlaps the transfer);
+    Corrupt for a piece that does not match or a body of the wrong length."""
     pieces = []
     for index in range(pull.first, pull.end):
         size = min(PIECE_BYTES, info.bytes - index * PIECE_BYTES)
+        pace(size)
         piece = stream.read(size)
         if len(piece) != size:
             raise Corrupt(f"{len(piece)} bytes for piece {index} of {info.shard}, not {size}")

@@ -1,11 +1,12 @@
-"""A server's uplink as the embedded runtime's virtual servers share one machine's loopback, and
+"""A server's links as the embedded runtime's virtual servers share one machine's loopback, and
 the order its multicast sends go out in.
 
-`Uplink`: what the KeysManager sends its peers goes out no faster than QUART_SERVER_BANDWIDTH
-bytes/s, all its responses together, so that several servers on one machine behave as several
-machines with links of that speed. Written here because the pacing is of this server's sends, on
-its event loop: a virtual clock of when the link is next free, which each chunk advances by its
-size (a chunk starts once the link has carried the ones before it).
+`Link`: what the KeysManager sends its peers goes out no faster than QUART_SERVER_BANDWIDTH
+bytes/s, all its responses together (the uplink), and what it receives from its peers and the
+model store comes in no faster than that (the downlink: the multicast's receiver and the
+prefetcher read through it), so that several servers on one machine behave as several machines
+with links of that speed. Written here because the pacing is of this server's own sends and
+reads: a virtual clock per direction.
 
 `SendOrder`: a multicast plan's rounds kept locally. Each pull of a plan names its round and the
 round of the source's send before it, and waits until that one has gone out, so that the link
@@ -19,6 +20,7 @@ stays idle for `grace_s` once the plan has asked here."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,7 +29,11 @@ from dataclasses import dataclass, field
 PLANS_KEPT = 256
 
 
-class Uplink:
+class Link:
+    """One direction of a server's link: a virtual clock of when it is next free, which each
+    chunk advances by its size (a chunk starts once the link has carried the ones before it).
+    `send` paces the event loop's sends (the uplink), `take` a thread's reads (the downlink)."""
+
     def __init__(self, bytes_per_s: float, burst_s: float = 0.02) -> None:
         """`burst_s`: how far a chunk's start may lie in the past, so that a sleep that wakes late
         is made up by the next chunks instead of lowering the link's rate (a millisecond late on
@@ -37,20 +43,30 @@ class Uplink:
         self.rate = bytes_per_s
         self.burst_s = burst_s
         self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def _reserve(self, size: int) -> float:
+        """Seconds until `size` more bytes may start (the link is then busy with them for size/rate)."""
+        with self._lock:
+            now = time.monotonic()
+            start = self._free_at if now - self._free_at < self.burst_s else now  # busy: keep its schedule
+            self._free_at = start + size / self.rate
+            return start - now
 
     async def send(self, size: int) -> None:
-        """Returns when `size` more bytes may start out: once the link has carried what was
-        sent before them (it is then busy with these for size/rate seconds)."""
-        now = time.monotonic()
-        start = self._free_at if now - self._free_at < self.burst_s else now  # busy: keep its schedule
-        self._free_at = start + size / self.rate
-        if start > now:
-            await asyncio.sleep(start - now)
+        """Returns when `size` more bytes may go out."""
+        if (delay := self._reserve(size)) > 0:
+            await asyncio.sleep(delay)
+
+    def take(self, size: int) -> None:
+        """Returns when `size` more bytes may come in (blocking the calling thread)."""
+        if (delay := self._reserve(size)) > 0:
+            time.sleep(delay)
 
     def idle_since(self, since: float) -> float:
         """How long the link has carried nothing since the monotonic time `since`."""
-        now = time.monotonic()
-        return max(0.0, now - max(since, self._free_at))
+        with self._lock:
+            return max(0.0, time.monotonic() - max(since, self._free_at))
 
 
 @dataclass
@@ -60,7 +76,7 @@ class _Plan:
 
 
 class SendOrder:
-    def __init__(self, uplink: Uplink) -> None:
+    def __init__(self, uplink: Link) -> None:
         self.uplink = uplink
         self._plans: OrderedDict[str, _Plan] = OrderedDict()
         self._changed = asyncio.Condition()

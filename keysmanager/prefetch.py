@@ -15,6 +15,7 @@ from pathlib import Path
 
 from contracts.config import Settings
 from contracts.stage import StageRef
+from keysmanager.pacing import Link
 from models.fetch import FetchError, download, ensure_manifest, shard_url
 from models.shard_reader import ERROR, PART, record_prefetch_error
 
@@ -42,8 +43,10 @@ class Prefetch:
 
 
 class Prefetcher:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, downlink: Link | None = None) -> None:
+        """`downlink`: what this server's prefetches read through (keysmanager/pacing.py)."""
         self.settings = settings
+        self.downlink = downlink or Link(settings.servers.bandwidth)
         self.root = settings.prefetch_dir(settings.server)
         self._jobs: dict[str, Prefetch] = {}
         self._lock = threading.Lock()
@@ -77,7 +80,7 @@ class Prefetcher:
             try:
                 # `<shard>.part`, the name the replicas following it look for
                 download(shard_url(self.settings, job.stage.model, info.shard), token, target, info.sha256,
-                         job.cancelled.is_set, target.with_name(target.name + PART))
+                         job.cancelled.is_set, target.with_name(target.name + PART), self.downlink.take)
             except (FetchError, OSError) as exc:
                 job.error = str(exc)
                 if not job.cancelled.is_set():

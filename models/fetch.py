@@ -115,16 +115,21 @@ def partial_path(target: Path) -> Path:
 
 
 def download(url: str, token: str, target: Path, sha256: str | None = None,
-             cancelled: Callable[[], bool] = lambda: False, partial: Path | None = None) -> None:
+             cancelled: Callable[[], bool] = lambda: False, partial: Path | None = None,
+             pace: Callable[[int], None] = lambda size: None) -> None:
     """`url` to `target` (whole, or not at all: it is written to `partial` until checked against
-    `sha256` when given, then renamed); FetchError once `cancelled()` says so."""
+    `sha256` when given, then renamed); FetchError once `cancelled()` says so. Each chunk is read
+    once `pace` lets it in (a server's paced downlink)."""
     partial = partial or partial_path(target)
     digest = hashlib.sha256()
     try:
         with open_url(url, token) as reply:
             target.parent.mkdir(parents=True, exist_ok=True)  # only once the source has it: a miss leaves nothing
             with open(partial, "wb") as out:
-                while chunk := reply.read(CHUNK):
+                while True:
+                    pace(CHUNK)
+                    if not (chunk := reply.read(CHUNK)):
+                        break
                     if cancelled():
                         raise FetchError(f"{url}: cancelled")
                     digest.update(chunk)

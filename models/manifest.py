@@ -65,6 +65,10 @@ class Manifest:
     def context_length(self) -> int:
         return int(self.config["max_position_embeddings"])
 
+    def stage_of(self, shard: str) -> StageInfo | None:
+        """The stage whose shard file is named `shard`, if any."""
+        return next((s for s in self.stages if s.shard == shard), None)
+
     def shard_path(self, stage: int) -> Path:
         return self.directory / self.stages[stage].shard
 

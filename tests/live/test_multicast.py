@@ -315,3 +315,19 @@ def test_a_unicast_plan_completes_though_the_last_target_waits_its_turn_for_long
     assert all(v["rerouted"] == 0 for v in views.values()) and len(p.rounds) == 6
     for name in targets:
         assert sha256(servers.received(name, info.shard)) == info.sha256
+
+
+def test_a_servers_downlink_is_paced_too(servers):
+    """What a server reads from its model store comes in no faster than its link: a prefetch
+    (the store's own file route is not paced) takes at least the shard's bytes over the speed."""
+    info = servers.manifest.stages[3]
+    client = servers.clients["vm-2"]
+    client.cancel_receptions(MODEL)  # the prefetch folder holds nothing of the model now
+    started = time.monotonic()
+    client.prefetch(StageRef(MODEL, 3, 4))
+    wait_until(lambda: any(p["state"] != "fetching" for p in client.prefetches()), 120, "the prefetch")
+    took = time.monotonic() - started
+    assert [p["state"] for p in client.prefetches()] == ["done"]
+    assert took >= 0.9 * info.bytes / servers.settings["vm-2"].servers.bandwidth, took
+    assert sha256(servers.received("vm-2", info.shard)) == info.sha256
+    client.cancel_prefetch(MODEL)

@@ -1,17 +1,18 @@
 """A server's paced uplink and the order of its multicast sends (keysmanager/pacing.py), on a real
 event loop: a send waits for its plan's earlier send from the same server, and not forever when
-that one never comes; the link carries no more than its rate."""
+that one never comes; a link carries no more than its rate, each way."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
-from keysmanager.pacing import SendOrder, Uplink
+from keysmanager.pacing import Link, SendOrder
 
 
 def test_a_send_waits_for_its_plans_earlier_send_from_this_server():
     async def scenario() -> list[str]:
-        order, done = SendOrder(Uplink(1e6)), []
+        order, done = SendOrder(Link(1e6)), []
 
         async def pull(round_: int, after: int) -> None:
             assert await order.turn("p1", after, grace_s=30, wait_s=30)
@@ -30,7 +31,7 @@ def test_a_send_waits_for_its_plans_earlier_send_from_this_server():
 
 def test_another_plans_sends_do_not_count():
     async def scenario() -> bool:
-        order = SendOrder(Uplink(1e6))
+        order = SendOrder(Link(1e6))
         await order.sent("p1", 0)
         waiting = asyncio.create_task(order.turn("p2", 0, grace_s=30, wait_s=30))
         await asyncio.sleep(0.2)
@@ -41,7 +42,7 @@ def test_another_plans_sends_do_not_count():
 
 def test_a_pull_waits_a_while_then_asks_again_and_the_grace_counts_from_the_plans_first_ask():
     async def scenario() -> tuple[bool, bool, float]:
-        order = SendOrder(Uplink(1e6))
+        order = SendOrder(Link(1e6))
         started = time.monotonic()
         first = await order.turn("p1", 3, grace_s=0.6, wait_s=0.2)    # round 3 not sent, link idle 0.2 s
         while not await order.turn("p1", 3, grace_s=0.6, wait_s=0.2):  # asked again, and again ...
@@ -54,7 +55,7 @@ def test_a_pull_waits_a_while_then_asks_again_and_the_grace_counts_from_the_plan
 
 def test_the_link_carries_no_more_than_its_rate():
     async def scenario() -> float:
-        link = Uplink(1e6)
+        link = Link(1e6)
         started = time.monotonic()
         for _ in range(10):
             await link.send(100_000)
@@ -62,3 +63,19 @@ def test_the_link_carries_no_more_than_its_rate():
 
     # ten chunks of 0.1 s each: the last may start once nine have gone, less the burst allowance
     assert asyncio.run(scenario()) >= 0.9 - 0.02
+
+
+def test_the_downlink_carries_no_more_than_its_rate_whoever_reads_through_it():
+    link = Link(1e6)
+    started = time.monotonic()
+
+    def reads() -> None:
+        for _ in range(5):
+            link.take(100_000)
+
+    threads = [threading.Thread(target=reads) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - started >= 0.9 - 0.02  # ten reads of 0.1 s each, whichever thread
