@@ -278,7 +278,7 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
                 and time.monotonic() < held_until:
             await asyncio.sleep(NOT_YET_POLL_S)
         grace_s = max(ORDER_GRACE_S, (end - first) * PIECE_BYTES / uplink.rate)
-        if turn is not None and not await order.turn(turn.plan, turn.after, grace_s, HOLD_S):
+        if turn and not await order.turn(turn.plan, turn.after, grace_s, HOLD_S):
             return web.json_response({"error": f"round {turn.round} of plan {turn.plan} goes out after this "
                                                f"server's round {turn.after}"}, status=429, headers={"Retry-After": "0"})
         try:
@@ -287,12 +287,11 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             return web.json_response({"error": str(exc)}, status=409)
         except Gone as exc:
             return web.json_response({"error": str(exc)}, status=410)
-        if turn is None:
-            return await send(request, data)
         try:
             return await send(request, data)
         finally:  # sent, or cut off on the way: its successors go on either way
-            await order.sent(turn.plan, turn.round)
+            if turn:
+                await order.sent(turn.plan, turn.round)
 
     async def send(request: web.Request, data: bytes) -> web.StreamResponse:
         reply = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})

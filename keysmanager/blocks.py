@@ -220,8 +220,7 @@ class Reception:
         if f is None:
             return b"".join(tail)
         with f:
-            f.seek(first * PIECE_BYTES)
-            return f.read((written - first) * PIECE_BYTES) + b"".join(tail)
+            return _read_from(f, first, written) + b"".join(tail)
 
     def view(self) -> dict:
         state = "failed" if self.error else "done" if self.finished else "receiving"
@@ -232,17 +231,21 @@ class Reception:
 
 def _read_range(path: Path, first: int, end: int) -> bytes:
     with open(path, "rb") as f:
-        f.seek(first * PIECE_BYTES)
-        return f.read((end - first) * PIECE_BYTES)
+        return _read_from(f, first, end)
+
+
+def _read_from(f: BinaryIO, first: int, end: int) -> bytes:
+    f.seek(first * PIECE_BYTES)
+    return f.read((end - first) * PIECE_BYTES)
 
 
 class Receiver:
     """The shards this server receives from its peers, and the pieces it serves them."""
 
-    def __init__(self, settings: Settings, downlink: Link | None = None) -> None:
+    def __init__(self, settings: Settings, downlink: Link) -> None:
         """`downlink`: what this server's receptions read through (keysmanager/pacing.py)."""
         self.settings = settings
-        self.downlink = downlink or Link(settings.servers.bandwidth)
+        self.downlink = downlink
         self.root = settings.prefetch_dir(settings.server)
         self._token = settings.internal_api_token()
         self._jobs: dict[tuple[str, str], Reception] = {}

@@ -43,10 +43,10 @@ class Prefetch:
 
 
 class Prefetcher:
-    def __init__(self, settings: Settings, downlink: Link | None = None) -> None:
+    def __init__(self, settings: Settings, downlink: Link) -> None:
         """`downlink`: what this server's prefetches read through (keysmanager/pacing.py)."""
         self.settings = settings
-        self.downlink = downlink or Link(settings.servers.bandwidth)
+        self.downlink = downlink
         self.root = settings.prefetch_dir(settings.server)
         self._jobs: dict[str, Prefetch] = {}
         self._lock = threading.Lock()
