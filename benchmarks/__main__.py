@@ -26,6 +26,7 @@ from benchmarks import (
     loadgen,
     multicast,
     overload,
+    peer_start,
     pipeline_overhead,
     placement,
     policies_burst,
@@ -51,7 +52,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([]),
               "simulator_coldstart": lambda: simulator_coldstart.main([]),
               "simulator_multicast": lambda: simulator_multicast.main([]),
-              "multicast": lambda: multicast.main([]),
+              "multicast": lambda: multicast.main([]), "peer_start": lambda: peer_start.main([]),
               "simulator_policies": lambda: simulator_policies.main([]),
               "simulator_out_of_sample": lambda: simulator_out_of_sample.main([]),
               "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([]),
@@ -63,7 +64,7 @@ WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "c
                 "simulator_coldstart": simulator_coldstart.main, "simulator_policies": simulator_policies.main,
                 "simulator_out_of_sample": simulator_out_of_sample.main,
                 "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main,
-                "bursts": bursts.main, "soak": soak.main, "multicast": multicast.main}
+                "bursts": bursts.main, "soak": soak.main, "multicast": multicast.main, "peer_start": peer_start.main}
 
 
 def main(argv: list[str]) -> int:

@@ -117,7 +117,7 @@ class Bench:
         self.stores = []
         for i in range(STAGES):  # one link to the store per server
             port = free_port()
-            self.store_procs.append(self._spawn([sys.executable, "-m", "benchmarks.model_store", "--models",
+            self.store_procs.append(self._spawn([sys.executable, "-m", "runtime.model_store", "--models",
                                                  str(settings.models_dir), "--port", str(port), "--bandwidth",
                                                  str(bandwidth)], f"store-{i}"))
             self.stores.append(f"http://127.0.0.1:{port}")

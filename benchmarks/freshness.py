@@ -17,7 +17,7 @@ from pathlib import Path
 from benchmarks.report import RESULTS, git, table
 from contracts.paths import REPO_ROOT
 
-NOT_BENCHMARKS = {"__init__", "__main__", "report", "freshness", "model_store", "vllm_cpu"}
+NOT_BENCHMARKS = {"__init__", "__main__", "report", "freshness", "vllm_cpu"}
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,8 @@ class ServersConfig:
     slots: int = 0
     cache_bytes: int = 0
     bandwidth: float = 1e9
+    own_disks: bool = False
+    store_bandwidth: float = 1e9
     cold_deadline_s: float = 60.0
     scheduler_params: dict = field(default_factory=dict)
 
@@ -261,6 +263,20 @@ class Settings:
         home = hashlib.sha1(str(Path(self.home).resolve()).encode()).hexdigest()[:10]
         return root / f"quart-{os.getuid()}-{home}" / "prefetch" / server
 
+    @property
+    def store_url(self) -> str:
+        """Where the virtual servers read shards with QUART_VIRTUAL_DISKS: QUART_MODELS_URL where
+        set, else the model store the embedded runtime serves QUART_MODELS from."""
+        return self.models_url or f"http://127.0.0.1:{self.cache.port + self.servers.virtual}"
+
+    def virtual_server(self, name: str) -> Settings:
+        """The settings of one of virtual_server_names(): its own name and KeysManager port, and
+        with QUART_VIRTUAL_DISKS its own models folder filled from store_url."""
+        i = self.virtual_server_names().index(name)
+        own = {"models": str(Path(self.home) / "servers" / name / "models"), "models_url": self.store_url} \
+            if self.servers.own_disks else {}
+        return self.replace(server=name, keysmanager_port=self.cache.port + i, **own)
+
     def virtual_server_names(self) -> list[str]:
         """One server keeps this server's name; several are <server>-0, <server>-1, ..."""
         if self.servers.virtual <= 1:
@@ -336,7 +352,7 @@ def _device(v: object) -> str | None:
 # QUART's mechanisms that QUART_ABLATE switches off one by one (the ablation study): the CV
 # attention model, the CPU compensator, the KeysManagers' fork cache of key stages, and the
 # scheduler's dispersion of key-stage replicas.
-MECHANISMS = ("attention", "compensator", "fork-cache", "dispersion")
+MECHANISMS = ("attention", "compensator", "fork-cache", "dispersion", "peer-start")
 
 
 def _mechanisms(v: object) -> str | None:
@@ -473,7 +489,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_ABLATE", "autoscaler.ablate",
         "QUART's mechanisms to switch off, comma-separated, for an ablation: `attention` (smooth on observed CVs), "
         "`compensator` (no CPU changes), `fork-cache` (key stages not cached: scale-ups cold-start), "
-        "`dispersion` (key-stage replicas packed like the rest)", _mechanisms),
+        "`dispersion` (key-stage replicas packed like the rest), `peer-start` (no multicast from servers that cache a "
+        "stage: every start that cannot fork reads the store)", _mechanisms),
     Var("QUART_R_MIN", "autoscaler.bounds.r_min", "fewest replicas of a stage function the autoscaler keeps", _not_negative),
     Var("QUART_R_MAX", "autoscaler.bounds.r_max",
         "most replicas of a stage function (the autoscaler's bound and the embedded gateway's cap)", _positive),
@@ -486,6 +503,12 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_SERVER_BANDWIDTH", "servers.bandwidth", "bytes/s of a server's link each way: what a cold start "
         "reads its shard at, and what a KeysManager sends its peers and reads from them and the model store at",
         _positive),
+    Var("QUART_VIRTUAL_DISKS", "servers.own_disks",
+        "each virtual server keeps its own models folder and reads shards from a model store the runtime serves "
+        "from QUART_MODELS (on the KeysManager port + QUART_VIRTUAL_SERVERS), as a cluster's servers do: a "
+        "cold start fetches its shards from the store, a peer start receives them from servers that cache the stage"),
+    Var("QUART_STORE_BANDWIDTH", "servers.store_bandwidth",
+        "bytes/s of the model store's link, shared by every server reading from it (QUART_VIRTUAL_DISKS)", _positive),
     Var("QUART_COLD_DEADLINE_S", "servers.cold_deadline_s", "a cold start must have read its shard by then (HydraServe)",
         _positive),
     Var("QUART_SCHEDULER_PARAMS", "servers.scheduler_params", "the scheduler's parameters as JSON (`SchedulerParams`)"),

@@ -177,6 +177,8 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             z = await run(manager.cache, stage)
         except OverBudget as exc:
             return web.json_response({"error": str(exc)}, status=507)
+        except FetchError as exc:  # the store's 404 is the caller's unknown model; anything else is the store's
+            return web.json_response({"error": str(exc)}, status=404 if exc.status == 404 else 502)
         return web.json_response(z.describe())
 
     def _function(body: dict, stage: StageRef) -> str:

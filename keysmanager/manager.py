@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from contracts.proc_stat import start_time
 from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from keysmanager.metrics import KeysManagerMetrics
+from models.fetch import ensure_manifest, ensure_model, partial_path
 from models.manifest import Manifest
 from models.profiles import PROFILES as EMULATION_PROFILES
 from state.records import CacheEvent, ZygoteRecord
@@ -145,7 +147,12 @@ class KeysManager:
         return [s.sha256 for s in infos], sum(s.bytes for s in infos)
 
     def cache(self, stage: StageRef) -> Zygote:
-        """Starts a zygote for the stage range unless a live, current one exists."""
+        """Starts a zygote for the stage range unless a live, current one exists; its shards
+        fetched from the model store first where they are not on this server's disk (FetchError
+        where that fails): they stay there, and this server serves them to its peers."""
+        if not self.emulated(stage.model):
+            self._keep_received(stage)
+            ensure_model(self.settings, stage.model, range(stage.first, stage.last))
         shas, size = self.shards(stage)
         while True:
             with self._lock:
@@ -171,6 +178,25 @@ class KeysManager:
         finally:
             with self._lock:
                 self._starting.pop(stage).set()
+
+    def _keep_received(self, stage: StageRef) -> None:
+        """Where this server fetches from a model store, shards it already holds whole in its
+        prefetch folder (received from its peers, or prefetched; each checked before it was
+        renamed there) are copied into its models folder instead of fetched again: a server that
+        received a stage caches it from what it received, and serves it to its peers from there."""
+        if not self.settings.models_url:
+            return
+        manifest = ensure_manifest(self.settings, stage.model, tokenizer=False)
+        received = self.settings.prefetch_dir(self.settings.server) / stage.model
+        for i in stage.indices():
+            if i >= manifest.num_stages:
+                return  # shards() names the bad range
+            source, target = received / manifest.stages[i].shard, manifest.shard_path(i)
+            if source.is_file() and not target.is_file():
+                partial = partial_path(target)
+                shutil.copyfile(source, partial)
+                partial.rename(target)
+                log.info("kept %s/%s as received", stage.model, target.name)
 
     def _start(self, stage: StageRef | None, shas: list[str], size: int) -> Zygote:
         """A zygote of `stage`, or the runtime zygote (None), once it answers."""
@@ -337,14 +363,15 @@ class KeysManager:
         key_stages = [] if self.settings.autoscaler.ablated("fork-cache") else \
             self.scheduled_here([s for s in self.key_stages() if s not in held])
         for stage in key_stages:
-            if not (self.settings.model_dir(stage.model) / "manifest.json").exists() and not self.emulated(stage.model):
-                continue  # not partitioned here
+            if not (self.settings.model_dir(stage.model) / "manifest.json").exists() and not self.emulated(stage.model) \
+                    and not self.settings.models_url:
+                continue  # not partitioned here, and no store to fetch it from
             if self.memory_used() < self.threshold:
                 try:
                     self.cache(stage)
                 except OverBudget as exc:
                     log.info("not caching key stage %s here: %s", stage, exc)
-                except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:
+                except (RuntimeError, TimeoutError, FileNotFoundError, ValueError) as exc:  # FetchError too
                     log.error("caching key stage %s failed: %s", stage, exc)
         with self._lock:
             crashed = [z for z in self.zygotes.values() if not z.alive()]

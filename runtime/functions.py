@@ -23,7 +23,7 @@ from contracts.stack import identity
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient, KeysManagerError
 from runtime.watched_process import WatchedProcess, start_time
-from scheduler.state import ReplicaId
+from scheduler.state import Placement, ReplicaId
 
 log = logging.getLogger("quart.functions")
 # The wait before replacing a replica that exited before it was ready doubles from BACKOFF_S with
@@ -56,6 +56,7 @@ class ReplicaProcess:
     draining_since: float | None = None
     probed_at: float = 0.0
     failed_probes: int = 0
+    placement: Placement | None = None  # the scheduler's, until the replica is first ready
 
     @property
     def pid(self) -> int:
@@ -143,10 +144,12 @@ class ProcessManager:
         (self.run_dir / "replicas").mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, fn: FunctionState, server: str, fork: bool) -> ReplicaProcess:
-        """A new replica on `server`: forked from its KeysManager's zygote when asked and it still
-        holds the stage, else cold."""
-        replica = (fork and self._fork(fn, server)) or self._cold(fn, server)
+    def spawn(self, fn: FunctionState, server: str, path: str = "cold") -> ReplicaProcess:
+        """A new replica on `server` by the scheduler's `path`: "fork" from its KeysManager's
+        zygote (cold where it no longer holds the stage); "cold", its shards prefetched from the
+        model store where there is one; "peer", cold on shards its KeysManager is receiving from
+        its peers (runtime/multicast.py), which the replica follows as they arrive."""
+        replica = (path == "fork" and self._fork(fn, server)) or self._cold(fn, server, prefetch=path != "peer")
         fn.replicas.append(replica)
         log.info("started %s replica pid %d on %s (%s)", fn.name, replica.pid, server, replica.started_by)
         return replica
@@ -163,12 +166,13 @@ class ProcessManager:
             return None
         return ReplicaProcess(WatchedProcess(answer["pid"]), Path(answer["port_file"]), server, answer["started_by"])
 
-    def _cold(self, fn: FunctionState, server: str) -> ReplicaProcess:
+    def _cold(self, fn: FunctionState, server: str, prefetch: bool) -> ReplicaProcess:
         serial = f"{os.getpid()}.{next(_serial)}"
         port_file = self.run_dir / "replicas" / f"{fn.name}.{serial}.port"
         port_file.unlink(missing_ok=True)
         env = {**fn.deployment.get("envVars", {}), "QUART_SERVER": server}
-        self._prefetch(fn, server)
+        if prefetch:
+            self._prefetch(fn, server)
         warm = self._from_runtime(fn, server, env)
         if warm is not None:
             return warm
@@ -177,14 +181,23 @@ class ProcessManager:
                 proc = in_containers.replica(self.settings, f"quart-{fn.name}-{serial.replace('.', '-')}",
                                              fn.deployment["image"], env, port_file, out, self.settings.compute.threads)
         else:
-            proc = start_watchdog(self.settings, fn.handler, env, port_file, self.log_dir / f"{fn.name}.log")
+            proc = start_watchdog(self.server_settings(fn, server), fn.handler, env, port_file,
+                                  self.log_dir / f"{fn.name}.log")
         return ReplicaProcess(proc, port_file, server)
 
+    def server_settings(self, fn: FunctionState, server: str) -> Settings:
+        """What a stage replica on `server` runs with: that server's models folder and store
+        (QUART_VIRTUAL_DISKS); the entry reads the host's."""
+        if fn.stage is None or server not in self.settings.virtual_server_names():
+            return self.settings
+        return self.settings.virtual_server(server)
+
     def _prefetch(self, fn: FunctionState, server: str) -> None:
-        """Where shards come from a model store (QUART_MODELS_URL), the server's prefetcher starts
-        pulling this replica's before its process exists (HydraServe §5.1)."""
+        """Where shards come from a model store (QUART_MODELS_URL, or the runtime's with
+        QUART_VIRTUAL_DISKS), the server's prefetcher starts pulling this replica's before its
+        process exists (HydraServe §5.1)."""
         keys = self.keys.get(server)
-        if not self.settings.models_url or keys is None or fn.stage is None:
+        if keys is None or fn.stage is None or not self.server_settings(fn, server).models_url:
             return
         try:
             keys.prefetch(fn.stage)

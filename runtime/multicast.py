@@ -8,11 +8,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+from contracts.stage import StageRef
 from keysmanager.blocks import Pull, Turn
 from keysmanager.client import KeysClient
-from models.manifest import StageInfo
-from scheduler.multicast import MulticastPlan, block_pieces, pulls_by_target
+from models.manifest import Manifest, StageInfo
+from scheduler.multicast import MulticastPlan, block_pieces, plan, pulls_by_target
 
 
 def start(clients: Mapping[str, KeysClient], p: MulticastPlan, model: str, info: StageInfo) -> MulticastPlan:
@@ -27,6 +29,16 @@ def start(clients: Mapping[str, KeysClient], p: MulticastPlan, model: str, info:
             pulls.append(Pull(clients[step.source].url, first, end, Turn(plan_id, step.round, step.after)).to_json())
         clients[target].receive(model, info.shard, pulls, fallbacks)
     return p
+
+
+def send_stage(clients: Mapping[str, KeysClient], stage: StageRef, holders: Sequence[str], targets: Sequence[str],
+               blocks: int, models_dir: Path) -> list[MulticastPlan]:
+    """A peer start (λScale §5): each shard of `stage` multicast from `holders` to `targets` in
+    `blocks` blocks, by the manifest in `models_dir` (the store's); the targets' replicas follow
+    the shards as they arrive. A stage of several shards sends them one after another (each its own
+    plan, started at once: every server's link serves its rounds in order)."""
+    manifest = Manifest.load(models_dir / stage.model)
+    return [start(clients, plan(holders, targets, blocks), stage.model, manifest.stages[i]) for i in stage.indices()]
 
 
 def wait(clients: Mapping[str, KeysClient], targets: Sequence[str], shard: str, timeout_s: float) -> dict[str, dict]:

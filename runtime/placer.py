@@ -10,11 +10,14 @@ from dataclasses import replace
 
 from contracts.config import Settings
 from contracts.stack import ttft_slo_s
+from keysmanager.client import KeysManagerError
 from models.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager, ReplicaProcess
+from runtime.multicast import send_stage
 from scheduler.coldstart import fetch_deadline_s
 from scheduler.placement import Scheduler, SchedulerParams
 from scheduler.state import Change, ClusterState, Fetch, PlacedReplica, Schedule, ServerView, cluster_state, fetches_under_way
+from scheduler.state import Placement as Place
 from state.records import Placement
 from state.store import Store, after_fetch_s
 
@@ -85,8 +88,9 @@ class Placer:
         # Every replica of the functions deployed; of those an update replaced, the ones still draining.
         replicas = [_placed(fn, r) for fn in functions for r in fn.replicas] + \
                    [_placed(fn, r) for fn in draining for r in fn.replicas if r.draining_since is not None]
+        store = self.settings.servers.store_bandwidth if self.settings.servers.own_disks else 0.0
         return cluster_state(servers, replicas, (s.key for s in self.store.key_stages()), now,
-                             self.settings.servers.cache_bytes)
+                             self.settings.servers.cache_bytes, store)
 
     def _fetches(self, cold: list[tuple[FunctionState, ReplicaProcess]], deadlines: dict[str, float],
                  now: float) -> tuple[Fetch, ...]:
@@ -100,9 +104,12 @@ class Placer:
             replica = next(r for r in fn.serving() if r.id == removal.replica)
             self.processes.drain(replica)
             records.append(Placement("remove", removal.stage, removal.reason, removal.server, replica=str(removal.replica)))
-        for p in schedule.placements:
-            replica = self.processes.spawn(by_stage[p.stage], p.server, fork=p.path == "fork")
-            records.append(Placement("add", p.stage, p.reason, p.server, p.path, str(replica.id), replica.started_by))
+        placements = self._send_peers(schedule.placements, by_stage)
+        for p in placements:
+            replica = self.processes.spawn(by_stage[p.stage], p.server, p.path)
+            replica.placement = p
+            records.append(Placement("add", p.stage, p.reason, p.server, p.path, str(replica.id), replica.started_by,
+                                     predicted_s=p.predicted_s))
         unplaced = set(schedule.unplaced)
         for stage, why in unplaced - self._unplaced:
             log.warning("cannot place a replica of %s: %s", stage, why)
@@ -112,6 +119,36 @@ class Placer:
         for record in records:
             log.info("%s", record)
         self.store.add_placements(records, self.settings.data.records_maxlen)
+
+
+    def _send_peers(self, placements: tuple[Place, ...], by_stage: dict[str, FunctionState]) -> list[Place]:
+        """Starts one multicast per stage with peer placements (each of its shards from the
+        servers that cache it to the placements' servers); a stage whose multicast could not be
+        started starts cold instead."""
+        out = list(placements)
+        for stage in dict.fromkeys(p.stage for p in placements if p.path == "peer"):
+            mine = [i for i, p in enumerate(out) if p.stage == stage and p.path == "peer"]
+            targets, holders = [out[i].server for i in mine], list(out[mine[0]].sources)
+            try:
+                send_stage(self.processes.keys, by_stage[stage].stage, holders, targets,
+                           self.scheduler.params.peer_blocks, self.settings.models_dir)
+            except (KeysManagerError, OSError, ValueError) as exc:
+                log.warning("no multicast of %s to %s (%s); cold starts", stage, targets, exc)
+                for i in mine:
+                    out[i] = replace(out[i], path="cold", reason=f"{out[i].reason}; the multicast failed: {exc}")
+        return out
+
+    def started(self, fn: FunctionState, replica: ReplicaProcess) -> None:
+        """A replica is ready: how long its start took beside the scheduler's prediction, in
+        `quart:placements` (op "ready")."""
+        p, replica.placement = replica.placement, None
+        if p is None:
+            return
+        took = time.time() - replica.started
+        record = Placement("ready", fn.stage_key, f"ready {took:.2f} s after it was placed", p.server, p.path,
+                           str(replica.id), replica.started_by, predicted_s=p.predicted_s, took_s=took, t=time.time())
+        log.info("%s", record)
+        self.store.add_placements([record], self.settings.data.records_maxlen)
 
 
 def _placed(fn: FunctionState, r: ReplicaProcess) -> tuple[PlacedReplica, bool]:

@@ -306,6 +306,8 @@ class LocalProvider:
             # Like a Kubernetes readiness probe: one slow answer on a busy machine does not take
             # a ready replica out of service; FAILURE_THRESHOLD in a row do.
             replica.failed_probes = 0 if healthy else replica.failed_probes + 1
+            if healthy and not replica.ready and replica.placement is not None:
+                await asyncio.to_thread(self.placer.started, fn, replica)
             if healthy:
                 replica.ready = True
             elif not replica.ready or replica.failed_probes >= FAILURE_THRESHOLD:

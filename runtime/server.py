@@ -57,8 +57,8 @@ def start_keysmanagers(settings: Settings, supervisor: Supervisor, previous: dic
     """One KeysManager per virtual server, the i-th on keysmanager_port + i, supervised (adopted
     where `previous`, a dead provider's components, names one that still runs)."""
     clients = {}
-    for i, name in enumerate(settings.virtual_server_names()):
-        own = settings.replace(server=name, keysmanager_port=settings.cache.port + i)
+    for name in settings.virtual_server_names():
+        own = settings.virtual_server(name)
         log_name = "keysmanager" if settings.servers.virtual <= 1 else f"keysmanager-{name}"
         supervisor.add(log_name, lambda own=own, log_name=log_name: _start(own, "keysmanager", log_name=log_name,
                                                                            image=image),
@@ -71,6 +71,18 @@ def start_keysmanagers(settings: Settings, supervisor: Supervisor, previous: dic
                 raise RuntimeError(f"the KeysManager of {name} did not start; see its log in logs/")
             time.sleep(0.1)
     return clients
+
+
+def start_store(settings: Settings, supervisor: Supervisor, previous: dict | None) -> None:
+    """With QUART_VIRTUAL_DISKS (and no QUART_MODELS_URL of the user's), the model store the
+    virtual servers fetch their shards from: QUART_MODELS served at QUART_STORE_BANDWIDTH."""
+    if not settings.servers.own_disks or settings.models_url:
+        return
+    port = settings.store_url.rsplit(":", 1)[1]
+    supervisor.add("store", lambda: _start(settings, "runtime.model_store", "--models", str(settings.models_dir), "--port",
+                                           port, "--bandwidth", str(settings.servers.store_bandwidth),
+                                           "--auth", log_name="store"),
+                   previous)
 
 
 def start_redis_supervised(settings: Settings, supervisor: Supervisor, adopting: bool, previous: dict | None) -> None:
@@ -142,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         start_redis_supervised(settings, supervisor, args.adopt, components.get("redis"))
         stack = read_stack(Path(settings.stack_file))
         stage_images = [f.deployment["image"] for f in stack if f.stage is not None]
+        start_store(settings, supervisor, components.get("store"))
         clients = start_keysmanagers(settings, supervisor, components, stage_images[0] if stage_images else "")
         provider = LocalProvider(settings, stack, read_or_create_secret(settings.password_file), clients,
                                  RedisStore.from_url(settings.redis_url), supervisor,

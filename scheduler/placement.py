@@ -10,7 +10,9 @@ values and returns a `Schedule`.
   placement of the key-stage replicas is the start P and descends towards the dispersed target
   Q (scheduler/kl.py), then is rounded to whole replicas within every server's free slots.
 - A cold start (the server has no zygote of the stage) is admitted only where HydraServe's
-  deadline rule holds (scheduler/fetch.py).
+  deadline rule holds (scheduler/fetch.py); where servers read a shared model store, the round's
+  cold starts of a stage become one multicast from the servers that cache it when that is
+  predicted sooner (λScale §5, scheduler/peer_start.py).
 - Shrinking removes starting replicas first, then from the servers where the stage is most
   crowded, cold replicas before forked ones on servers under memory pressure, newest first."""
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from contracts.config import Settings, from_params
 from scheduler.fetch import admits
 from scheduler.kl import descend, round_counts
+from scheduler.peer_start import choose_sources
 from scheduler.state import Change, ClusterState, Fetch, PlacedReplica, Placement, Removal, Schedule
 
 
@@ -35,6 +38,8 @@ class SchedulerParams:
     kl_threshold: float = 0.02    # mean divergence per instance at which descent stops
     kl_max_iters: int = 40
     disperse: bool = True         # false: key stages' replicas are packed like the rest (ablation)
+    peer_blocks: int = 8          # blocks of a peer start's multicast (the elbow of `benchmarks multicast`)
+    peers: bool = True            # false: starts that cannot fork read the store (ablation)
 
     @classmethod
     def of(cls, params: dict) -> SchedulerParams:
@@ -43,8 +48,9 @@ class SchedulerParams:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SchedulerParams:
-        """QUART_SCHEDULER_PARAMS, with dispersion off where QUART_ABLATE says so."""
-        off = {"disperse": False} if settings.autoscaler.ablated("dispersion") else {}
+        """QUART_SCHEDULER_PARAMS, with dispersion and peer starts off where QUART_ABLATE says so."""
+        off = {name: False for name, mechanism in (("disperse", "dispersion"), ("peers", "peer-start"))
+               if settings.autoscaler.ablated(mechanism)}
         return cls.of({**settings.servers.scheduler_params, **off})
 
 
@@ -146,8 +152,10 @@ class Scheduler:
         for change in rest:
             self._greedy(cluster, change, self._pack_score, "packed: best fit away from key stages",
                          placements, unplaced)
-        return Schedule(tuple(placements), tuple(removals), tuple(unplaced), "heavy" if heavy else "light",
-                        tuple(trace))
+        sizes = {c.stage: c.shard_bytes for c in adds}
+        return Schedule(choose_sources(tuple(placements), state, sizes, self.params.peer_blocks, self.params.peers),
+                        tuple(removals),
+                        tuple(unplaced), "heavy" if heavy else "light", tuple(trace))
 
     # -- light contention ----------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ class ClusterState:
     replicas: tuple[PlacedReplica, ...] = ()
     key_stages: frozenset[str] = frozenset()
     now: float = 0.0
+    store_bandwidth: float = 0.0        # bytes/s of the model store's link; 0: servers read their own disks
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,7 @@ class ServerView:
 
 
 def cluster_state(servers: Iterable[ServerView], replicas: Iterable[tuple[PlacedReplica, bool]], key_stages: Iterable[str],
-                  now: float, cache_budget: int = 0) -> ClusterState:
+                  now: float, cache_budget: int = 0, store_bandwidth: float = 0.0) -> ClusterState:
     """The scheduler's picture, by one set of rules for every backend. `replicas`: each with
     whether it drains. A draining replica still holds its slot until it is gone, but is no longer
     the scheduler's to count or remove; a server whose KeysManager holds its cache budget is under
@@ -90,7 +91,7 @@ def cluster_state(servers: Iterable[ServerView], replicas: Iterable[tuple[Placed
     return ClusterState(
         tuple(Server(s.name, max(0, s.slots - leaving[s.name]), s.bandwidth, s.cached,
                      cache_budget > 0 and s.cached_bytes >= cache_budget, s.fetches) for s in servers),
-        tuple(r for r, draining in replicas if not draining), frozenset(key_stages), now)
+        tuple(r for r, draining in replicas if not draining), frozenset(key_stages), now, store_bandwidth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +108,10 @@ class Change:
 class Placement:
     stage: str
     server: str
-    path: str                           # "fork" (from the server's zygote) or "cold"
+    path: str                           # "fork" (from the server's zygote), "cold" (from the store) or "peer"
     reason: str
+    predicted_s: float = 0.0            # cold and peer: until the shards are there (scheduler/peer_start.py)
+    sources: tuple[str, ...] = ()       # peer: the servers that send them
 
 
 @dataclass(frozen=True, slots=True)

@@ -216,26 +216,30 @@ def decode_key_stages(model: str, raw: bytes | str) -> list[StageRef]:
 @dataclass(frozen=True)
 class Placement:
     """One thing the scheduler did: added a replica (`op` add: where, by which path), removed
-    one (remove), or could not place one (unplaced), with its reason. Written by the embedded
-    runtime's placer and by the Kubernetes backend alike."""
-    op: str                         # add | remove | unplaced
+    one (remove), or could not place one (unplaced), with its reason; and how an added replica's
+    start went (ready: when it first answered its health check, beside the prediction). Written by
+    the embedded runtime's placer and by the Kubernetes backend alike."""
+    op: str                         # add | remove | unplaced | ready
     stage: str                      # the stage function's key, "model:stages"
     reason: str
     server: str = ""
-    path: str = ""                  # add: cold | fork (Kubernetes: pod | fork); remove: what was removed
+    path: str = ""                  # add, ready: cold | fork | peer (Kubernetes: pod | fork); remove: what was removed
     replica: str = ""
     started_by: str = ""
     contention: str = ""            # the scheduler's reading of the round: light | heavy
     t: float = 0.0
+    predicted_s: float = 0.0        # add, ready: the scheduler's prediction of the start (cold, peer)
+    took_s: float = 0.0             # ready: from placed to ready
 
     def encode(self) -> dict[str, str]:
-        return {k: (f"{v:.6f}" if k == "t" else str(v)) for k, v in asdict(self).items() if v != ""}
+        return {k: (f"{v:.6f}" if isinstance(v, float) else str(v)) for k, v in asdict(self).items()
+                if v not in ("", 0.0) or k == "t"}
 
     @classmethod
     def decode(cls, raw: Raw) -> Placement:
         data = _text(raw)
-        known = {f.name for f in fields(cls)} - {"t"}
-        return cls(**{k: v for k, v in data.items() if k in known}, t=float(data.get("t", "0")))
+        known = {f.name: f for f in fields(cls)}
+        return cls(**{k: float(v) if known[k].type == "float" else v for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,9 @@ def test_the_control_planes_logs_round_trip():
     assert Placement.decode(_as_redis(placement.encode())) == placement
     # What a removal or an unplaced replica leaves out reads back empty, not as a missing field.
     assert Placement.decode(Placement("unplaced", "m:0", "no room", t=3.0).encode()) == Placement("unplaced", "m:0", "no room", t=3.0)
+    ready = Placement("ready", "m:1", "ready 2.10 s after it was placed", "vs-2", "peer", "m-s1.vs-2.7", "cold",
+                      t=4.0, predicted_s=1.5, took_s=2.1)
+    assert Placement.decode(_as_redis(ready.encode())) == ready
     decision = DecisionRecord(7.5, "quart", (1, 2), (1, 3), ("1",), ({"stage": "0", "replicas": 1}, {"stage": "1", "replicas": 3}))
     assert DecisionRecord.decode(_as_redis(decision.encode())) == decision
     change = LayoutChange(1.25, "consolidating", "8 requests over 3 windows")
