@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import redis
 import yaml
 
 from benchmarks.report import SERVING, conditions, table, write
@@ -70,7 +69,7 @@ def scale_out(base: Settings, n: int, peers: bool, bandwidth: float, store_bandw
     try:
         if control.up(settings, timeout=600) != 0:
             raise RuntimeError("the runtime did not come up")
-        client, store = GatewayClient.for_settings(settings), RedisStore(redis.Redis.from_url(settings.redis_url))
+        client, store = GatewayClient.for_settings(settings), RedisStore.from_url(settings.redis_url)
         keys = KeysClient.for_settings(settings.virtual_server(first), timeout=60)
         wait(lambda: any(z["stages"] == STAGE for z in keys.zygotes()), 600, f"stage {STAGE} cached on {first}")
         wait(lambda: all(f["availableReplicas"] >= 1 for f in client.functions()), 600, "every function ready")

@@ -11,7 +11,6 @@ import hashlib
 from pathlib import Path
 
 import pytest
-import redis
 import yaml
 from transformers import AutoTokenizer
 
@@ -70,7 +69,7 @@ def keys(settings, name: str) -> KeysClient:
 
 def test_a_key_stage_scaled_out_is_multicast_from_the_server_that_caches_it(servers):
     settings = servers
-    client, store = GatewayClient.for_settings(settings), RedisStore(redis.Redis.from_url(settings.redis_url))
+    client, store = GatewayClient.for_settings(settings), RedisStore.from_url(settings.redis_url)
     first, others = "vs-0", ["vs-1", "vs-2"]
     wait_until(lambda: any(z["stages"] == "1" for z in keys(settings, first).zygotes()), 300, "stage 1 cached on vs-0")
     manifest = Manifest.load(settings.model_dir(MODEL))
