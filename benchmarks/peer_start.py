@@ -28,7 +28,7 @@ from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient
-from models.manifest import Manifest
+from models.partition import ensure_partitioned
 from runtime import __main__ as control
 from runtime.ports import free_port
 from state.records import Placement
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store-bandwidth", type=float, default=2.5e7, help="bytes/s of the store's link")
     args = parser.parse_args(argv)
     base = load_settings()
-    stage_bytes = Manifest.load(base.model_dir(MODEL)).stages[int(STAGE)].bytes
+    stage_bytes = ensure_partitioned(base.models_dir, MODEL, 4).stages[int(STAGE)].bytes
     runs = {(n, peers): scale_out(base, n, peers, args.bandwidth, args.store_bandwidth)
             for n in args.servers for peers in (True, False)}
     figures, rows = [], []
