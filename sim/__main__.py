@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         s = runs[policy]["summary"]
         print(f"{policy}: {s['ok']}/{s['sent']} answered, mean {s['latency_s']['mean'] * 1000:.0f} ms, "
               f"p99 {s['latency_s']['p99'] * 1000:.0f} ms, goodput {s['goodput']['requests_per_s']:.2f} req/s, "
-              f"{trace.starts['fork']} forks, {trace.starts['cold']} cold starts "
+              f"{trace.starts['fork']} forks, {trace.starts['cold']} cold starts, {trace.starts['peer']} peer starts "
               f"({trace.end:.0f} s simulated in {time.perf_counter() - started:.1f} s)", flush=True)
         if "tokens" in s:
             t = s["tokens"]

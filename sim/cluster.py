@@ -90,7 +90,11 @@ class SimCluster:
         self.min_residency_s = min_residency_s
         self._ids = 0
         self.placements: list[dict] = []
-        self.starts = {"fork": 0, "cold": 0}
+        self.starts = {"fork": 0, "cold": 0, "peer": 0}
+        # The model store's one link where the servers share it (cfg.store_bandwidth), and the
+        # server each read through it is for.
+        self.store = Fluid(cfg.store_bandwidth) if cfg.store_bandwidth > 0 else None
+        self._store_reads: dict[object, Server] = {}
         self.now = 0.0                         # the simulation's time when the controller's actions come
         self.asleep: set[str] = set()          # models whose stage functions sleep at zero
         self.wholes: dict[str, Stage] = {}     # each model's whole-model function, where it has one
@@ -141,13 +145,15 @@ class SimCluster:
     def state(self, now: float) -> ClusterState:
         servers = []
         for sv in self.servers:
-            sv.reads.advance(now)
-            fetches = tuple(Fetch(p, r.started_at + self.cfg.cold_deadline_s) for r, p in sv.reads.jobs
-                            if isinstance(r, SimReplica))
+            reads = self._reads(sv)
+            reads.advance(now)
+            fetches = tuple(Fetch(p, r.started_at + self.cfg.cold_deadline_s) for r, p in reads.jobs
+                            if isinstance(r, SimReplica) and r.server is sv)
             servers.append(ServerView(sv.name, sv.slots, self.cfg.bandwidth, sv.cached(), sv.used, fetches))
         replicas = [(PlacedReplica(r.id, st.key, r.server.name, r.started_by, r.ready, r.started_at), r.draining)
                     for st in self.stages.values() for r in st.replicas]
-        return cluster_state(servers, replicas, self.key_stage_keys(), now, self.cfg.cache_budget)
+        return cluster_state(servers, replicas, self.key_stage_keys(), now, self.cfg.cache_budget,
+                             self.cfg.store_bandwidth)
 
     def converge(self, now: float, instant: bool = False) -> Schedule | None:
         """Moves every stage towards its desired count through the scheduler; `instant` places
@@ -161,12 +167,16 @@ class SimCluster:
             st = self.stages[removal.stage]
             self.remove(next(r for r in st.replicas if r.id == removal.replica), now)
         for p in schedule.placements:
-            r = self.start(self.stages[p.stage], self._by_name[p.server], "up" if instant else p.path, now)
+            r = self.start(self.stages[p.stage], self._by_name[p.server], "up" if instant else p.path, now,
+                           p.predicted_s)
             if instant:
                 self.on_ready(r, now)
         return schedule
 
-    def start(self, st: Stage, sv: Server, path: str, now: float) -> SimReplica:
+    def start(self, st: Stage, sv: Server, path: str, now: float, arrival_s: float = 0.0) -> SimReplica:
+        """A replica of `st` on `sv` by `path`: "fork", "cold", "peer" (its stage arrives from the
+        servers that cache it after the scheduler's `arrival_s`, the links' other traffic not
+        modelled) or "up" (there at once)."""
         self._ids += 1
         z = sv.zygotes.get(st.key)
         forked = path == "fork" and z is not None and z.ready
@@ -175,11 +185,13 @@ class SimCluster:
         sv.used += 1
         if path == "up":
             return r
-        self.starts["fork" if forked else "cold"] += 1
+        self.starts["fork" if forked else path if path == "peer" else "cold"] += 1
         if forked:
             z.last_use = now
             copy = st.shard_bytes / self.cfg.h2d_bandwidth if self.cfg.h2d_bandwidth > 0 else 0.0
             self._event(now + self.cfg.fork_s + copy, "ready", r)
+        elif path == "peer":
+            self._event(now + arrival_s, "received", r)
         else:
             self._read(sv, r, st.shard_bytes, now)
         return r
@@ -190,8 +202,10 @@ class SimCluster:
         sv = r.server
         r.draining = True            # a pending start finds it draining and drops it
         if not r.ready:
-            for phase, fluid in (("reads", sv.reads), ("cpu", sv.cpu)):
+            for phase in ("reads", "cpu"):
+                fluid = self._reads(sv) if phase == "reads" else sv.cpu
                 if fluid is not None and fluid.remove(r, now):
+                    self._store_reads.pop(r, None)
                     self._next(sv, phase, now)
             self.release(r)
         elif r.stage.cost is not None:
@@ -213,8 +227,19 @@ class SimCluster:
         r.ready = True
         self._start_serving(r, now)
 
+    def on_received(self, r: SimReplica, now: float) -> None:
+        """A peer start's stage has arrived: the replica initialises (unless it was removed)."""
+        if not r.draining:
+            self._initialise(r.server, r, now)
+
+    def _reads(self, sv: Server) -> Fluid:
+        """What a cold read on `sv` shares: the model store's link, or the server's own."""
+        return self.store if self.store is not None else sv.reads
+
     def _read(self, sv: Server, token: SimReplica | Zygote, nbytes: float, now: float) -> None:
-        sv.reads.add(token, float(nbytes), now)
+        if self.store is not None:
+            self._store_reads[token] = sv
+        self._reads(sv).add(token, float(nbytes), now)
         self._next(sv, "reads", now)
 
     def _initialise(self, sv: Server, token: SimReplica | Zygote, now: float) -> None:
@@ -226,19 +251,19 @@ class SimCluster:
         self._next(sv, "cpu", now)
 
     def _next(self, sv: Server, phase: str, now: float) -> None:
-        fluid = sv.reads if phase == "reads" else sv.cpu
+        fluid = self._reads(sv) if phase == "reads" else sv.cpu
         t = fluid.next_done(now)
         if t is not None:
             self._event(t, "fluid", (sv, phase), fluid.version)
 
     def on_fluid(self, where: tuple[Server, str], version: int, now: float) -> None:
         sv, phase = where
-        fluid = sv.reads if phase == "reads" else sv.cpu
+        fluid = self._reads(sv) if phase == "reads" else sv.cpu
         if version != fluid.version:
             return
         for token in fluid.finished(now):
             if phase == "reads":
-                self._initialise(sv, token, now)
+                self._initialise(self._store_reads.pop(token, sv), token, now)
             else:
                 self.on_started(token, now)
         self._next(sv, phase, now)

@@ -21,6 +21,10 @@ class SimConfig:
     # under way (HydraServe Eq. 4), then initialise the runtime. Fork: from a zygote in host
     # memory, then copy the shard to the GPU (0 = no copy, as for emulated stages).
     bandwidth: float = 1.25e9            # bytes/s: 10 Gb/s to remote storage
+    # > 0: the servers share one link of this many bytes/s to the model store (cold reads share it,
+    # not their own links), and a start that cannot fork may receive its stage from the servers
+    # that cache it (λScale's peer start, scheduler/peer_start.py) over links of `bandwidth`.
+    store_bandwidth: float = 0.0
     init_s: float = 3.0                  # runtime start after the read (process, imports, CUDA)
     fork_s: float = 0.03                 # fork to first work (scale-up benchmark: 29-32 ms)
     h2d_bandwidth: float = 12e9          # bytes/s host to GPU over PCIe

@@ -239,6 +239,8 @@ class Simulation:
                 self.cluster.on_fluid(a, b, t)
             elif kind == "started":
                 self.cluster.on_started(a, t)
+            elif kind == "received":
+                self.cluster.on_received(a, t)
             elif kind == "computed" and isinstance(a, Hop):
                 self._hand_on(a, t)
             elif kind in EVENTS:

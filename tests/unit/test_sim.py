@@ -39,6 +39,8 @@ def finish_starts(sim: Simulation) -> dict[str, float]:
             sim.cluster.on_fluid(x, y, t)
         elif kind == "started":
             sim.cluster.on_started(x, t)
+        elif kind == "received":
+            sim.cluster.on_received(x, t)
     return ready
 
 
@@ -175,6 +177,37 @@ def test_cold_starts_share_a_servers_bandwidth(tmp_path):
     ready = finish_starts(sim)
     # Two 2 GB reads sharing 1 GB/s end together after 4 s, then 1 s of initialisation.
     assert ready[a.id] == pytest.approx(5.0) and ready[b.id] == pytest.approx(5.0)
+
+
+def test_with_a_model_store_cold_reads_share_its_link_and_peers_send_at_their_own(tmp_path):
+    """Two servers reading a 2 GB stage from a 1 GB/s store end together after 4 s (their own links
+    are far faster); a peer start's stage arrives when the scheduler predicted, then initialises."""
+    cfg = BARE.replace(servers=3, bandwidth=1e10, store_bandwidth=1e9, init_s=1.0)
+    model = SimModel("q", Profile("q", 100, weights=(1.0,), size_gb=2.0), 0)
+    sim = Simulation(cfg, [model], {"q": np.array([1.0])}, "static", static(1, tmp_path))
+    stage, servers = sim.stages["q:0"], sim.cluster.servers
+    a, b = (sim.cluster.start(stage, sv, "cold", 0.0) for sv in servers[:2])
+    c = sim.cluster.start(stage, servers[2], "peer", 0.0, arrival_s=0.5)
+    ready = finish_starts(sim)
+    assert ready[a.id] == pytest.approx(5.0) and ready[b.id] == pytest.approx(5.0)
+    assert ready[c.id] == pytest.approx(1.5)
+    assert sim.cluster.starts == {"fork": 0, "cold": 2, "peer": 1}
+
+
+def test_a_burst_on_servers_behind_a_slow_store_scales_the_key_stage_out_from_its_holders(tmp_path):
+    """QUART on the testbed behind a store slower than the servers' links: once the key stage is
+    cached, replicas placed where it is not receive it from the servers that cache it; with
+    peer-start ablated, the same burst reads the store every time."""
+    arrivals = {"llama-7b": gamma_arrivals(12.0, 4.0, 120.0, seed=2)}
+    cfg = quart_testbed(tail_s=5.0, store_bandwidth=1.25e9, bandwidth=1.25e10)
+    starts = {}
+    for ablate in ("", "peer-start"):
+        settings = load_settings(environ={"QUART_ABLATE": ablate}, home=str(tmp_path))
+        trace = Simulation(cfg, table1(["llama-7b"]), arrivals, "quart", settings).run()
+        assert int((trace.status == 200).sum()) == len(arrivals["llama-7b"])
+        starts[ablate] = trace.starts
+    assert starts[""]["peer"] > 0, starts
+    assert starts["peer-start"]["peer"] == 0 and starts["peer-start"]["cold"] > 0, starts
 
 
 def test_initialisations_share_the_hosts_cores(tmp_path):
