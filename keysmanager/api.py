@@ -164,8 +164,9 @@ def _no_pieces(model: str) -> web.Response:
 
 def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> web.Application:
     uplink, downlink = Link(manager.settings.servers.bandwidth), Link(manager.settings.servers.bandwidth)
-    prefetcher = Prefetcher(manager.settings, downlink)
     receiver = Receiver(manager.settings, downlink)
+    prefetcher = Prefetcher(manager.settings, downlink, lambda model, shard: (
+        (job := receiver.receiving(model, shard)) is not None and not job.error))
     order = SendOrder(uplink)
 
     def run(fn, *args):

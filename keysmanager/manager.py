@@ -28,11 +28,13 @@ from keysmanager.metrics import KeysManagerMetrics
 from models.fetch import ensure_manifest, ensure_model, partial_path
 from models.manifest import Manifest
 from models.profiles import PROFILES as EMULATION_PROFILES
+from models.shard_reader import PART
 from state.records import CacheEvent, ZygoteRecord
 from state.store import Store
 
 log = logging.getLogger("quart.keysmanager")
 ZYGOTE_START_TIMEOUT_S = 300.0
+ARRIVAL_POLL_S = 0.1  # how often a cache waiting for a shard still arriving here looks again
 
 
 class NotCached(KeyError):
@@ -192,11 +194,30 @@ class KeysManager:
             if i >= manifest.num_stages:
                 return  # shards() names the bad range
             source, target = received / manifest.stages[i].shard, manifest.shard_path(i)
-            if source.is_file() and not target.is_file():
+            if not target.is_file() and self._arrived(source):
                 partial = partial_path(target)
                 shutil.copyfile(source, partial)
                 partial.rename(target)
                 log.info("kept %s/%s as received", stage.model, target.name)
+
+    def _arrived(self, path: Path) -> bool:
+        """Whether `path` is whole in the prefetch folder, waiting while this server's prefetcher
+        or receiver still writes it (its `.part` grows; the runtime's start prefetches a cold
+        replica's shard while the same server caches its stage) for as long as it makes progress
+        within QUART_FETCH_STALL_S."""
+        part = path.with_name(path.name + PART)
+        size, progress = -1, time.monotonic()
+        while not path.is_file():
+            try:
+                now = part.stat().st_size
+            except FileNotFoundError:  # renamed whole meanwhile, or given up
+                return path.is_file()
+            if now != size:
+                size, progress = now, time.monotonic()
+            elif time.monotonic() - progress > self.settings.coldstart.stall_s:
+                return False
+            time.sleep(ARRIVAL_POLL_S)
+        return True
 
     def _start(self, stage: StageRef | None, shas: list[str], size: int) -> Zygote:
         """A zygote of `stage`, or the runtime zygote (None), once it answers."""

@@ -10,6 +10,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,10 +44,14 @@ class Prefetch:
 
 
 class Prefetcher:
-    def __init__(self, settings: Settings, downlink: Link) -> None:
-        """`downlink`: what this server's prefetches read through (keysmanager/pacing.py)."""
+    def __init__(self, settings: Settings, downlink: Link,
+                 received: Callable[[str, str], bool] = lambda model, shard: False) -> None:
+        """`downlink`: what this server's prefetches read through (keysmanager/pacing.py);
+        `received(model, shard)`: whether this server receives that shard from its peers (a
+        multicast writes it where a prefetch would: it is not prefetched as well)."""
         self.settings = settings
         self.downlink = downlink
+        self.received = received
         self.root = settings.prefetch_dir(settings.server)
         self._jobs: dict[str, Prefetch] = {}
         self._lock = threading.Lock()
@@ -74,7 +79,7 @@ class Prefetcher:
         folder = self.root / job.stage.model
         for info in infos:
             target = folder / info.shard
-            if target.is_file():
+            if target.is_file() or self.received(job.stage.model, info.shard):
                 continue
             target.with_name(target.name + ERROR).unlink(missing_ok=True)
             try:

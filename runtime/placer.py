@@ -120,11 +120,11 @@ class Placer:
             log.info("%s", record)
         self.store.add_placements(records, self.settings.data.records_maxlen)
 
-
     def _send_peers(self, placements: tuple[Place, ...], by_stage: dict[str, FunctionState]) -> list[Place]:
         """Starts one multicast per stage with peer placements (each of its shards from the
         servers that cache it to the placements' servers); a stage whose multicast could not be
-        started starts cold instead."""
+        started starts cold instead (a target that did start receiving a shard does not prefetch it
+        too: its replica follows the reception)."""
         out = list(placements)
         for stage in dict.fromkeys(p.stage for p in placements if p.path == "peer"):
             mine = [i for i, p in enumerate(out) if p.stage == stage and p.path == "peer"]

@@ -331,3 +331,23 @@ def test_a_servers_downlink_is_paced_too(servers):
     assert took >= 0.9 * info.bytes / servers.settings["vm-2"].servers.bandwidth, took
     assert sha256(servers.received("vm-2", info.shard)) == info.sha256
     client.cancel_prefetch(MODEL)
+
+
+def test_a_shard_being_received_is_not_prefetched_as_well(servers):
+    """A cold start placed where a multicast already brings the shard (a peer start whose plan
+    failed for another target falls back to cold) prefetches nothing of it: the reception is the
+    shard's one writer, and the replica follows it."""
+    info = servers.manifest.stages[2]
+    client = servers.clients["vm-3"]
+    client.cancel_receptions(MODEL)
+    client.cancel_prefetch(MODEL)
+    multicast.start(servers.clients, plan(["vm-0"], ["vm-3"], 8), MODEL, info)
+    client.prefetch(StageRef(MODEL, 2, 3))
+    wait_until(lambda: any(p["state"] != "fetching" for p in client.prefetches()), 60, "the prefetch")
+    assert [p["state"] for p in client.prefetches()] == ["done"]
+    assert [r["state"] for r in client.receptions() if r["shard"] == info.shard] == ["receiving"]
+    views = multicast.wait(servers.clients, ["vm-3"], info.shard, 120)
+    assert views["vm-3"]["state"] == "done" and views["vm-3"]["refetched"] == 0, views
+    assert sha256(servers.received("vm-3", info.shard)) == info.sha256
+    client.cancel_prefetch(MODEL)
+    client.cancel_receptions(MODEL)
