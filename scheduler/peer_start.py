@@ -76,8 +76,8 @@ def choose_sources(placements: tuple[Placement, ...], state: ClusterState, stage
         if p.path != "cold":
             out.append(p)
             continue
-        path, seconds, sources = choice[p.stage]
+        path, predicted, sources = choice[p.stage]
         why = f"from {', '.join(sources)}" if sources else "from the model store"
-        out.append(dataclasses.replace(p, path=path, predicted_s=seconds, sources=sources,
-                                       reason=f"{p.reason}; {path} {why}, {seconds:.2f} s predicted"))
+        out.append(dataclasses.replace(p, path=path, predicted_s=predicted, sources=sources,
+                                       reason=f"{p.reason}; {path} {why}, {predicted:.2f} s predicted"))
     return tuple(out)

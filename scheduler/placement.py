@@ -41,6 +41,10 @@ class SchedulerParams:
     peer_blocks: int = 8          # blocks of a peer start's multicast (the elbow of `benchmarks multicast`)
     peers: bool = True            # false: starts that cannot fork read the store (ablation)
 
+    def __post_init__(self) -> None:
+        if self.peer_blocks < 1:
+            raise ValueError(f"peer_blocks: a stage is sent in at least one block, not {self.peer_blocks}")
+
     @classmethod
     def of(cls, params: dict) -> SchedulerParams:
         """From QUART_SCHEDULER_PARAMS; ConfigError naming a wrong field."""

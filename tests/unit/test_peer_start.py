@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.config import ConfigError
 from scheduler.multicast import plan
 from scheduler.peer_start import choose_sources, cold_seconds
 from scheduler.placement import Scheduler, SchedulerParams
@@ -85,3 +86,8 @@ def test_a_round_shares_the_store_between_stages_and_a_holders_link_between_its_
     split = ClusterState((Server("s0", 4, LINK, frozenset({"m:1"})), Server("s3", 4, LINK, frozenset({"m:2"})),
                           Server("s1", 4, LINK), Server("s2", 4, LINK)), store_bandwidth=LINK / 2)
     assert [p.path for p in choose_sources(placements, split, {"m:1": GB, "m:2": GB}, blocks=8)] == ["peer", "peer"]
+
+
+def test_a_peer_start_needs_at_least_one_block():
+    with pytest.raises(ConfigError, match="peer_blocks"):
+        SchedulerParams.of({"peer_blocks": 0})
