@@ -4,7 +4,7 @@ behind a link of --bandwidth, the model store behind one of --store-bandwidth; t
 key stage, is scaled from one replica to N + 1, so that N new replicas go to the N other servers.
 With peer starts (the default) the scheduler sends the stage to them by one multicast from the
 server that caches it; with QUART_ABLATE=peer-start each reads it from the store. Measured: the
-time from the scale call until each new replica answers its health check (the `ready` records in
+time from each new replica's placement until it answers its health check (the `ready` records in
 quart:placements), beside the scheduler's prediction of the shard's arrival (which leaves out the
 replica's own start, about a second here).
 
@@ -20,17 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from benchmarks.report import SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
+from contracts.stack import one_model_stack
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient
 from models.partition import ensure_partitioned
 from runtime import __main__ as control
 from runtime.ports import free_port
+from scheduler.placement import SchedulerParams
 from state.records import Placement
 from state.store import RedisStore
 
@@ -38,14 +38,6 @@ MEASURES = SERVING  # the code measured (benchmarks/freshness.py)
 
 MODEL, STAGE = "smollm2", "1"
 BODY = {"prompt": "The capital of France is", "max_new_tokens": 8, "ignore_eos": True}
-
-
-def one_model_stack(target: Path) -> Path:
-    spec = yaml.safe_load((REPO_ROOT / "stack.yml").read_text())
-    functions = {name: {**fn, "handler": str((REPO_ROOT / fn["handler"]).resolve())}
-                 for name, fn in spec["functions"].items() if fn.get("environment", {}).get("QUART_MODEL") == MODEL}
-    target.write_text(yaml.safe_dump({**spec, "functions": functions}, sort_keys=False))
-    return target
 
 
 def wait(predicate, timeout_s: float, what: str) -> None:
@@ -60,7 +52,8 @@ def scale_out(base: Settings, n: int, peers: bool, bandwidth: float, store_bandw
     """One runtime of n + 1 servers; the stage scaled from 1 to n + 1 replicas."""
     home = Path(tempfile.mkdtemp(prefix="quart-peer-"))
     settings = base.replace(
-        home=str(home), models=str(base.models_dir), stack_file=str(one_model_stack(home / "stack.yml")),
+        home=str(home), models=str(base.models_dir),
+        stack_file=str(one_model_stack(REPO_ROOT / "stack.yml", home / "stack.yml", MODEL)),
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(), policy="none",
         server="bench", virtual_servers=n + 1, server_slots=8, virtual_disks=True, server_bandwidth=bandwidth,
         store_bandwidth=store_bandwidth, cold_deadline_s=600.0, cache_stages=f"{MODEL}:{STAGE}",
@@ -126,8 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"same answer in every run: {same}")
     path = write("peer_start", figures, conditions(
         model=MODEL, stage=STAGE, stage_bytes=stage_bytes, server_bandwidth=args.bandwidth,
-        store_bandwidth=args.store_bandwidth, servers=args.servers, blocks=8, runs_per_arm=1, same_answer=same,
-        note="ready: from the scale call to the replica's first passing health check"))
+        store_bandwidth=args.store_bandwidth, servers=args.servers, blocks=SchedulerParams().peer_blocks, runs_per_arm=1,
+        same_answer=same, note="ready: from the replica's placement to its first passing health check"))
     print(f"wrote {path}")
 
 

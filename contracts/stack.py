@@ -257,6 +257,11 @@ def _write_stack(stack: dict, functions: dict[str, dict], target: Path) -> Path:
     return target
 
 
+def one_model_stack(source: Path, target: Path, model: str) -> Path:
+    """A stack file of one model's functions from `source` (its entry and stage functions)."""
+    return _write_stack(*_model_stack(source, model), target)
+
+
 def consolidating_stack(source: Path, target: Path, model: str, labels: Mapping[str, str] | None = None,
                         environment: Mapping[str, str] | None = None) -> Path:
     """A stack file of one model's functions from `source` plus `<model>-whole`, the function

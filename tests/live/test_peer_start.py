@@ -11,11 +11,11 @@ import hashlib
 from pathlib import Path
 
 import pytest
-import yaml
 from transformers import AutoTokenizer
 
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
+from contracts.stack import one_model_stack
 from contracts.stage import StageRef
 from keysmanager.client import KeysClient
 from models.architectures import architecture
@@ -30,24 +30,17 @@ MODEL, STAGE = "smollm2", "smollm2:1"
 PROMPT = "The capital of France is"
 
 
-def one_model_stack(target) -> str:
-    spec = yaml.safe_load((REPO_ROOT / "stack.yml").read_text())
-    functions = {name: {**fn, "handler": str((REPO_ROOT / fn["handler"]).resolve())}
-                 for name, fn in spec["functions"].items() if fn.get("environment", {}).get("QUART_MODEL") == MODEL}
-    target.write_text(yaml.safe_dump({**spec, "functions": functions}, sort_keys=False))
-    return str(target)
-
-
 @pytest.fixture(scope="module")
 def servers(home_settings, partitioned, tmp_path_factory):
     partitioned(MODEL, 4)
     home = tmp_path_factory.mktemp("peers")
     settings = home_settings.replace(
-        home=str(home), models=str(home_settings.models_dir), stack_file=one_model_stack(home / "stack.yml"),
+        home=str(home), models=str(home_settings.models_dir),
+        stack_file=str(one_model_stack(REPO_ROOT / "stack.yml", home / "stack.yml", MODEL)),
         gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(), policy="none",
         server="vs", virtual_servers=3, server_slots=6, virtual_disks=True,
-        # A stage of SmolLM2 is 135 MB: two targets reading it from the store take 2·M/B_store
-        # = 11 s, a multicast from the server that caches it (8 + 1 - 1 rounds of an eighth) 3 s.
+        # Stage 1 of SmolLM2 is 156 MB: two targets reading it from the store take 2·M/B_store
+        # = 12.5 s, a multicast from the server that caches it (8 + 1 - 1 rounds of an eighth) 3.1 s.
         server_bandwidth=5e7, store_bandwidth=2.5e7, cold_deadline_s=600.0,
         cache_stages=STAGE, request_timeout_s=120.0, admit_wait_s=0.0, drain_timeout_s=5.0)
     try:
