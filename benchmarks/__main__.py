@@ -38,6 +38,7 @@ from benchmarks import (
     simulator_multicast,
     simulator_out_of_sample,
     simulator_policies,
+    simulator_scaleout,
     soak,
 )
 
@@ -52,6 +53,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "scale_to_zero": lambda: scale_to_zero.main([]), "consolidation": lambda: consolidation.main([]),
               "simulator_coldstart": lambda: simulator_coldstart.main([]),
               "simulator_multicast": lambda: simulator_multicast.main([]),
+              "simulator_scaleout": lambda: simulator_scaleout.main([]),
               "multicast": lambda: multicast.main([]), "peer_start": lambda: peer_start.main([]),
               "simulator_policies": lambda: simulator_policies.main([]),
               "simulator_out_of_sample": lambda: simulator_out_of_sample.main([]),

@@ -21,7 +21,7 @@ from models.precision import cpu_field, cpu_flags
 SERVING = ("autoscaler", "contracts", "engine", "frontend", "functions", "keysmanager", "models", "runtime",
            "scheduler", "state", "stack.yml")
 # The stage-level simulator: sim/ without the model-level one (git pathspecs).
-SIMULATOR = ("sim", ":(exclude)sim/serverless.py")
+SIMULATOR = ("sim", ":(exclude)sim/serverless.py", ":(exclude)sim/scaleout.py")
 
 
 def percentiles(samples_ms: list[float]) -> dict[str, float]:
