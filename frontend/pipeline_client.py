@@ -275,6 +275,19 @@ class PipelineClient:
         except (aioredis.ConnectionError, OSError) as exc:
             log.warning("could not free %s: %s", seq, exc)
 
+    async def aclose(self) -> None:
+        """Sends the frees still under way and lets go of Redis. An event loop that ends without
+        it drops them, and the holders keep those caches until they idle out."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=5)
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
+            self._dispatcher = None
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
     # -- the reply list ----------------------------------------------------------------------
 
     async def _connection(self) -> aioredis.Redis:

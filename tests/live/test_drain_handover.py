@@ -97,9 +97,11 @@ def test_a_prefill_forwarded_to_draining_stages_is_answered_and_gathered_into_th
         whole = await asyncio.to_thread(start, settings, replicas, 0, 4)
         stoppers.append(await asyncio.to_thread(stop_in_background, stages[0]))
         got += [token async for token in tokens]
+        await client.aclose()  # the free of r1's cache reaches the whole replica
         return got, progress, whole
 
     got, progress, whole = asyncio.run(generate())
+    wait_until(lambda: not whole.generation.store.sequences, 10, "the whole replica to free r1's cache")
     for thread in stoppers:
         thread.join(timeout=90)
     watching.set()
