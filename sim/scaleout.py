@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -208,9 +209,9 @@ class ScaleOut:
         self.system, self.model, self.fabric = system, model, fabric
         self.events: list = []
         self.order = itertools.count()
-        self.queue: list[Job] = []
+        self.queue: deque[Job] = deque()
         self.instances: list[Instance] = []
-        self.starting: set[int] = set()
+        self.left = 0                                   # jobs not yet done
         self.serving: dict[int, Instance] = {}          # a server's local instance
         self.since: dict[int, float] = {}               # when each server in use took its GPU
         self.cached_until: dict[int, float] = {}
@@ -223,13 +224,13 @@ class ScaleOut:
     def at(self, t: float, kind: str, *args) -> None:
         heapq.heappush(self.events, (t, next(self.order), kind, args))
 
-    def run(self, jobs: list[Job], autoscale: bool = True, scale_to: int = 0) -> Result:
+    def run(self, jobs: list[Job], scale_to: int = 0) -> Result:
         """Serves `jobs`; `scale_to` > 0 starts that many servers at once at time 0 (λScale's
         1 → N experiments) instead of the autoscaling rule."""
         self.left = len(jobs)
         if scale_to:
             self._scale_out(0.0, scale_to - len(self.since))
-        elif autoscale:
+        else:
             self.at(0.0, "tick")
         for job in jobs:
             self.at(job.at, "arrive", job)
@@ -254,7 +255,7 @@ class ScaleOut:
             # Local execution first; among equals the fullest, so that what a burst left idle
             # drains and is given back.
             best = min(free, key=lambda i: (i.tpot_s, -len(i.running)))
-            self._place(now, self.queue.pop(0), best)
+            self._place(now, self.queue.popleft(), best)
 
     def _place(self, now: float, job: Job, inst: Instance) -> None:
         """Runs `job` on `inst` from its `made` tokens: a prefill over the prompt and those tokens
@@ -274,9 +275,7 @@ class ScaleOut:
         inst.running.remove(job)
         self.result.runs.append((job.run[0], now, job.tokens - job.made))
         self._done(now, job)
-        if not inst.running and inst.until == math.inf:
-            inst.idle_since = now
-            self.at(now + self.fabric.keep_alive_s, "expire", inst)
+        self._maybe_idle(now, inst)
         self._dispatch(now)
 
     def _done(self, now: float, job: Job) -> None:
@@ -292,10 +291,8 @@ class ScaleOut:
 
     def _add(self, now: float, inst: Instance) -> None:
         self.instances.append(inst)
-        for s in inst.servers:
-            if inst.until == math.inf:
-                self.serving[s] = inst
-                self.starting.discard(s)
+        if inst.until == math.inf:
+            self.serving[inst.servers[0]] = inst
         self._capacity(now)
 
     def _capacity(self, now: float) -> None:
@@ -325,7 +322,6 @@ class ScaleOut:
         piped = {s for members, _ in start.pipelines for s in members}
         for s in targets:
             self.since[s] = now
-            self.starting.add(s)
             if s not in piped:
                 self.at(now + start.whole[s], "ready", self._local(s))
                 self.result.starts["local"] += 1
@@ -340,9 +336,7 @@ class ScaleOut:
     def _ready(self, now: float, inst: Instance) -> None:
         self.clock = now
         self._add(now, inst)
-        if not inst.running and inst.until == math.inf:
-            inst.idle_since = now
-            self.at(now + self.fabric.keep_alive_s, "expire", inst)
+        self._maybe_idle(now, inst)
         self._dispatch(now)
 
     def _switch(self, now: float, pipe: Instance) -> None:
@@ -365,10 +359,15 @@ class ScaleOut:
                 continue
             self._place(now, job, locals_[index % len(locals_)])
         for inst in locals_:
-            if not inst.running:
-                inst.idle_since = now
-                self.at(now + self.fabric.keep_alive_s, "expire", inst)
+            self._maybe_idle(now, inst)
         self._dispatch(now)
+
+    def _maybe_idle(self, now: float, inst: Instance) -> None:
+        """A local instance with nothing to do is given back after the keep-alive, unless work
+        comes first."""
+        if not inst.running and inst.until == math.inf:
+            inst.idle_since = now
+            self.at(now + self.fabric.keep_alive_s, "expire", inst)
 
     def _expire(self, now: float, inst: Instance) -> None:
         s = inst.servers[0]
@@ -410,4 +409,4 @@ def simulate(system: str | System, model: str | Llm, jobs: list[Job], fabric: Fa
     fabric = fabric or Fabric()
     sim = ScaleOut(SYSTEMS[system] if isinstance(system, str) else system,
                    MODELS[model] if isinstance(model, str) else model, fabric, warm)
-    return sim.run([Job(j.at, j.prompt, j.tokens) for j in jobs], autoscale=not scale_to, scale_to=scale_to)
+    return sim.run([Job(j.at, j.prompt, j.tokens) for j in jobs], scale_to=scale_to)
