@@ -4,6 +4,7 @@
     python -m benchmarks hop generation             those named
     python -m benchmarks generation --model qwen2   one, with its own options (`--help` lists them)
     python -m benchmarks freshness                  which results are older than the code they measure
+    python -m benchmarks stale                      every benchmark whose result is stale, in turn
 """
 from __future__ import annotations
 
@@ -81,6 +82,11 @@ def main(argv: list[str]) -> int:
     if argv in (["--help"], ["-h"]):
         print(__doc__ + "\nbenchmarks: " + ", ".join(BENCHMARKS))
         return 0
+    if argv == ["stale"]:
+        argv = freshness.stale(freshness.freshness(), BENCHMARKS)
+        print(f"stale: {' '.join(argv) or 'none'}", flush=True)
+        if not argv:
+            return 0
     chosen = argv or list(BENCHMARKS)
     unknown = [name for name in chosen if name not in BENCHMARKS]
     if unknown:

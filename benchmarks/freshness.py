@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +80,12 @@ def freshness(results: Path = RESULTS, repo: Path = REPO_ROOT,
         since = touching(repo, commit, paths_of(benchmark)) if commit else ()
         out.append(Freshness(path.stem, conditions.get("when", "?"), commit, how, since))
     return out
+
+
+def stale(found: list[Freshness], runnable: Collection[str]) -> list[str]:
+    """The stale results that a benchmark of that name writes (`python -m benchmarks stale` runs
+    them); results written by a benchmark's options (a CUDA run) are left to be run by hand."""
+    return [f.result for f in found if f.stale and f.result in runnable]
 
 
 def main(argv: list[str]) -> int:

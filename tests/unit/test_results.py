@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import __main__ as bench
-from benchmarks.freshness import benchmark_of, declared_paths, freshness
+from benchmarks.freshness import benchmark_of, declared_paths, freshness, stale
 from benchmarks.report import CPU_FEATURES, commit, conditions, mean_ci95, t975, verdict
 from contracts.paths import REPO_ROOT
 from tools.results_page import results_page
@@ -66,6 +66,7 @@ def test_a_result_goes_stale_only_when_its_code_changes(tmp_path):
     assert check() == {"fast": ("stamped", 0), "fast_other": ("stamped, dirty tree", 0)}
     _commit(tmp_path, "engine/step.py", "v2")
     assert check() == {"fast": ("stamped", 1), "fast_other": ("stamped, dirty tree", 1)}
+    assert stale(freshness(results, tmp_path, paths), {"fast", "slow"}) == ["fast"]  # fast_other: no such benchmark
     (results / "fast.json").write_text(json.dumps({"conditions": {"commit": "0" * 40}, "figures": []}))
     [unknown] = [f for f in freshness(results, tmp_path, paths) if f.result == "fast"]
     assert unknown.how == "unknown commit" and unknown.stale
