@@ -211,4 +211,7 @@ async def _collect(tokens) -> list[int]:
 
 async def _generate(settings, prompt: list[int], n: int) -> list[int]:
     client = PipelineClient(settings, "smollm2", f"coldstart-test-{time.time_ns()}")
-    return [t async for t in client.generate("cs", prompt, n, Sampling(), time.time() + 300, Progress())]
+    try:
+        return [t async for t in client.generate("cs", prompt, n, Sampling(), time.time() + 300, Progress())]
+    finally:
+        await client.aclose()
