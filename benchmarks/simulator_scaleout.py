@@ -48,22 +48,22 @@ def fabric(gbps: float, **changes) -> Fabric:
     return Fabric(link_bytes_s=gbps * 1e9 / 8, **changes)
 
 
-def scale_times(figures: list) -> list:
-    lines = []
+def scale_times(figures: list) -> dict:
+    """(Gb/s, N, system): seconds until the first new slots answer and until all N servers' do."""
+    times = {}
     for gbps in LINKS_GBPS:
         for n in SERVERS:
-            row = [gbps, n]
             for name in SCALED:
                 r = simulate(name, "llama2-13b", [], fabric(gbps, servers=n), warm=1, scale_to=n)
-                first, full = r.capacity_at(Fabric.batch + 1), r.capacity_at(n * Fabric.batch)
-                row.append(f"{first:.2f} / {full:.2f}")
+                first, full = times[(gbps, n, name)] = r.capacity_at(Fabric.batch + 1), r.capacity_at(n * Fabric.batch)
                 where = f"llama2-13b 1->{n}, {gbps} Gb/s"
                 figures += [{"name": f"{name} first new slots answer, {where}", "value": round(first, 4), "unit": "s", "modelled": True},
                             {"name": f"{name} all {n} servers answer, {where}", "value": round(full, 4), "unit": "s", "modelled": True}]
-            lines.append(row)
     print(table("Scale 1 -> N, Llama-2 13B: seconds until the first new slots answer / until all N servers' do",
-                ["Gb/s", "N", *SCALED], lines))
-    return lines
+                ["Gb/s", "N", *SCALED],
+                [[gbps, n, *(f"{times[(gbps, n, name)][0]:.2f} / {times[(gbps, n, name)][1]:.2f}" for name in SCALED)]
+                 for gbps in LINKS_GBPS for n in SERVERS]))
+    return times
 
 
 def ramps(figures: list) -> dict:
@@ -137,14 +137,13 @@ def traces(figures: list) -> dict:
     return cdfs
 
 
-def plot(scale_lines: list, curves: dict, cdfs: dict, path) -> None:
+def plot(scale: dict, curves: dict, cdfs: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
-    for index, name in enumerate(SCALED):
-        xs = [row[1] for row in scale_lines if row[0] == 400]
-        axes[0].plot(xs, [float(row[2 + index].split(" / ")[1]) for row in scale_lines if row[0] == 400], marker="o", label=name)
+    for name in SCALED:
+        axes[0].plot(SERVERS, [scale[(400, n, name)][1] for n in SERVERS], marker="o", label=name)
     axes[0].set(xscale="log", yscale="log", xlabel="servers N", ylabel="s until all N answer", title="Llama-2 13B, 1 -> N, 400 Gb/s")
     axes[0].set_xticks(SERVERS, [str(n) for n in SERVERS])
     axes[0].minorticks_off()
@@ -165,12 +164,12 @@ def plot(scale_lines: list, curves: dict, cdfs: dict, path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     figures: list[dict] = []
-    scale_lines = scale_times(figures)
+    scale = scale_times(figures)
     curves = ramps(figures)
     burst_ttft(figures)
     cdfs = traces(figures)
     png = RESULTS / "simulator_scaleout.png"
-    plot(scale_lines, curves, cdfs, png)
+    plot(scale, curves, cdfs, png)
     defaults = Fabric()
     path = write("simulator_scaleout", figures, conditions(
         modelled=True, fabric={k: getattr(defaults, k) for k in defaults.__dataclass_fields__},

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loadgen.arrivals import bursty_arrivals
-from scheduler.multicast import MulticastPlan, binary_tree_plan, execution_pipelines, plan
+from scheduler.multicast import binary_tree_plan, execution_pipelines, plan, pulls_by_target
 
 GB = 1e9
 HBM_BYTES_S = 3.35e12 * 0.5      # an H800's HBM at half its peak
@@ -121,7 +121,8 @@ def start_plan(system: System, fabric: Fabric, model: Llm, holders: list[int], t
     else:
         p = plan([str(h) for h in holders[:len(rest)]], [str(t) for t in rest], fabric.blocks)
     round_s = model.bytes / fabric.blocks / fabric.link_bytes_s
-    arrived = block_rounds(p)
+    # each target's blocks by the round (1-based) at whose end it holds them
+    arrived = {t: {step.block: step.round + 1 for step in steps} for t, steps in pulls_by_target(p).items()}
     whole.update({names[t]: max(r.values()) * round_s for t, r in arrived.items()})
     if not system.execute_while_load:
         return Start(whole)
@@ -134,15 +135,6 @@ def start_plan(system: System, fabric: Fabric, model: Llm, holders: list[int], t
     return Start(whole, tuple(pipelines))
 
 
-def block_rounds(p: MulticastPlan) -> dict[str, dict[int, int]]:
-    """Each target's blocks by the round (1-based) at whose end it holds them."""
-    out: dict[str, dict[int, int]] = {t: {} for g in p.groups for t in g[1:]}
-    for index, transfers in enumerate(p.rounds, 1):
-        for t in transfers:
-            out[t.target].setdefault(t.block, index)
-    return out
-
-
 def servers_wanted(requests: int, batch: int, most: int, least: int) -> int:
     """The autoscaling rule every system shares: a slot per request in the system. Pure."""
     return max(least, min(most, math.ceil(requests / batch)))
@@ -153,10 +145,13 @@ class Instance:
     servers: tuple[int, ...]
     slots: int
     tpot_s: float
-    hops: int
     until: float = math.inf           # a pipeline's switch to local execution
     running: list = field(default_factory=list)
     idle_since: float = 0.0
+
+    @property
+    def hops(self) -> int:
+        return len(self.servers)
 
 
 @dataclass(eq=False)
@@ -165,7 +160,6 @@ class Job:
     prompt: int
     tokens: int
     first: float = math.nan
-    done: float = math.nan
     made: int = 0                     # tokens made before its current run
     run: tuple[float, float] = (0.0, 0.0)   # current run: (its first token, its last)
     on: Instance | None = None
@@ -279,7 +273,6 @@ class ScaleOut:
         self._dispatch(now)
 
     def _done(self, now: float, job: Job) -> None:
-        job.done = now
         self.left -= 1
         self.result.done.append(now)
         self.result.ttft.append(job.first - job.at)
@@ -287,7 +280,7 @@ class ScaleOut:
     # -- servers -------------------------------------------------------------------------------
 
     def _local(self, s: int) -> Instance:
-        return Instance((s,), self.fabric.batch, self.model.tpot_s, 1)
+        return Instance((s,), self.fabric.batch, self.model.tpot_s)
 
     def _add(self, now: float, inst: Instance) -> None:
         self.instances.append(inst)
@@ -328,7 +321,7 @@ class ScaleOut:
         for members, answers in start.pipelines:
             until = now + max(start.whole[s] for s in members)
             pipe = Instance(members, len(members) * self.fabric.batch,
-                            self.model.tpot_s + len(members) * self.fabric.hop_s, len(members), until)
+                            self.model.tpot_s + len(members) * self.fabric.hop_s, until)
             self.at(now + answers, "ready", pipe)
             self.at(until, "switch", pipe)
             self.result.starts["pipeline"] += 1
