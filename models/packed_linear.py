@@ -1,13 +1,17 @@
 """Linear layers with their weights reordered once, at load, into oneDNN's blocked layout: what
 torch.compile's inductor does to a frozen model's linears on the CPU (`mkldnn._linear_pointwise`
-on a weight from `mkldnn._reorder_linear_weight`), without the compile. `F.linear` reorders a
-weight's blocks on every call; a decode step, which reads each weight once, then streams at
-about half the memory bandwidth (measured: 106 MB of bfloat16 weights at one token in 10.8 ms
-through `F.linear` and 6.0 ms prepacked, two threads). torch.compile itself is not used: on a
-2-core host it compiles a 30-layer model for minutes, per shape, in every replica.
+on a weight from `mkldnn._reorder_linear_weight`), without the compile. In bfloat16 `F.linear`
+goes through oneDNN and reorders a weight's blocks on every call; a decode step, which reads each
+weight once, then streams at about half the memory bandwidth (measured: 106 MB of bfloat16
+weights at one token in 10.8 ms through `F.linear` and 6.0 ms prepacked, two threads).
+torch.compile itself is not used: on a 2-core host it compiles a 30-layer model for minutes, per
+shape, in every replica.
 
-Only on the CPU, and only where torch was built with oneDNN; everywhere else layers stay
-`nn.Linear`. `unpack` restores them (a replica moving to another device or dtype).
+Only bfloat16 is packed (`layout_for`): float32's `F.linear` calls the BLAS on the weight as it
+lies, with no reorder to save, and oneDNN's kernel on a packed float32 weight was the slower one
+where measured (an AVX2 EPYC, one thread: SmolLM2 decoding at 106 ms a token packed against 91 ms
+plain, the same tokens). Only on the CPU, and only where torch was built with oneDNN; everywhere
+else layers stay `nn.Linear`. `unpack` restores them (a replica moving to another device or dtype).
 
 `QUART_QUANTIZE=int8` stores each weight as int8 with one float scale per output channel
 (symmetric, round to nearest) and multiplies through `aten._weight_int8pack_mm`, torch's own CPU
@@ -23,8 +27,9 @@ from torch import nn
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packing pays here: bfloat16 on a CPU whose oneDNN reorders it (see the module's doc)."""
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and dtype in (torch.float32, torch.bfloat16) and _packs(dtype))
+            and dtype == torch.bfloat16 and _packs(dtype))
 
 
 @cache

@@ -1,0 +1,38 @@
+"""A prepacked linear computes what `nn.Linear` does and gives its weights back on unpacking, in
+float32 (which oneDNN packs on every x86 CPU, though the runtime packs only bfloat16) and in
+bfloat16 where this CPU's oneDNN packs it; the layout policy packs bfloat16 alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models.packed_linear import PackedLinear, _packs, pack, unpack
+
+
+def dtypes() -> list[torch.dtype]:
+    return [d for d in (torch.float32, torch.bfloat16) if torch.backends.mkldnn.is_available() and _packs(d)]
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_computes_what_the_plain_one_does(dtype, bias):
+    torch.manual_seed(0)
+    plain = nn.Linear(96, 160, bias=bias).to(dtype)
+    packed = PackedLinear(plain)
+    with torch.inference_mode():
+        for shape in ((1, 96), (1, 7, 96), (3, 5, 96)):  # a decode, a prefill, a padded batch
+            x = torch.randn(shape, dtype=dtype)
+            tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(packed(x), plain(x), rtol=tolerance, atol=tolerance)
+    assert torch.equal(packed.unpacked().weight, plain.weight)
+
+
+def test_pack_and_unpack_swap_every_linear_and_back():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4, bias=False)))
+    if not dtypes():
+        pytest.skip("this torch has no oneDNN")
+    weights = [m.weight.clone() for m in model.modules() if isinstance(m, nn.Linear)]
+    assert pack(model) == 2 and not any(type(m) is nn.Linear for m in model.modules())
+    assert unpack(model) == 2
+    assert all(torch.equal(a, m.weight) for a, m in zip(weights, [m for m in model.modules() if isinstance(m, nn.Linear)]))
