@@ -441,8 +441,8 @@ VARIABLES: tuple[Var, ...] = (
         _one_of("auto", "float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),
     Var("QUART_PREPACK", "compute.prepack",
-        "bfloat16 linear weights reordered once into oneDNN's layout on the CPU (what torch.compile's freezing "
-        "does; float32 stays plain: its BLAS reads weights as they lie); false: plain `F.linear`"),
+        "linear weights reordered once into oneDNN's layout on the CPU (what torch.compile's freezing does); "
+        "false: plain `F.linear`"),
     Var("QUART_QUANTIZE", "compute.quantize",
         "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "
         "half bfloat16's bytes; empty: none", lambda v: None if v in ("", "int8") else "must be int8 or empty"),

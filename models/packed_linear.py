@@ -1,17 +1,20 @@
 """Linear layers with their weights reordered once, at load, into oneDNN's blocked layout: what
 torch.compile's inductor does to a frozen model's linears on the CPU (`mkldnn._linear_pointwise`
-on a weight from `mkldnn._reorder_linear_weight`), without the compile. In bfloat16 `F.linear`
-goes through oneDNN and reorders a weight's blocks on every call; a decode step, which reads each
-weight once, then streams at about half the memory bandwidth (measured: 106 MB of bfloat16
-weights at one token in 10.8 ms through `F.linear` and 6.0 ms prepacked, two threads).
-torch.compile itself is not used: on a 2-core host it compiles a 30-layer model for minutes, per
-shape, in every replica.
+on a weight from `mkldnn._reorder_linear_weight`), without the compile. `F.linear` reorders a
+weight's blocks on every call; a decode step, which reads each weight once, then streams at
+about half the memory bandwidth (measured: 106 MB of bfloat16 weights at one token in 10.8 ms
+through `F.linear` and 6.0 ms prepacked, two threads). torch.compile itself is not used: on a
+2-core host it compiles a 30-layer model for minutes, per shape, in every replica.
 
-Only bfloat16 is packed (`layout_for`): float32's `F.linear` calls the BLAS on the weight as it
-lies, with no reorder to save, and oneDNN's kernel on a packed float32 weight was the slower one
-where measured (an AVX2 EPYC, one thread: SmolLM2 decoding at 106 ms a token packed against 91 ms
-plain, the same tokens). Only on the CPU, and only where torch was built with oneDNN; everywhere
-else layers stay `nn.Linear`. `unpack` restores them (a replica moving to another device or dtype).
+In float32 the trade is by batch (measured on an AVX2 EPYC, one thread, 2048×5632): at one token
+the BLAS on the plain weight is faster (3.3 ms against 4.7 packed), from four tokens on the packed
+weight is much faster (4: 6.6 ms against 18.0; 16: 14.6 against 25.9; a 70-token prefill: 47
+against 64). Packing float32 too is the better default for a server that batches: with plain
+float32 weights the pipeline decoded one request 1.2× faster but made half the tokens at 16
+concurrent requests, and prefilled 1.8× slower (docs/benchmarks.md).
+
+Only on the CPU, and only where torch was built with oneDNN; everywhere else layers stay
+`nn.Linear`. `unpack` restores them (a replica moving to another device or dtype).
 
 `QUART_QUANTIZE=int8` stores each weight as int8 with one float scale per output channel
 (symmetric, round to nearest) and multiplies through `aten._weight_int8pack_mm`, torch's own CPU
@@ -27,9 +30,8 @@ from torch import nn
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether packing pays here: bfloat16 on a CPU whose oneDNN reorders it (see the module's doc)."""
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and dtype == torch.bfloat16 and _packs(dtype))
+            and dtype in (torch.float32, torch.bfloat16) and _packs(dtype))
 
 
 @cache

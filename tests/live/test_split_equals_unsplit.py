@@ -9,8 +9,8 @@ from models.architectures import mean_pool_normalize
 from models.stage_runner import StageRunner
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-# Logits reach about 20; float32 GEMMs that block their sums differently (a stage's batch of
-# tokens against transformers' one sequence) agree to about 1e-5 of that, a wrong split or a
+# Logits reach about 20; float32 GEMMs that block their sums differently (oneDNN's prepacked
+# weights here, `F.linear` in transformers) agree to about 1e-5 of that, a wrong split or a
 # bfloat16 step is off by tenths.
 TOLERANCE = 5e-4
 

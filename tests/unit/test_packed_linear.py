@@ -1,6 +1,6 @@
 """A prepacked linear computes what `nn.Linear` does and gives its weights back on unpacking, in
-float32 (which oneDNN packs on every x86 CPU, though the runtime packs only bfloat16:
-tests/unit/test_precision.py) and in bfloat16 where this CPU's oneDNN packs it."""
+float32 (which oneDNN packs on every x86 CPU) and in bfloat16 where this CPU's oneDNN packs
+it."""
 from __future__ import annotations
 
 import pytest

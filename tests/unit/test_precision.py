@@ -29,11 +29,11 @@ def test_an_unknown_dtype_is_refused_by_name():
 
 def test_linear_layouts_follow_the_device_and_refuse_what_cannot_run():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert layout_for(cpu, torch.float32, prepack=True, quantize="") is None   # float32's BLAS reads plain weights
+    assert layout_for(cpu, torch.float32, prepack=True, quantize="") == "packed"
     # oneDNN packs bfloat16 only where the CPU has what its bfloat16 path needs (AVX512BW/VL/DQ, AVX-NE-CONVERT)
     assert layout_for(cpu, torch.bfloat16, prepack=True, quantize="") == ("packed" if can_pack(cpu, torch.bfloat16) else None)
     assert layout_for(cpu, torch.bfloat16, prepack=False, quantize="") is None
-    assert layout_for(cpu, torch.float16, prepack=True, quantize="") is None
+    assert layout_for(cpu, torch.float16, prepack=True, quantize="") is None   # oneDNN packs float32 and bfloat16
     assert layout_for(cuda, torch.bfloat16, prepack=True, quantize="") is None
     assert layout_for(cpu, torch.float32, prepack=True, quantize="int8") == "int8"
     with pytest.raises(ValueError, match="CPU"):
