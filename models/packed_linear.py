@@ -10,8 +10,8 @@ In float32 the trade is by batch (measured on an AVX2 EPYC, one thread, 2048×56
 the BLAS on the plain weight is faster (3.3 ms against 4.7 packed), from four tokens on the packed
 weight is much faster (4: 6.6 ms against 18.0; 16: 14.6 against 25.9; a 70-token prefill: 47
 against 64). Packing float32 too is the better default for a server that batches: with plain
-float32 weights the pipeline decoded one request 1.2× faster but made half the tokens at 16
-concurrent requests, and prefilled 1.8× slower (docs/benchmarks.md).
+float32 weights the llama1b pipeline decoded one request about 1.2× faster but made half the
+tokens at 16 concurrent requests and took 1.7× longer over its first token (docs/benchmarks.md).
 
 Only on the CPU, and only where torch was built with oneDNN; everywhere else layers stay
 `nn.Linear`. `unpack` restores them (a replica moving to another device or dtype).

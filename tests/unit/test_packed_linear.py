@@ -29,9 +29,9 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype, bias):
 
 
 def test_pack_and_unpack_swap_every_linear_and_back():
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4, bias=False)))
     if not dtypes():
         pytest.skip("this torch has no oneDNN")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4, bias=False)))
     weights = [m.weight.clone() for m in model.modules() if isinstance(m, nn.Linear)]
     assert pack(model) == 2 and not any(type(m) is nn.Linear for m in model.modules())
     assert unpack(model) == 2
