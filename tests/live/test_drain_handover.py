@@ -58,14 +58,18 @@ def stop_in_background(replica: StageReplica) -> threading.Thread:
 
 def watch_registry(settings, ids: list[str], gone: dict[str, float], done: threading.Event) -> None:
     """Notes when each of `ids` leaves the registry (a replica leaves only once the stage before
-    it has, so these times are in stage order)."""
+    it has, so these times are in stage order). It looks once more after `done` is set, so a
+    replica that left just before is still noted."""
     store = RedisStore(redis.Redis.from_url(settings.redis_url))
-    while not done.is_set() and len(gone) < len(ids):
+    while len(gone) < len(ids):
+        finished = done.is_set()
         live = {x.replica_id for s in range(4) for x in store.live_replicas("smollm2", s)}
         now = time.monotonic()
         for replica_id in ids:
             if replica_id not in live:
                 gone.setdefault(replica_id, now)
+        if finished:
+            return
         time.sleep(0.01)
 
 
@@ -104,6 +108,7 @@ def test_a_prefill_forwarded_to_draining_stages_is_answered_and_gathered_into_th
     wait_until(lambda: not whole.generation.store.sequences, 10, "the whole replica to free r1's cache")
     for thread in stoppers:
         thread.join(timeout=90)
+    assert not any(thread.is_alive() for thread in stoppers), "a draining stage did not stop within 90 s"
     watching.set()
     watcher.join(timeout=10)
     assert got == expected[:len(got)] and len(got) == min(NEW_TOKENS, len(expected)), (got, expected)
