@@ -6,12 +6,16 @@ about half the memory bandwidth (measured: 106 MB of bfloat16 weights at one tok
 through `F.linear` and 6.0 ms prepacked, two threads). torch.compile itself is not used: on a
 2-core host it compiles a 30-layer model for minutes, per shape, in every replica.
 
-In float32 the trade is by batch (measured on an AVX2 EPYC, one thread, 2048×5632): at one token
-the BLAS on the plain weight is faster (3.3 ms against 4.7 packed), from four tokens on the packed
-weight is much faster (4: 6.6 ms against 18.0; 16: 14.6 against 25.9; a 70-token prefill: 47
-against 64). Packing float32 too is the better default for a server that batches: with plain
-float32 weights the llama1b pipeline decoded one request about 1.2× faster but made half the
-tokens at 16 concurrent requests and took 1.7× longer over its first token (docs/benchmarks.md).
+In float32 no one layout wins at every batch size (measured on an AVX2 EPYC, one thread,
+2048×5632): at one token oneDNN's kernel on the packed weight is slower than the BLAS on the plain
+one (4.7 ms against 3.3), and costs ~45 µs a call more whatever the size; from four tokens on it is
+much faster (4: 6.6 ms against 18.0; 16: 14.6 against 25.9; a 70-token prefill: 47 against 64).
+With plain float32 weights the llama1b pipeline decoded one request about 1.2× faster but made
+half the tokens at 16 concurrent requests (docs/benchmarks.md). So a float32 layer, where torch
+has MKL, also keeps its weight packed for MKL's sgemm at one row (`_mkl_reorder_linear_weight`,
+what inductor's freezing uses for float32 linears) and multiplies one-token steps through it
+(2048×5632: 3.4 ms; 576×1536: 0.16 ms against 0.38 through oneDNN and 0.22 plain): the weights
+take twice their memory, and a single request's step is the fastest of the three.
 
 Only on the CPU, and only where torch was built with oneDNN; everywhere else layers stay
 `nn.Linear`. `unpack` restores them (a replica moving to another device or dtype).
@@ -32,6 +36,18 @@ from torch import nn
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and dtype in (torch.float32, torch.bfloat16) and _packs(dtype))
+
+
+@cache
+def _packs_rows() -> bool:
+    """Whether this torch has MKL's packed sgemm (x86 builds with MKL)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(16, 16), 1)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 @cache
@@ -57,17 +73,26 @@ def layout_for(device: torch.device, dtype: torch.dtype, prepack: bool, quantize
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear`'s computation on a prepacked weight (a buffer: no gradient, no dtype moves)."""
+    """`nn.Linear`'s computation on a prepacked weight (a buffer: no gradient, no dtype moves);
+    in float32, one-row steps on a second packing for MKL's sgemm (see the module's docstring)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
         # Packed for no particular batch size: continuous batching runs every size from 1 up.
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None),
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
+        rows = weight.dtype == torch.float32 and _packs_rows()
+        self.register_buffer("row_packed", torch.ops.mkl._mkl_reorder_linear_weight(weight, 1) if rows else None,
                              persistent=False)
+        # `_mkl_linear` takes the output's shape from the plain weight, which it reads only for a
+        # batch size other than the packing's; a one-row step never is, so a view without storage.
+        self.plain_shape = torch.zeros((), dtype=weight.dtype).expand(self.out_features, self.in_features)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_packed is not None and x.numel() == self.in_features:
+            return torch.ops.mkl._mkl_linear(x, self.row_packed, self.plain_shape, self.bias, 1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def unpacked(self) -> nn.Linear:

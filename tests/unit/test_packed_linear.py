@@ -1,6 +1,6 @@
 """A prepacked linear computes what `nn.Linear` does and gives its weights back on unpacking, in
-float32 (which oneDNN packs on every x86 CPU) and in bfloat16 where this CPU's oneDNN packs
-it."""
+float32 (which oneDNN packs on every x86 CPU; one-row steps go through MKL's packing where torch
+has MKL) and in bfloat16 where this CPU's oneDNN packs it."""
 from __future__ import annotations
 
 import pytest
@@ -21,11 +21,12 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype, bias):
     plain = nn.Linear(96, 160, bias=bias).to(dtype)
     packed = PackedLinear(plain)
     with torch.inference_mode():
-        for shape in ((1, 96), (1, 7, 96), (3, 5, 96)):  # a decode, a prefill, a padded batch
+        for shape in ((96,), (1, 96), (1, 1, 96), (1, 7, 96), (3, 5, 96)):  # decodes, a prefill, a padded batch
             x = torch.randn(shape, dtype=dtype)
             tolerance = 1e-5 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(packed(x), plain(x), rtol=tolerance, atol=tolerance)
     assert torch.equal(packed.unpacked().weight, plain.weight)
+    assert (packed.row_packed is not None) == (dtype == torch.float32 and torch.backends.mkl.is_available())
 
 
 def test_pack_and_unpack_swap_every_linear_and_back():
