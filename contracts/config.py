@@ -441,8 +441,9 @@ VARIABLES: tuple[Var, ...] = (
         _one_of("auto", "float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),
     Var("QUART_PREPACK", "compute.prepack",
-        "linear weights reordered once into oneDNN's layout on the CPU (what torch.compile's freezing does); "
-        "false: plain `F.linear`"),
+        "linear weights reordered once into oneDNN's layout on the CPU (what torch.compile's freezing does), and "
+        "in float32 also packed for MKL's sgemm, through which one-token steps run (twice the float32 weights' "
+        "memory); false: plain `F.linear`"),
     Var("QUART_QUANTIZE", "compute.quantize",
         "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "
         "half bfloat16's bytes; empty: none", lambda v: None if v in ("", "int8") else "must be int8 or empty"),

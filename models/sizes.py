@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.config import ComputeConfig
 from models.manifest import Manifest
 from models.profiles import PROFILES
 
@@ -35,17 +36,28 @@ ENTRY_MEMORY = {"requests": 512 << 20, "limits": 1 << 30}
 ENTRY_CPU = {"requests": "500m", "limits": "1"}
 
 
+def resident_weight_bytes(shard_bytes: int, checkpoint_dtype: str, compute: ComputeConfig) -> int:
+    """A stage's weights in memory at most: where it may serve in float32 with prepacked linears
+    (QUART_DTYPE float32, or auto on a float32 checkpoint and a host without bfloat16), its shards
+    widened to float32 and held twice, once per packing (models/packed_linear.py); else as stored."""
+    float32 = compute.dtype == "float32" or (compute.dtype == "auto" and checkpoint_dtype == "float32")
+    if compute.device != "cpu" or not float32 or not compute.prepack or compute.quantize:
+        return shard_bytes
+    itemsize = {"float32": 4, "float64": 8}.get(checkpoint_dtype, 2)
+    return 2 * shard_bytes * 4 // itemsize
+
+
 @dataclass(frozen=True)
 class StageFootprint:
-    """What a stage replica needs: its parameters and the process at rest (its request), and at
-    most its KV budget and one full pass's activations more (its limit)."""
-    shard_bytes: int
+    """What a stage replica needs: its weights as they lie in memory and the process at rest (its
+    request), and at most its KV budget and one full pass's activations more (its limit)."""
+    weights_bytes: int
     kv_bytes: int
     pass_bytes: int
 
     @property
     def request_bytes(self) -> int:
-        return self.shard_bytes + RUNTIME_BYTES
+        return self.weights_bytes + RUNTIME_BYTES
 
     @property
     def limit_bytes(self) -> int:

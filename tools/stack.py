@@ -26,7 +26,7 @@ from contracts.config import exit_on_config_error, load_settings
 from contracts.paths import REPO_ROOT
 from contracts.stack import NAME_RE, StackFunction, read_stack
 from models.manifest import Manifest
-from models.sizes import ENTRY_CPU, ENTRY_MEMORY, StageFootprint, mebibytes, pass_bytes, stage_bytes
+from models.sizes import ENTRY_CPU, ENTRY_MEMORY, StageFootprint, mebibytes, pass_bytes, resident_weight_bytes, stage_bytes
 
 # What every function of stack.yml carries (its header says why): of-watchdog's timeouts, the
 # probes' paths, and where Prometheus scrapes each replica's pod.
@@ -110,8 +110,9 @@ def function_resources(fn: StackFunction, models_dir: Path) -> dict | None:
         return {key: {"memory": mebibytes(ENTRY_MEMORY[key]), "cpu": ENTRY_CPU[key]} for key in ("requests", "limits")}
     settings = load_settings(environ=env)
     shard = stage_bytes(models_dir, fn.model, fn.stage.first, fn.stage.last)
-    config = Manifest.load(models_dir / fn.model).config
-    need = StageFootprint(shard, settings.batching.kv_bytes, pass_bytes(config, settings.limits.max_pass_tokens))
+    manifest = Manifest.load(models_dir / fn.model)
+    need = StageFootprint(resident_weight_bytes(shard, manifest.dtype, settings.compute), settings.batching.kv_bytes,
+                          pass_bytes(manifest.config, settings.limits.max_pass_tokens))
     threads = settings.compute.threads
     # The compensator raises a replica's CPUs in place up to QUART_CPU_MAX: the limit lets it.
     return {"requests": {"memory": mebibytes(need.request_bytes), "cpu": str(threads)},

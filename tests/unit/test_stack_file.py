@@ -128,8 +128,22 @@ def test_resources_are_written_into_each_functions_block_and_nothing_else_change
 
 def test_a_stage_asks_for_its_shard_and_the_runtime_and_may_reach_its_kv_budget_and_a_pass() -> None:
     from models.sizes import RUNTIME_BYTES, StageFootprint, mebibytes, pass_bytes
-    need = StageFootprint(shard_bytes=300 << 20, kv_bytes=1 << 30, pass_bytes=pass_bytes({"intermediate_size": 1536}, 16384))
+    need = StageFootprint(weights_bytes=300 << 20, kv_bytes=1 << 30, pass_bytes=pass_bytes({"intermediate_size": 1536}, 16384))
     assert need.request_bytes == (300 << 20) + RUNTIME_BYTES
     assert need.limit_bytes == need.request_bytes + (1 << 30) + 16384 * 1536 * 12
     assert pass_bytes({"hidden_size": 384}, 10) == 10 * 4 * 384 * 12   # an encoder without intermediate_size
     assert (mebibytes(1 << 20), mebibytes((1 << 20) + 1)) == ("1Mi", "2Mi")
+
+
+def test_float32_weights_count_twice_where_both_packings_hold_them() -> None:
+    """A float32 stage on the CPU keeps its linears packed for oneDNN and for MKL's one-row sgemm
+    (models/packed_linear.py); a stage in 16 bits, quantized, unpacked or on a GPU holds its shard once."""
+    from contracts.config import ComputeConfig
+    from models.sizes import resident_weight_bytes
+    shard = 100 << 20
+    assert resident_weight_bytes(shard, "float32", ComputeConfig()) == 2 * shard
+    assert resident_weight_bytes(shard, "bfloat16", ComputeConfig(dtype="float32")) == 4 * shard   # widened, then twice
+    assert resident_weight_bytes(shard, "bfloat16", ComputeConfig()) == shard    # auto keeps a 16-bit checkpoint's dtype
+    assert resident_weight_bytes(shard, "float32", ComputeConfig(prepack=False)) == shard
+    assert resident_weight_bytes(shard, "float32", ComputeConfig(quantize="int8")) == shard
+    assert resident_weight_bytes(shard, "float32", ComputeConfig(device="cuda")) == shard
