@@ -38,13 +38,16 @@ ENTRY_CPU = {"requests": "500m", "limits": "1"}
 
 def resident_weight_bytes(shard_bytes: int, checkpoint_dtype: str, compute: ComputeConfig) -> int:
     """A stage's weights in memory at most: where it may serve in float32 with prepacked linears
-    (QUART_DTYPE float32, or auto on a float32 checkpoint and a host without bfloat16), its shards
-    widened to float32 and held twice, once per packing (models/packed_linear.py); else as stored."""
-    float32 = compute.dtype == "float32" or (compute.dtype == "auto" and checkpoint_dtype == "float32")
-    if compute.device != "cpu" or not float32 or not compute.prepack or compute.quantize:
+    (models/precision.py's choice on a host without native bfloat16), its shards widened to float32
+    and held twice, once per packing (models/packed_linear.py); else as stored."""
+    # Imported here: the runtime server and the autoscaler read stage_bytes without loading torch.
+    import torch
+
+    from models.precision import DTYPES, choose_dtype
+    served = choose_dtype(compute.dtype, checkpoint_dtype, compute.device, bf16_native=False)
+    if compute.device != "cpu" or served != torch.float32 or not compute.prepack or compute.quantize:
         return shard_bytes
-    itemsize = {"float32": 4, "float64": 8}.get(checkpoint_dtype, 2)
-    return 2 * shard_bytes * 4 // itemsize
+    return 2 * shard_bytes * served.itemsize // DTYPES.get(checkpoint_dtype, torch.float32).itemsize
 
 
 @dataclass(frozen=True)
