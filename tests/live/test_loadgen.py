@@ -17,7 +17,7 @@ import pytest
 
 from contracts.paths import REPO_ROOT as REPO
 from loadgen import arrivals as arr
-from loadgen.client import run
+from loadgen.client import OPENAI_PATH, run
 from loadgen.report import records_dir
 from loadgen.requests import Request
 from runtime.ports import free_port
@@ -28,8 +28,13 @@ from aiohttp import web
 async def answer(request):
     await asyncio.sleep(float(sys.argv[2]))
     return web.json_response({"stages": [{"stage": 0, "queue_ms": 1.0, "service_ms": 2.0}], "token_ids": [1, 2]})
+async def completions(request):  # an OpenAI-compatible server's answer: tokens counted in its usage
+    body = await request.json()
+    return web.json_response({"model": body["model"], "choices": [{"text": "x" * body["max_tokens"]}],
+                              "usage": {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]}})
 app = web.Application()
 app.router.add_post("/function/{name}", answer)
+app.router.add_post("/v1/completions", completions)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
 
@@ -65,6 +70,17 @@ def test_the_client_keeps_its_schedule_open_loop(endpoint):
     errors = np.array([r.schedule_error_s for r in records])
     assert (errors >= 0).all() and np.median(errors) < 0.05
     assert records[0].stages == [{"stage": 0, "queue_ms": 1.0, "service_ms": 2.0}] and records[0].output_tokens == 2
+
+
+def test_the_client_replays_against_an_openai_compatible_server(endpoint):
+    url = endpoint(0.0)
+    requests = [Request(i, 0.05 * i, "m", {"model": "m", "prompt": "hi", "max_tokens": 3 + i}, 1, 3 + i)
+                for i in range(4)]
+    records, _ = run(url, requests, progress=False, path=OPENAI_PATH)
+    assert all(r.ok for r in records), [r.error for r in records]
+    assert [r.output_tokens for r in records] == [3, 4, 5, 6]
+    # Without a path: the gateway's function route, as before.
+    assert run(url, requests[:1], progress=False)[0][0].output_tokens == 2
 
 
 def test_ctrl_c_stops_sending_and_keeps_what_was_measured(endpoint):
