@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from autoscaler.policy.arbitration import ModelRules
 from autoscaler.policy.idle import ModelActivity
 from autoscaler.policy.layout import ArrivalWindows, LayoutState
@@ -76,11 +74,10 @@ class Observer:
     def _stage(self, index: int, ref: StageRef, now: float, replicas: int, window: StageWindow) -> StageState:
         rows = self.records[ref].rows
         arrivals = [x.arrived_at for x in rows if x.arrived_at >= now - self.window_s] + list(window.backlog.arrivals)
-        service = np.array([x.service_ms for x in rows]) / 1000.0
-        wait = np.array([x.wait_ms for x in rows]) / 1000.0
-        if len(service):
-            self.service_s[ref] = float(service.mean())
-        return stage_state(index, self.window_s, Window.of(np.array(arrivals), service, wait),
+        w = Window.of(arrivals, [x.service_ms / 1000.0 for x in rows], [x.wait_ms / 1000.0 for x in rows])
+        if w.finished:
+            self.service_s[ref] = w.service_mean
+        return stage_state(index, self.window_s, w,
                            self.service_s.get(ref, 0.0), replicas, [float(x.cpus) for x in window.replicas],
                            window.backlog.waiting, window.backlog.in_flight)
 

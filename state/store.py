@@ -84,21 +84,54 @@ class Store(Protocol):
     def withdraw_zygote(self, server: str, stage: StageRef) -> None: ...
 
 
-def _window(cursor: str | None, records: list | Exception, stream: list | Exception, length: int | Exception,
-            pending: dict | Exception, live: list[ReplicaRecord]) -> StageWindow:
-    # A stream or group that does not exist yet reads as an error here: nothing in it.
-    records = [] if isinstance(records, Exception) else records
-    samples = tuple(StageSample.decode(i, f) for i, f in records)
-    in_flight = 0 if isinstance(pending, Exception) else int(pending["pending"])
-    waiting = max(0, (0 if isinstance(length, Exception) else length) - in_flight)
-    arrivals = () if isinstance(stream, Exception) else tuple(stream_ms(i) / 1000.0 for i, _ in stream)
-    return StageWindow(samples, records[-1][0].decode() if records else cursor, Backlog(waiting, in_flight, arrivals),
-                       tuple(live))
+# Every stage's window in one call per chunk of stages, where six commands a stage through
+# redis-py cost the autoscaler's tick most of its time at thousands of stages. KEYS: per stage its
+# records stream, its work stream, its replica set. ARGV[1]: the consumer group; ARGV[2]: the
+# window's first stream id; ARGV[3]: the replica hashes' key prefix; ARGV[3 + i]: stage i's first
+# record id. Per stage: its new records, its work items' ids (their arrival times; not their
+# payloads), the stream's length, the items held by a replica, and the live replicas' hashes;
+# expired ids leave the set. It reads the hashes its sets name, keys not in KEYS: a standalone
+# Redis (this project's) allows that; a Redis Cluster would not.
+_STAGE_WINDOWS = """
+local out = {}
+for i = 1, #KEYS / 3 do
+  local records, work, members = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local arrivals = {}
+  for _, entry in ipairs(redis.call('XRANGE', work, ARGV[2], '+')) do arrivals[#arrivals + 1] = entry[1] end
+  local pending = redis.pcall('XPENDING', work, ARGV[1])
+  if type(pending) ~= 'table' or pending.err then pending = {0} end
+  local live, dead = {}, {}
+  for _, id in ipairs(redis.call('SMEMBERS', members)) do
+    local h = redis.call('HGETALL', ARGV[3] .. id)
+    if #h > 0 then live[#live + 1] = h else dead[#dead + 1] = id end
+  end
+  if #dead > 0 then redis.call('SREM', members, unpack(dead)) end
+  out[i] = {redis.call('XRANGE', records, ARGV[3 + i], '+'), arrivals, redis.call('XLEN', work), pending[1], live}
+end
+return out
+"""
+# Stages a call reads: a call blocks Redis while it runs (about 10 µs a stage here).
+_WINDOWS_PER_CALL = 64
+
+
+def _window(cursor: str | None, records: list, arrivals: list, length: int, in_flight: int,
+            live: list[list[bytes]]) -> StageWindow:
+    """One stage's part of _STAGE_WINDOWS' answer."""
+    samples = tuple(StageSample.decode(i, _pairs(f)) for i, f in records)
+    replicas = sorted((ReplicaRecord.decode(_pairs(h)) for h in live), key=lambda r: r.replica_id)
+    backlog = Backlog(max(0, length - in_flight), in_flight, tuple(stream_ms(i) / 1000.0 for i in arrivals))
+    return StageWindow(samples, records[-1][0].decode() if records else cursor, backlog, tuple(replicas))
+
+
+def _pairs(flat: list) -> dict:
+    """A Lua script's flat [field, value, ...] as the dict redis-py makes of a hash or an entry."""
+    return dict(zip(flat[::2], flat[1::2]))
 
 
 class RedisStore:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
+        self._windows = r.register_script(_STAGE_WINDOWS)
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float | None = None) -> RedisStore:
@@ -188,22 +221,21 @@ class RedisStore:
         return [StageSample.decode(i, f) for i, f in self.r.xrevrange(keys.records_stream(model, stage), count=count)]
 
     def stage_windows(self, cursors: dict[Stage, str | None], since_s: float) -> dict[Stage, StageWindow]:
-        """Per stage, in two pipelined round trips for all of them: its records after `cursor`
-        (None: those written since `since_s`), its queue with the arrival times (stream IDs are
-        arrival times) of its stream's items since `since_s`, and its live replicas."""
+        """Per stage, in one round trip for all of them: its records after `cursor` (None: those
+        written since `since_s`), its queue with the arrival times (stream IDs are arrival times)
+        of its stream's items since `since_s`, and its live replicas."""
         since = f"{int(since_s * 1000)}-0"
+        stages = list(cursors)
         pipe = self.r.pipeline(transaction=False)
-        for (model, stage), cursor in cursors.items():
-            stream = keys.stage_stream(model, stage)
-            pipe.xrange(keys.records_stream(model, stage), min=f"({cursor}" if cursor else since)
-            pipe.xrange(stream, min=since)
-            pipe.xlen(stream)
-            pipe.xpending(stream, keys.GROUP)
-            pipe.smembers(keys.stage_replicas(model, stage))
-        raw = pipe.execute(raise_on_error=False)
-        per = {stage: raw[5 * i:5 * i + 5] for i, stage in enumerate(cursors)}
-        live = self.live_of({stage: got[4] for stage, got in per.items()})
-        return {stage: _window(cursors[stage], *got[:4], live[stage]) for stage, got in per.items()}
+        for start in range(0, len(stages), _WINDOWS_PER_CALL):
+            chunk = stages[start:start + _WINDOWS_PER_CALL]
+            self._windows(keys=[k for model, stage in chunk for k in (
+                              keys.records_stream(model, stage), keys.stage_stream(model, stage),
+                              keys.stage_replicas(model, stage))],
+                          args=[keys.GROUP, since, keys.replica(""),
+                                *(f"({cursors[s]}" if cursors[s] else since for s in chunk)], client=pipe)
+        answers = (answer for chunk in pipe.execute() for answer in chunk)
+        return {stage: _window(cursors[stage], *answer) for stage, answer in zip(stages, answers)}
 
     # -- key stages ----------------------------------------------------------------------------
 

@@ -85,6 +85,8 @@ class PipelineState:
         """Per stage, the heaviest source-to-sink path through it, by `weights` per stage (a
         chain: the total)."""
         n = len(self.stages)
+        if self.edges is None:  # a chain: one path through every stage
+            return [sum(weights)] * n
         before, after = list(weights), list(weights)
         for a, b in sorted(self.graph()):
             before[b] = max(before[b], before[a] + weights[b])

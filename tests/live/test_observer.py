@@ -1,5 +1,5 @@
 """The autoscaler's Observer against a real redis-server: every stage function of every model in
-two pipelined round trips, ranges read at their first stage, only new records read each tick with
+one round trip (a script per chunk of stages), ranges read at their first stage, only new records read each tick with
 the same state as a fresh read, and expired replicas not counted (and pruned)."""
 from __future__ import annotations
 

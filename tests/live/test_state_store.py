@@ -17,6 +17,7 @@ from state.memory import MemoryStore
 from state.records import (
     PIPELINED,
     Activity,
+    Backlog,
     CacheEvent,
     ColdStart,
     DecisionRecord,
@@ -24,6 +25,7 @@ from state.records import (
     Placement,
     ReplicaRecord,
     StageSample,
+    StageWindow,
     StartFailure,
     ZygoteRecord,
 )
@@ -179,6 +181,28 @@ def test_the_redis_store_counts_a_stages_waiting_and_taken_work(redis_client):
         redis_client.xadd(stream, {"k": str(k)})
     redis_client.xreadgroup(keys.GROUP, "c", {stream: ">"}, count=1)
     assert (s.backlog("m", 0).waiting, s.backlog("m", 0).in_flight) == (2, 1)
+
+
+def test_the_redis_stores_stage_windows_read_queues_and_prune_expired_replicas(redis_client):
+    """The one script that reads every stage at once: waiting and taken items with their
+    arrival times, live replicas in id order, expired ids gone from the set, a stage with no
+    stream or group read as empty (and more stages than one script call reads)."""
+    redis_client.flushdb()
+    s = RedisStore(redis_client)
+    stream = keys.stage_stream("m", 0)
+    redis_client.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    ids = [redis_client.xadd(stream, {"k": str(k)}, id=f"{1000 * (k + 1)}-0") for k in range(3)]
+    redis_client.xreadgroup(keys.GROUP, "c", {stream: ">"}, count=1)
+    for rid in ("m-s0.b.2", "m-s0.a.1", "m-s0.gone.3"):
+        s.register(replica(rid, first=0, last=1), ttl_s=60)
+    redis_client.delete(keys.replica("m-s0.gone.3"))        # its registration expired
+    cursors = {("m", 0): None, **{("other", k): None for k in range(300)}}
+    windows = s.stage_windows(cursors, since_s=0.0)
+    w = windows[("m", 0)]
+    assert (w.backlog.waiting, w.backlog.in_flight, w.backlog.arrivals) == (2, 1, (1.0, 2.0, 3.0)) and len(ids) == 3
+    assert [r.replica_id for r in w.replicas] == ["m-s0.a.1", "m-s0.b.2"]
+    assert redis_client.smembers(keys.stage_replicas("m", 0)) == {b"m-s0.a.1", b"m-s0.b.2"}
+    assert len(windows) == 301 and windows[("other", 299)] == StageWindow((), None, Backlog(0, 0, ()), ())
 
 
 def test_stage_windows_read_on_from_their_cursor(store):
