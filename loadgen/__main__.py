@@ -4,6 +4,9 @@
         replays against a running runtime (`make up`) and writes a report
     python -m loadgen compare --stack stack-emulated.yml --model llama-7b --policies quart,static
         starts a fresh runtime per policy, replays the same schedule against each, one report
+    python -m loadgen replay --openai http://127.0.0.1:8000 --model smollm2 --max-new-tokens 16
+        replays a generative model's schedule against any OpenAI-compatible server (vLLM, this
+        project's own `/v1`): streamed completions, TTFT and TPOT as the client sees them
 
 Arrivals: --arrivals gamma (--rate, --cv), poisson (--rate), azure (--trace
 invocations_per_function_md.anon.d01.csv, --functions N picked with the seed and mapped round
@@ -19,7 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +32,11 @@ from contracts.config import Settings, add_arguments, exit_on_config_error, sett
 from contracts.http_client import GatewayClient, HttpClient
 from contracts.stack import pipelines, read_stack
 from loadgen import arrivals as arr
+from loadgen.client import FUNCTION_PATH, OPENAI_PATH
 from loadgen.client import run as replay
 from loadgen.metrics import summarize
 from loadgen.report import write
-from loadgen.requests import PromptPool, Request, build, kind_of
+from loadgen.requests import PromptPool, Request, as_openai, build, kind_of
 from loadgen.timeline import Sampler, stage_arrivals, timeline
 from state.store import RedisStore
 
@@ -49,6 +53,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help='compare: one policy\'s QUART_POLICY_PARAMS, e.g. inferline=\'{"plan_rps": 20, "plan_cv": 4}\'')
     p.add_argument("--tail", type=float, default=10.0, help="seconds sampled after the last request")
     p.add_argument("--label", default=None, help="replay: the run's name in the report")
+    p.add_argument("--openai", default=None, metavar="URL",
+                   help="replay: against this OpenAI-compatible server's /v1/completions instead of the gateway")
     p.add_argument("--out", default=None)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tpot-slo-ms", type=float, default=None,
@@ -117,23 +123,16 @@ class Profile:
     tpot_s: float | None
 
 
-def profile_latency(gateway: str, request: Request, count: int = 8) -> Profile:
-    client = HttpClient(gateway, timeout=120)
-    times, ttft, tpot = [], [], []
-    for i in range(count + 2):
-        t0 = time.perf_counter()
-        reply = client.request("POST", f"/function/{request.model}", request.body)
-        if reply.status != 200:
-            raise SystemExit(f"profiling {request.model} failed: {reply.status} {reply.body[:200]!r}")
-        answer = reply.json()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-            if "ttft_ms" in answer:
-                ttft.append(answer["ttft_ms"] / 1000.0)
-                if len(answer["token_ids"]) > 1:
-                    tpot.append(answer["tpot_ms"] / 1000.0)
+def profile_latency(url: str, request: Request, path: str = FUNCTION_PATH, count: int = 8) -> Profile:
+    """The model unloaded: `count` requests one at a time after two warm-ups, sent and timed as
+    the replay sends and times them."""
+    sent = [replay(url, [replace(request, at=0.0)], progress=False, path=path)[0][0] for _ in range(count + 2)]
+    if failed := next((r for r in sent if not r.ok), None):
+        raise SystemExit(f"profiling {request.model} failed: {failed.status} {failed.error}")
+    kept = sent[2:]
     median = (lambda xs: float(np.median(xs)) if xs else None)
-    return Profile(float(np.median(times)), median(ttft), median(tpot))
+    return Profile(float(np.median([r.latency_s for r in kept])), median([r.ttft_s for r in kept if r.ttft_s >= 0]),
+                   median([r.tpot_s for r in kept if r.tpot_s >= 0 and r.output_tokens > 1]))
 
 
 def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) -> dict:
@@ -143,7 +142,7 @@ def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) 
     stages = found.num_stages if found else 0
     store = RedisStore.from_url(settings.redis_url)
     profiled = profile_latency(settings.gateway.url, requests[0])
-    tpot_slo = a.tpot_slo_ms / 1000.0 if a.tpot_slo_ms else (2.0 * profiled.tpot_s if profiled.tpot_s else None)
+    tpot_slo = _tpot_slo(a, profiled)
     sampler = Sampler(store, model, stages).start()
     try:
         records, start = replay(settings.gateway.url, requests, timeout_s=settings.data.request_timeout_s + 30,
@@ -156,6 +155,30 @@ def one_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) 
     return {"summary": summarize(records, profiled.latency_s, duration, sampler.replica_seconds(),
                                  warm_ttft_s=profiled.ttft_s, tpot_slo_s=tpot_slo),
             "timeline": t, "records": records}
+
+
+def openai_run(a: argparse.Namespace, settings: Settings, requests: list[Request]) -> dict:
+    """Profile and replay against the OpenAI-compatible server at --openai, and summarise (no
+    timeline: its replicas and queues are not this project's to read)."""
+    url = a.openai.rstrip("/")
+    try:
+        requests = [as_openai(r) for r in requests]
+    except ValueError as exc:
+        raise SystemExit(f"--openai: {exc}") from None
+    if not HttpClient(url, timeout=10).healthy("/v1/models"):
+        raise SystemExit(f"no OpenAI-compatible server answers GET {url}/v1/models")
+    profiled = profile_latency(url, requests[0], OPENAI_PATH)
+    records, _ = replay(url, requests, timeout_s=settings.data.request_timeout_s + 30, progress=not a.no_progress,
+                        path=OPENAI_PATH)
+    duration = max(req.at for req in requests) or 1.0
+    return {"summary": summarize(records, profiled.latency_s, duration, warm_ttft_s=profiled.ttft_s,
+                                 tpot_slo_s=_tpot_slo(a, profiled)),
+            "timeline": {}, "records": records}
+
+
+def _tpot_slo(a: argparse.Namespace, profiled: Profile) -> float | None:
+    """--tpot-slo-ms, else twice the unloaded TPOT (HydraServe's rule)."""
+    return a.tpot_slo_ms / 1000.0 if a.tpot_slo_ms else (2.0 * profiled.tpot_s if profiled.tpot_s else None)
 
 
 def conditions(a: argparse.Namespace, settings: Settings, requests: list[Request]) -> dict:
@@ -209,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings.replace(stack_file=str(Path(settings.stack_file).resolve()))
     requests = make_requests(a, settings)
     out = Path(a.out) if a.out else Path(settings.home) / "reports" / time.strftime("%Y%m%d-%H%M%S")
-    if a.command == "compare":
+    if a.openai:
+        if a.command != "replay":
+            raise SystemExit("--openai goes with replay (compare starts this project's runtimes)")
+        runs = {a.label or "openai": openai_run(a, settings, requests)}
+    elif a.command == "compare":
         runs = compare(a, settings, requests)
     else:
         if not GatewayClient(settings.gateway.url).healthy():

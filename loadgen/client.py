@@ -55,13 +55,43 @@ def _output_tokens(answer: dict) -> int:
     return 0
 
 
+async def _read_stream(resp: aiohttp.ClientResponse, rec: Record, sent: float) -> None:
+    """An OpenAI-compatible server's streamed completion (server-sent events): TTFT at the first
+    chunk that carries text, TPOT over the rest, tokens from the closing usage where it comes (else
+    one a text chunk); an error event in the stream fails the record."""
+    loop = asyncio.get_running_loop()
+    first, chunks, usage = None, 0, None
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        if (data := line[5:].strip()) == b"[DONE]":
+            break
+        event = json.loads(data)
+        if isinstance(event.get("error"), dict):
+            rec.status, rec.error = 0, str(event["error"].get("message", event["error"]))[:200]
+            return
+        if any(c.get("text") or (c.get("delta") or {}).get("content") for c in event.get("choices") or []):
+            chunks += 1
+            first = loop.time() if first is None else first
+        usage = event.get("usage") or usage
+    end = loop.time()
+    rec.output_tokens = _output_tokens({"usage": usage}) or chunks
+    if first is not None:
+        rec.ttft_s = first - sent
+        rec.tpot_s = (end - first) / (rec.output_tokens - 1) if rec.output_tokens > 1 else 0.0
+
+
 async def _send(session: aiohttp.ClientSession, url: str, req: Request, rec: Record, t0: float) -> None:
     loop = asyncio.get_running_loop()
     rec.sent = loop.time() - t0
     try:
         async with session.post(url, json=req.body) as resp:
-            body = await resp.read()
             rec.status = resp.status
+            if rec.ok and req.body.get("stream"):
+                await _read_stream(resp, rec, t0 + rec.sent)
+                rec.latency_s = loop.time() - t0 - rec.sent
+                return
+            body = await resp.read()
         rec.latency_s = loop.time() - t0 - rec.sent
         if rec.ok:
             answer = json.loads(body)
@@ -74,7 +104,7 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request, rec: Rec
             rec.error = body[:200].decode(errors="replace")
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         rec.latency_s = loop.time() - t0 - rec.sent
-        rec.error = f"{type(exc).__name__}: {exc}"
+        rec.status, rec.error = 0, f"{type(exc).__name__}: {exc}"  # no whole answer, whatever the status said
 
 
 async def replay(gateway: str, requests: list[Request], timeout_s: float = 300.0, progress: bool = True,

@@ -67,7 +67,7 @@ def markdown(title: str, conditions: dict, runs: dict[str, dict]) -> str:
     lines += ["", f"Profiled (unloaded) latency: {_ms(profiled)} ms; goodput counts answers within "
               f"{first['summary']['slo_scale'] if first else 2:g}× that. SLO attainment counts failed requests "
               "as misses.", "", "![latency CDF](latency_cdf.png)", "![SLO attainment](slo_attainment.png)",
-              "![timelines](timelines.png)", "![stages](stages.png)", ""]
+              *(["![timelines](timelines.png)", "![stages](stages.png)"] if _timelines(runs) else []), ""]
     return "\n".join(lines)
 
 
@@ -95,6 +95,8 @@ def plots(out: Path, runs: dict[str, dict]) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend()
     paths.append(_save(fig, out / "slo_attainment.png"))
+    if not _timelines(runs):  # a replay against another server: its replicas and queues are not read
+        return paths
 
     fig, axes = plt.subplots(len(runs), 3, figsize=(15, 2.8 * len(runs)), squeeze=False)
     for row, (policy, run) in enumerate(runs.items()):
@@ -123,6 +125,10 @@ def plots(out: Path, runs: dict[str, dict]) -> list[Path]:
     a.legend(fontsize=7)
     paths.append(_save(fig, out / "stages.png"))
     return paths
+
+
+def _timelines(runs: dict[str, dict]) -> bool:
+    return any(run["timeline"] for run in runs.values())
 
 
 def _save(fig, path: Path) -> Path:

@@ -31,6 +31,18 @@ def kind_of(model: str) -> str:
     return "embed" if "minilm" in model else "generate"
 
 
+def as_openai(r: Request) -> Request:
+    """A generation request as an OpenAI completion (for an OpenAI-compatible server): the same
+    prompt and length, greedy, end of text ignored (vLLM's extra field, which this project's
+    endpoint also takes), streamed with its usage at the end, so that the replay times the first
+    token. ValueError for a request that is not a generation."""
+    if "prompt" not in r.body:
+        raise ValueError(f"{r.model}: only generative models' requests can go to an OpenAI-compatible server")
+    body = {"model": r.model, "prompt": r.body["prompt"], "max_tokens": r.max_new_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    return Request(r.index, r.at, r.model, body, r.prompt_tokens, r.max_new_tokens)
+
+
 class PromptPool:
     def __init__(self, prompts: list[str]) -> None:
         if not prompts:

@@ -19,22 +19,38 @@ from contracts.paths import REPO_ROOT as REPO
 from loadgen import arrivals as arr
 from loadgen.client import OPENAI_PATH, run
 from loadgen.report import records_dir
-from loadgen.requests import Request
+from loadgen.requests import Request, as_openai
 from runtime.ports import free_port
 
 ENDPOINT = """
-import asyncio, sys
+import asyncio, json, sys
 from aiohttp import web
 async def answer(request):
     await asyncio.sleep(float(sys.argv[2]))
     return web.json_response({"stages": [{"stage": 0, "queue_ms": 1.0, "service_ms": 2.0}], "token_ids": [1, 2]})
 async def completions(request):  # an OpenAI-compatible server's answer: tokens counted in its usage
     body = await request.json()
-    return web.json_response({"model": body["model"], "choices": [{"text": "x" * body["max_tokens"]}],
-                              "usage": {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]}})
+    usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]}
+    if not body.get("stream"):
+        return web.json_response({"model": body["model"], "choices": [{"text": "x" * body["max_tokens"]}],
+                                  "usage": usage})
+    reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await reply.prepare(request)
+    send = lambda event: reply.write(("data: " + json.dumps(event) + "\\n\\n").encode())
+    await asyncio.sleep(0.3)  # the prefill
+    for k in range(body["max_tokens"]):
+        if body["prompt"] == "fail" and k == 1:
+            await send({"error": {"message": "the engine died", "code": 500}})
+            return reply
+        await send({"choices": [{"index": 0, "text": "x"}]})
+        await asyncio.sleep(0.05)
+    await send({"choices": [], "usage": usage})
+    await reply.write(b"data: [DONE]\\n\\n")
+    return reply
 app = web.Application()
 app.router.add_post("/function/{name}", answer)
 app.router.add_post("/v1/completions", completions)
+app.router.add_get("/v1/models", lambda request: web.json_response({"object": "list", "data": []}))
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
 
@@ -81,6 +97,35 @@ def test_the_client_replays_against_an_openai_compatible_server(endpoint):
     assert [r.output_tokens for r in records] == [3, 4, 5, 6]
     # Without a path: the gateway's function route, as before.
     assert run(url, requests[:1], progress=False)[0][0].output_tokens == 2
+
+
+def test_the_client_times_a_streamed_completion_and_fails_on_an_error_in_the_stream(endpoint):
+    url = endpoint(0.0)
+    requests = [as_openai(Request(i, 0.0, "m", {"prompt": prompt, "max_new_tokens": 5}, 1, 5))
+                for i, prompt in enumerate(["hi", "fail"])]
+    good, bad = run(url, requests, progress=False, path=OPENAI_PATH)[0]
+    assert good.ok and good.output_tokens == 5, good.error
+    assert 0.3 <= good.ttft_s < good.latency_s and 0.04 <= good.tpot_s < 0.3   # 0.3 s prefill, 50 ms a token
+    assert bad.status == 0 and bad.error == "the engine died" and not bad.ok
+    with pytest.raises(ValueError, match="only generative"):
+        as_openai(Request(0, 0.0, "llama-7b", {"tokens": 16}, 16, 0))
+
+
+def test_replay_against_an_openai_compatible_server_from_the_command_line(endpoint, tmp_path):
+    url, out = endpoint(0.0), tmp_path / "report"
+    command = [sys.executable, "-m", "loadgen", "replay", "--openai", url, "--model", "m", "--arrivals", "poisson",
+               "--rate", "4", "--duration", "2", "--max-new-tokens", "4", "--tail", "0", "--out", str(out),
+               "--no-progress", "--home", str(tmp_path / "home")]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "results.json").read_text())["runs"]["openai"]["summary"]
+    assert summary["sent"] == summary["ok"] > 0 and 0.45 < summary["profiled_s"] < 2.0
+    tokens = summary["tokens"]   # 0.3 s to the first token, 50 ms a token after it, as the client saw them
+    assert 0.3 <= tokens["ttft_s"]["p50"] < 1.0 and 0.04 <= tokens["tpot_s"]["p50"] < 0.3
+    assert (out / "latency_cdf.png").exists() and not (out / "timelines.png").exists()
+    for wrong, says in ((["--model", "llama-7b"], "only generative"), (["--openai", url + "/nothing"], "/v1/models")):
+        refused = subprocess.run([*command, *wrong], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0 and says in refused.stderr, refused.stderr[-2000:]
 
 
 def test_ctrl_c_stops_sending_and_keeps_what_was_measured(endpoint):
