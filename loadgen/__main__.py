@@ -186,7 +186,8 @@ def conditions(a: argparse.Namespace, settings: Settings, requests: list[Request
             **({"rate_rps": a.rate, "cv": a.cv if a.arrivals == "gamma" else 1.0, "duration_s": a.duration}
                if a.arrivals in ("gamma", "poisson") else {"trace": Path(a.trace).name}),
             "seed": a.seed, "slo_s": settings.autoscaler.slo_s, "tick_s": settings.autoscaler.tick_s, "window_s": settings.autoscaler.window_s,
-            "emulated": all(kind_of(m) == "emulated" for m in a.model.split(","))}
+            "emulated": all(kind_of(m) == "emulated" for m in a.model.split(",")),
+            **({"openai_server": a.openai} if a.openai else {})}
 
 
 def policy_params(items: list[str]) -> dict[str, dict]:
