@@ -17,6 +17,7 @@ from benchmarks import (
     consolidation,
     containers,
     data_plane_cpu,
+    execute_while_load,
     faults,
     freshness,
     generation,
@@ -60,6 +61,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "simulator_out_of_sample": lambda: simulator_out_of_sample.main([]),
               "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([]),
               "data_plane_cpu": lambda: data_plane_cpu.main([]), "bursts": lambda: bursts.main([]),
+              "execute_while_load": lambda: execute_while_load.main([]),
               **{f"generation_{m}": lambda m=m: generation.main(["--model", m]) for m in generation.FAMILY_SHAPES}}
 # Those that take options of their own: `python -m benchmarks NAME --option ...`.
 WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "coldstart": coldstart.main,
@@ -67,7 +69,8 @@ WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "c
                 "simulator_coldstart": simulator_coldstart.main, "simulator_policies": simulator_policies.main,
                 "simulator_out_of_sample": simulator_out_of_sample.main,
                 "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main,
-                "bursts": bursts.main, "soak": soak.main, "multicast": multicast.main, "peer_start": peer_start.main}
+                "bursts": bursts.main, "soak": soak.main, "multicast": multicast.main, "peer_start": peer_start.main,
+                "execute_while_load": execute_while_load.main}
 
 
 def main(argv: list[str]) -> int:

@@ -146,6 +146,7 @@ class ServersConfig:
     store_bandwidth: float = 1e9
     cold_deadline_s: float = 60.0
     scheduler_params: dict = field(default_factory=dict)
+    execute_while_load: bool = True
 
 
 @dataclass(frozen=True)
@@ -513,6 +514,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_COLD_DEADLINE_S", "servers.cold_deadline_s", "a cold start must have read its shard by then (HydraServe)",
         _positive),
     Var("QUART_SCHEDULER_PARAMS", "servers.scheduler_params", "the scheduler's parameters as JSON (`SchedulerParams`)"),
+    Var("QUART_EXECUTE_WHILE_LOAD", "servers.execute_while_load",
+        "a whole-model replica receiving its shards from peers gets the model's stage functions on its server "
+        "beside it, each serving once its shard is whole, until the whole replica is ready (λScale's "
+        "execute-while-load and mode switch); false: the whole replica alone"),
     Var("QUART_STREAM_LOAD", "coldstart.stream",
         "a cold replica builds its tensors as its shard's bytes arrive (HydraServe §5.2); false waits for the whole shard"),
     Var("QUART_OVERLAP_IMPORTS", "coldstart.overlap",

@@ -57,6 +57,9 @@ class ReplicaProcess:
     probed_at: float = 0.0
     failed_probes: int = 0
     placement: Placement | None = None  # the scheduler's, until the replica is first ready
+    # Execute-while-load: the whole-model replica on this server that this stage replica serves in
+    # place of while that one's shards arrive (runtime/placer.py); None: one of its function's own.
+    stands_in_for: ReplicaId | None = None
 
     @property
     def pid(self) -> int:
@@ -69,7 +72,8 @@ class ReplicaProcess:
     def snapshot(self) -> dict:
         return {"pid": self.pid, "start_ticks": start_time(self.pid), "port_file": str(self.port_file),
                 "port": self.port, "server": self.server, "started_by": self.started_by,
-                "since": self.started, "draining_since": self.draining_since}
+                "since": self.started, "draining_since": self.draining_since,
+                "stands_in_for": [self.stands_in_for.server, self.stands_in_for.pid] if self.stands_in_for else None}
 
     @classmethod
     def restore(cls, saved: dict) -> ReplicaProcess | None:
@@ -77,8 +81,10 @@ class ReplicaProcess:
         proc = WatchedProcess(saved["pid"], saved["start_ticks"])
         if proc.poll() is not None:
             return None
+        stands_in_for = saved.get("stands_in_for")
         return cls(proc, Path(saved["port_file"]), saved["server"], saved["started_by"], saved["since"],
-                   saved["port"], draining_since=saved["draining_since"])
+                   saved["port"], draining_since=saved["draining_since"],
+                   stands_in_for=ReplicaId(*stands_in_for) if stands_in_for else None)
 
 
 @dataclass
@@ -121,6 +127,11 @@ class FunctionState:
 
     def serving(self) -> list[ReplicaProcess]:
         return [r for r in self.replicas if r.draining_since is None]
+
+    def own(self) -> list[ReplicaProcess]:
+        """The serving replicas that count towards `desired`: not those standing in for a
+        whole-model replica while it loads."""
+        return [r for r in self.serving() if r.stands_in_for is None]
 
     def ready(self) -> list[ReplicaProcess]:
         return [r for r in self.serving() if r.ready]

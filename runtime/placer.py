@@ -1,7 +1,17 @@
 """Puts the scheduler's decisions into effect on the embedded runtime's virtual servers: reads
 what each server holds (slots in use, zygotes, cold starts under way) and the key stages, asks
-`scheduler.placement.Scheduler` where new replicas go and which ones leave, then starts (fork or
-cold) and drains them. Every decision is logged and added to the `quart:placements` stream."""
+`scheduler.placement.Scheduler` where new replicas go and which ones leave, then starts (fork,
+cold or peer) and drains them. Every decision is logged and added to the `quart:placements` stream.
+
+λScale's execute-while-load (§4.3) and mode switch (§4.4): a whole-model replica that receives its
+shards from peers gets, on its server, a stand-in replica of each of the model's stage functions,
+following the same shards. The multicast sends a model's shards in a different order to each
+sub-group (runtime/multicast.send_stage), so servers hold different whole shards early; each
+stand-in serves once its shard is whole, and requests flow through the stage streams across
+servers, a pipeline before any server holds the whole model. Once the whole replica is ready the
+stand-ins on its server drain, handing their KV caches over as a consolidating pipeline does
+(engine/batch_policy.handover_peer: to the wider replica, else a peer of their stage). Stand-ins
+hold slots but are not their functions' own: the scheduler neither counts nor removes them."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +19,7 @@ import time
 from dataclasses import replace
 
 from contracts.config import Settings
-from contracts.stack import ttft_slo_s
+from contracts.stack import is_whole, ttft_slo_s
 from keysmanager.client import KeysManagerError
 from models.sizes import stage_bytes
 from runtime.functions import FunctionState, ProcessManager, ReplicaProcess
@@ -38,8 +48,9 @@ class Placer:
     def converge(self, functions: list[FunctionState], draining: list[FunctionState]) -> Schedule | None:
         """One round: each function towards its desired replica count."""
         now = time.time()
+        self._switch(functions)
         by_stage = {fn.stage_key: fn for fn in functions}
-        deltas = {fn.name: fn.desired - len(fn.serving()) for fn in functions}
+        deltas = {fn.name: fn.desired - len(fn.own()) for fn in functions}
         # A function whose last replicas exited before they were ready waits its back-off.
         moving = [fn for fn in functions if deltas[fn.name] and not (deltas[fn.name] > 0 and fn.retry_at > now)]
         if not moving:
@@ -110,6 +121,8 @@ class Placer:
             replica.placement = p
             records.append(Placement("add", p.stage, p.reason, p.server, p.path, str(replica.id), replica.started_by,
                                      predicted_s=p.predicted_s))
+            if p.path == "peer":
+                records += self._stand_ins(by_stage[p.stage], replica, list(by_stage.values()))
         unplaced = set(schedule.unplaced)
         for stage, why in unplaced - self._unplaced:
             log.warning("cannot place a replica of %s: %s", stage, why)
@@ -138,6 +151,48 @@ class Placer:
                     out[i] = replace(out[i], path="cold", reason=f"{out[i].reason}; the multicast failed: {exc}")
         return out
 
+    def _stand_ins(self, whole: FunctionState, replica: ReplicaProcess,
+                   functions: list[FunctionState]) -> list[Placement]:
+        """Execute-while-load: on `replica`'s server, a stand-in of each stage function of its
+        model, where `whole` serves the whole model, its stage functions cover it shard by shard
+        and none of them serves (a model running as its pipeline has no need of them); their
+        placements."""
+        if not self.settings.servers.execute_while_load or not is_whole(whole):
+            return []
+        parts = sorted((fn for fn in functions if fn.stage is not None and fn.stage.model == whole.stage.model
+                        and not is_whole(fn)), key=lambda fn: fn.stage)
+        if len(parts) < 2 or [i for fn in parts for i in fn.stage.indices()] != list(whole.stage.indices()) \
+                or any(fn.own() for fn in parts):
+            return []
+        records = []
+        for part in parts:
+            stand_in = self.processes.spawn(part, replica.server, "peer")
+            stand_in.stands_in_for = replica.id
+            records.append(Placement("add", part.stage_key, f"execute-while-load: stands in for {whole.name} "
+                                     f"{replica.id} while its shards arrive", replica.server, "peer",
+                                     str(stand_in.id), stand_in.started_by))
+        return records
+
+    def _switch(self, functions: list[FunctionState]) -> None:
+        """The mode switch: stand-ins whose whole replica is ready drain (their caches go to it),
+        and so do those whose whole replica is gone or leaving."""
+        whole = {r.id: r for fn in functions for r in fn.replicas}
+        records = []
+        for fn in functions:
+            for r in fn.serving():
+                if r.stands_in_for is None:
+                    continue
+                target = whole.get(r.stands_in_for)
+                if target is None or target.draining_since is not None or target.ready:
+                    self.processes.drain(r)
+                    why = "mode switch: the whole replica is ready" if target is not None and target.ready \
+                        else "the whole replica it stood in for is gone"
+                    records.append(Placement("remove", fn.stage_key, why, r.server, replica=str(r.id), t=time.time()))
+        for record in records:
+            log.info("%s", record)
+        if records:
+            self.store.add_placements(records, self.settings.data.records_maxlen)
+
     def started(self, fn: FunctionState, replica: ReplicaProcess) -> None:
         """A replica is ready: how long its start took beside the scheduler's prediction, in
         `quart:placements` (op "ready")."""
@@ -152,5 +207,7 @@ class Placer:
 
 
 def _placed(fn: FunctionState, r: ReplicaProcess) -> tuple[PlacedReplica, bool]:
-    """A replica as the scheduler sees it, and whether it drains."""
-    return PlacedReplica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started), r.draining_since is not None
+    """A replica as the scheduler sees it, and whether it is not the scheduler's to count or
+    remove (it drains, or stands in for a whole replica: either way it holds its slot)."""
+    return PlacedReplica(r.id, fn.stage_key, r.server, r.started_by, r.ready, r.started), \
+        r.draining_since is not None or r.stands_in_for is not None

@@ -351,3 +351,25 @@ def test_a_shard_being_received_is_not_prefetched_as_well(servers):
     assert sha256(servers.received("vm-3", info.shard)) == info.sha256
     client.cancel_prefetch(MODEL)
     client.cancel_receptions(MODEL)
+
+
+def test_a_stage_of_several_shards_goes_as_one_model_each_subgroup_completing_its_part_first(servers):
+    """λScale's Algorithm 1 across a stage's shards (`send_stage`): with two holders, vm-2 (in
+    vm-0's sub-group) holds shard 0 whole before shard 1 and vm-3 (in vm-1's) shard 1 before
+    shard 0, so that early on different servers hold different whole shards; both end with
+    every shard, byte for byte."""
+    stage, models = StageRef(MODEL, 0, 2), servers.settings["vm-0"].models_dir
+    first, second = (servers.manifest.stages[i] for i in stage.indices())
+    for name in ("vm-1", "vm-2", "vm-3"):
+        servers.clients[name].cancel_receptions(MODEL)
+    multicast.send_stage(servers.clients, stage, ["vm-0"], ["vm-1"], 4, models)
+    for info in (first, second):
+        assert multicast.wait(servers.clients, ["vm-1"], info.shard, 60)["vm-1"]["state"] == "done"
+    p = multicast.send_stage(servers.clients, stage, ["vm-0", "vm-1"], ["vm-2", "vm-3"], 4, models)
+    views = {info.shard: multicast.wait(servers.clients, ["vm-2", "vm-3"], info.shard, 120) for info in (first, second)}
+    assert {v["state"] for by in views.values() for v in by.values()} == {"done"}, views
+    assert p.groups == (("vm-0", "vm-2"), ("vm-1", "vm-3")) and p.blocks == 4
+    assert views[first.shard]["vm-2"]["finished"] < views[second.shard]["vm-2"]["finished"]
+    assert views[second.shard]["vm-3"]["finished"] < views[first.shard]["vm-3"]["finished"]
+    for name in ("vm-2", "vm-3"):
+        assert [sha256(servers.received(name, info.shard)) for info in (first, second)] == [first.sha256, second.sha256]
