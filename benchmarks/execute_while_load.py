@@ -8,8 +8,9 @@ once their whole replicas are ready. Measured from the scale call: the first ans
 entirely on the new servers, the first new whole replica ready, and the answers in between.
 
 On this 2-core machine the new servers add no compute (every virtual server shares the same two
-cores), so what execute-while-load changes here is when the new servers start answering, not the
-throughput; the link speed is set low enough that the transfer, not the cores, sets the pace.
+cores): what means something here is when the new servers start answering; the stand-ins' loading
+competes with the serving replicas for the cores. The link speed is set low enough that the
+transfer, not the cores, sets the pace of the scale-out.
 
     python -m benchmarks execute_while_load [--bandwidth 2.5e7] [--senders 2]
 """
