@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.report import SERVING, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -166,7 +166,10 @@ def scale_out(settings: Settings, senders: int) -> dict:
     on_new = [a for a in sent.answers if a.at > t0 and a.servers and set(a.servers) <= set(targets)]
     across = [a for a in on_new if len(a.servers) == 4 and len(set(a.servers)) == 2]
     after = [a for a in sent.answers if a.at > t0]
-    return {"paths": sorted({p.path for p in placed if p.op == "add" and p.stage == StageRef(MODEL, 0, 4).key}),
+    where = {"stand-ins": [(a.at - t0, a.latency_s) for a in on_new if len(a.servers) == 4],
+             "new whole replicas": [(a.at - t0, a.latency_s) for a in on_new if len(a.servers) == 1],
+             "holders": [(a.at - t0, a.latency_s) for a in sent.answers if a.servers and a not in on_new]}
+    return {"where": where,"paths": sorted({p.path for p in placed if p.op == "add" and p.stage == StageRef(MODEL, 0, 4).key}),
             "stand_ins": sum(p.op == "add" and "execute-while-load" in p.reason for p in placed),
             "first_new_s": min(a.at for a in on_new) - t0 if on_new else None,
             "first_across_s": min(a.at for a in across) - t0 if across else None,
@@ -175,6 +178,27 @@ def scale_out(settings: Settings, senders: int) -> dict:
             "answers": len(after), "failed": sum(a.status != 200 for a in after),
             "latency_p50_s": statistics.median(a.latency_s for a in after),
             "texts": sorted({a.text for a in sent.answers if a.status == 200}), "holders": holders, "targets": targets}
+
+
+def plot(runs: dict[bool, dict], path: Path) -> None:
+    """Each answer's latency at the time it came, by where it was computed, one panel an arm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, (on, run) in zip(axes, runs.items()):
+        for (label, points), colour in zip(run["where"].items(), ("tab:blue", "tab:orange", "tab:green")):
+            if points:
+                ax.scatter(*zip(*points), s=14, label=label, color=colour)
+        ax.axvline(run["whole_ready_s"], color="grey", ls="--", lw=1, label="first new whole replica ready")
+        ax.axvline(0.0, color="black", lw=0.8)
+        ax.set(title="execute-while-load" if on else "whole replicas only", xlabel="s from the scale call",
+               ylabel="latency (s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def one(base: Settings, bandwidth: float, senders: int, execute_while_load: bool) -> dict:
@@ -220,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
                 ["arm", "path", "stand-ins", "first answer on new", "first across new", "new whole ready",
                  "answered by stand-ins", "answers", "failed", "latency p50"], rows))
     print(f"one answer text in every run: {same}")
+    plot(runs, RESULTS / "execute_while_load.png")
     path = write("execute_while_load", figures, conditions(
         model=MODEL, model_bytes=model_bytes, bandwidth=args.bandwidth, senders=args.senders, runs_per_arm=1,
         same_answer=same, servers=4, note="the first answer on new servers: every stage of it computed on them"))
