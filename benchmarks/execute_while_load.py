@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.peer_start import wait
 from benchmarks.report import RESULTS, SERVING, conditions, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
@@ -45,6 +46,7 @@ from state.store import RedisStore
 MEASURES = SERVING + ("loadgen",)  # the code measured (benchmarks/freshness.py)
 
 MODEL, WHOLE = "smollm2", "smollm2-whole"
+WHOLE_STAGES = StageRef(MODEL, 0, 4)  # what the whole function serves
 STAGE_FUNCTIONS = tuple(f"{MODEL}-s{i}" for i in range(4))
 BODY = {"prompt": "The capital of France is", "max_new_tokens": 8, "ignore_eos": True}
 
@@ -63,14 +65,6 @@ def settings_for(base: Settings, home: Path, bandwidth: float, execute_while_loa
         server_slots=8, virtual_disks=True, cache_stages="none", server_bandwidth=bandwidth,
         store_bandwidth=bandwidth, cold_deadline_s=600.0, request_timeout_s=300.0, admit_wait_s=0.0,
         drain_timeout_s=60.0, execute_while_load=execute_while_load)
-
-
-def wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} in {timeout_s:g} s")
-        time.sleep(0.25)
 
 
 def ready(client: GatewayClient) -> dict[str, int]:
@@ -95,14 +89,13 @@ def prepare(settings: Settings) -> tuple[list[str], list[str]]:
         own = settings.virtual_server(name)
         shutil.rmtree(own.model_dir(MODEL), ignore_errors=True)
         shutil.rmtree(own.prefetch_dir(name) / MODEL, ignore_errors=True)
-    whole = StageRef(MODEL, 0, 4)
     for name in holders:
         shutil.copytree(settings.model_dir(MODEL), settings.virtual_server(name).model_dir(MODEL), dirs_exist_ok=True)
-        keys(settings, name).cache(whole)
+        keys(settings, name).cache(WHOLE_STAGES)
     for name in holders:
-        wait(lambda name=name: any(z["stages"] == whole.stages for z in keys(settings, name).zygotes()), 600,
+        wait(lambda name=name: any(z["stages"] == WHOLE_STAGES.stages for z in keys(settings, name).zygotes()), 600,
              f"the whole model cached on {name}")
-    store.publish_key_stages(MODEL, (whole,))  # spread its replicas over the servers
+    store.publish_key_stages(MODEL, (WHOLE_STAGES,))  # spread its replicas over the servers
     if client.scale(WHOLE, 2).status != 202:
         raise RuntimeError("scaling the whole function to 2 was refused")
     wait(lambda: ready(client)[WHOLE] == 2, 600, "two whole replicas")
@@ -162,14 +155,15 @@ def scale_out(settings: Settings, senders: int) -> dict:
         wait(lambda: all(ready(client)[n] == 0 for n in STAGE_FUNCTIONS), 300, "no stand-in left")
         time.sleep(5.0)  # and after
     placed = store.placements()[before:]
-    whole_ready = min(p.t for p in placed if p.op == "ready" and p.stage == StageRef(MODEL, 0, 4).key)
+    whole_ready = min(p.t for p in placed if p.op == "ready" and p.stage == WHOLE_STAGES.key)
     on_new = [a for a in sent.answers if a.at > t0 and a.servers and set(a.servers) <= set(targets)]
     across = [a for a in on_new if len(a.servers) == 4 and len(set(a.servers)) == 2]
     after = [a for a in sent.answers if a.at > t0]
     where = {"stand-ins": [(a.at - t0, a.latency_s) for a in on_new if len(a.servers) == 4],
              "new whole replicas": [(a.at - t0, a.latency_s) for a in on_new if len(a.servers) == 1],
              "holders": [(a.at - t0, a.latency_s) for a in sent.answers if a.servers and a not in on_new]}
-    return {"where": where,"paths": sorted({p.path for p in placed if p.op == "add" and p.stage == StageRef(MODEL, 0, 4).key}),
+    return {"where": where,
+            "paths": sorted({p.path for p in placed if p.op == "add" and p.stage == WHOLE_STAGES.key}),
             "stand_ins": sum(p.op == "add" and "execute-while-load" in p.reason for p in placed),
             "first_new_s": min(a.at for a in on_new) - t0 if on_new else None,
             "first_across_s": min(a.at for a in across) - t0 if across else None,

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks.execute_while_load import BODY, MODEL, STAGE_FUNCTIONS, WHOLE, Senders, keys, prepare, ready, settings_for
+from benchmarks.execute_while_load import BODY, MODEL, STAGE_FUNCTIONS, WHOLE, WHOLE_STAGES, Senders, keys, prepare, ready, settings_for
 from contracts.http_client import GatewayClient
-from contracts.stage import StageRef
 from models.architectures import architecture
 from models.sources import bundled_dir
 from runtime import __main__ as control
@@ -48,7 +47,6 @@ def test_stand_ins_answer_across_servers_before_the_whole_model_arrives_and_swit
     expected = tokenizer.decode(greedy_reference(architecture("llama").reference(reference),
                                                  tokenizer(BODY["prompt"])["input_ids"], BODY["max_new_tokens"])[0],
                                 skip_special_tokens=True)
-    whole = StageRef(MODEL, 0, 4)
     with Senders(client, 3).running() as sent:
         before = len(store.placements())
         assert client.scale(WHOLE, 4).status == 202
@@ -56,7 +54,7 @@ def test_stand_ins_answer_across_servers_before_the_whole_model_arrives_and_swit
         wait_until(lambda: all(ready(client)[n] == 0 for n in STAGE_FUNCTIONS), 180, "the stand-ins gone")
 
     placed = store.placements()[before:]
-    wholes = [p for p in placed if p.op == "add" and p.stage == whole.key]
+    wholes = [p for p in placed if p.op == "add" and p.stage == WHOLE_STAGES.key]
     assert sorted(p.server for p in wholes) == targets and {p.path for p in wholes} == {"peer"}, wholes
     stand_ins = [p for p in placed if p.op == "add" and "execute-while-load" in p.reason]
     assert sorted((p.server, p.stage) for p in stand_ins) == sorted(
@@ -69,7 +67,7 @@ def test_stand_ins_answer_across_servers_before_the_whole_model_arrives_and_swit
     assert answers and all(a.status == 200 for a in answers), [a for a in answers if a.status != 200][:3]
     assert {a.text for a in answers} == {expected}
     # Some by stand-ins on both new servers together, before either held the whole model.
-    whole_ready = min(p.t for p in placed if p.op == "ready" and p.stage == whole.key)
+    whole_ready = min(p.t for p in placed if p.op == "ready" and p.stage == WHOLE_STAGES.key)
     last_shard = min(max(r["finished"] or 0.0 for r in keys(settings, name).receptions() if r["model"] == MODEL)
                      for name in targets)
     across = [a.at for a in answers if len(a.servers) == 4 and set(a.servers) == set(targets)]
