@@ -9,12 +9,12 @@ import itertools
 import time
 from collections.abc import Callable
 
-from frontend.objectives import Decision, Objectives, StepTimes, batch_bound, decide
+from frontend.objectives import HOPEFUL, Decision, Objectives, StepTimes, batch_bound, decide
 
 
 class Refused(Exception):
-    def __init__(self, decision: Decision, deadline: float) -> None:
-        super().__init__(f"predicted to finish {decision.completion_s - deadline:.1f} s after its deadline")
+    def __init__(self, decision: Decision, deadline: float, why: str) -> None:
+        super().__init__(f"predicted to finish {decision.completion_s - deadline:.1f} s after its deadline ({why})")
         self.decision = decision
 
 
@@ -56,13 +56,14 @@ class GenerationGate:
         """Refused when a request predicted to run behind those running and those queued with an
         earlier deadline would miss its own."""
         bound = self.bound()
-        tpot, tpot_now = self.steps.tpot(bound) or 0.0, self.steps.tpot(self.in_flight) or 0.0
+        tpot, tpot_now = (self.steps.tpot(n, HOPEFUL) or 0.0 for n in (bound, self.in_flight))
         running = [t.left * tpot_now for t in self._running for _ in range(t.weight)]
         ahead = [self.steps.prefill_s + max(0, t.tokens - 1) * tpot
                  for d, _, t in sorted(self._queue) for _ in range(t.weight) if d <= deadline]
         decision = decide(now, deadline, tokens, bound, self.steps, running, ahead)
         if not decision.admit:
-            raise Refused(decision, deadline)
+            raise Refused(decision, deadline, f"{len(running)} running, {len(ahead)} queued before it, at most {bound}"
+                                              f" at once, hopefully {tpot * 1000:.0f} ms a token")
 
     def _grant(self) -> None:
         bound = self.bound()
@@ -97,6 +98,8 @@ class Ticket:
         self.granted_at: float | None = None
         self.gone = False
         self._last: float | None = None
+        self._decode: tuple[float, float | None] | None = None  # its first token's time, the line's TPOT then
+        self._steps = 0
 
     @property
     def queued_s(self) -> float:
@@ -117,11 +120,16 @@ class Ticket:
         now = self.gate._clock()
         if self._last is None:
             self.gate.steps.prefill(now - (now if self.granted_at is None else self.granted_at))
+            self._decode = (now, self.gate.steps.line(self.gate.in_flight))
         else:
-            self.gate.steps.step(self.gate.in_flight, now - self._last)
+            self.gate.steps.step(self.gate.in_flight, now - self._last, self)
+            self._steps += 1
         self._last = now
         self.left = max(0.0, self.left - 1.0)
 
     def close(self) -> None:
-        if not self.gone:
-            self.gate._release(self)
+        if self.gone:
+            return
+        if self._decode and self._decode[1] and self._steps >= 3:  # what its decode took against the line's
+            self.gate.steps.took(self._decode[1], (self._last - self._decode[0]) / self._steps)
+        self.gate._release(self)

@@ -31,6 +31,24 @@ def test_the_tpot_line_and_the_bound_it_gives():
     assert steps((4, 0.2), (2, 0.3)).tpot(8) == pytest.approx(0.25)  # a falling line: flat, at the mean
 
 
+def test_a_bursts_first_steps_do_not_hide_what_the_last_burst_took():
+    """Each sequence's steps are averaged before the line is fitted, so a new burst's first steps
+    (waiting for its prefills) weigh one step per sequence against what whole sequences took."""
+    s = StepTimes()
+    for i in range(32):                                 # a burst of 32, each 16 tokens: 0.17 s a token
+        for t in [0.5] + [0.15] * 15:
+            s.step(32, t, ("first", i))
+    for i in range(16):                                 # quiet: one at a time
+        for _ in range(16):
+            s.step(1, 0.05, ("quiet", i))
+    for i in range(32):                                 # the next burst's first steps
+        s.step(32, 0.5, ("next", i))
+    # The 64 latest sequences: 32 of the new burst (1 step each), 16 quiet, 16 of the first burst.
+    whole = (16 * 16 * (0.5 + 15 * 0.15) / 16 + 32 * 0.5) / (16 * 16 + 32)
+    assert s.tpot(32) == pytest.approx(whole)           # about 0.21 s; the burst's steps alone: 0.5 s
+    assert s.tpot(1) == pytest.approx(0.05, abs=0.01)
+
+
 def test_deadlines_from_objectives_or_the_timeout():
     assert Objectives(2.0, 0.2, 120).deadline(100.0, 16) == pytest.approx(100 + 2 + 15 * 0.2)
     assert Objectives(0.0, 0.2, 120).deadline(100.0, 16) == 220.0
@@ -52,6 +70,19 @@ def test_refused_only_when_predicted_past_the_deadline():
     late = decide(0.0, 2.1, 16, 1, s, [4.0], [])
     assert not late.admit and late.start_s == 4.0 and late.retry_after_s == pytest.approx(4.0)
     assert decide(0.0, 0.001, 16, 1, StepTimes(), [9.0], []).admit   # nothing measured: no refusal
+
+
+def test_predictions_corrected_by_how_far_they_were_off():
+    s = steps(*[(1, 0.2)] * 4)
+    assert not decide(0.0, 2.0, 16, 1, s, [], []).admit    # 15 tokens at 0.2 s: 3 s, past 2
+    for took in [0.1] * 9 + [0.4] * 9:                       # sequences took half or twice the line's
+        s.took(0.2, took)
+    assert s.line(1) == pytest.approx(0.2)
+    assert s.tpot(1) == pytest.approx(0.4)                   # the median: the line's bias taken out
+    assert s.tpot(1, 0.1) == pytest.approx(0.1)              # the lowest tenth: hopeful
+    assert batch_bound(s, 0.4) == 2 and batch_bound(s, 0.3) == 1  # bounded by the corrected TPOT
+    assert decide(0.0, 2.0, 16, 1, s, [], []).admit          # hopefully 1.5 s: it waits its turn
+    assert not decide(0.0, 1.0, 16, 1, s, [], []).admit      # not even then
 
 
 class Clock:
@@ -108,4 +139,12 @@ def test_tokens_time_the_steps_and_the_prefill():
         assert gate.steps.prefill_s == pytest.approx(0.4) and gate.steps.tpot(1) == pytest.approx(0.1)
         assert ticket.left == 1.0
         ticket.close()
+        # A decode of three steps or more is compared, when it ends, with the TPOT predicted as it began.
+        timed = gate.enter(0.5, 5)
+        await timed.wait(1)
+        for now in (0.9, 0.95, 1.0, 1.05):
+            clock.now = now
+            timed.token()
+        timed.close()
+        assert list(gate.steps._errors) == [pytest.approx(0.05 / 0.1)]
     asyncio.run(scenario())
