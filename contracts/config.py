@@ -545,8 +545,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_STAGES", "identity.stages", "set per stage function: its stage range, `2` or `1-3` (end exclusive)"),
     Var("QUART_STARTED_BY", "identity.started_by", "set per replica by the runtime: `cold`, `fork-cow` or `fork-copy`"),
     Var("QUART_TEST_HOME", "", "tests: where partitioned test models are kept between runs", default=".quart/test"),
-    Var("QUART_OPENFAAS_SPEC", "", "tests: an upstream OpenFaaS spec to check `docs/openapi.yml` against",
-        default="../shared/openfaas/spec.openapi.yml"),
+    Var("QUART_OPENFAAS_SPEC", "", "tests: the upstream OpenFaaS gateway spec `docs/openapi.yml` is checked against",
+        default="tests/upstream/openfaas-gateway.openapi.yml"),
 )
 BY_NAME = {v.name: v for v in VARIABLES}
 

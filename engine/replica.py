@@ -267,7 +267,8 @@ class StageReplica:
         if not works:
             # Prefills waiting for room are retried as soon as a free (or anything) arrives.
             streams = {t.private: ">"} if not take_new else {t.private: ">", t.shared: ">"}
-            works = t.read(streams, 1, WAITING_POLL_MS if self.generation.waiting else self.settings.data.block_ms)
+            works = t.wait_for_work(streams, max_batch,
+                                    WAITING_POLL_MS if self.generation.waiting else self.settings.data.block_ms)
         self._steps_without_new = 0 if any(w.stream == t.shared for w in works) else self._steps_without_new + 1
         return works
 

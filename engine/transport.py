@@ -126,6 +126,17 @@ class StageTransport:
         return [w for stream, entries in answer or [] for msg_id, fields in entries
                 if (w := self._work(stream.decode(), msg_id, fields)) is not None]
 
+    def wait_for_work(self, streams: dict[str, str], max_batch: int, block_ms: int) -> list[Work]:
+        """Blocks up to `block_ms` for an item on `streams`; with it, what the private stream
+        holds besides, up to `max_batch` in all. What wakes an idle replica is mostly the first
+        of a batch that the stage before (or the entry) handed on in one transaction: taken one
+        by one, the batch would split into a step of one and a step of the rest, and stay split
+        through every later stage, each group reading the stage's weights once a token."""
+        works = self.read(streams, 1, block_ms)
+        if works and self.private is not None and max_batch > len(works):
+            works += self.read({self.private: ">"}, max_batch - len(works), None)
+        return works
+
     def pending_again(self, count: int) -> list[Work]:
         """This replica's own unacknowledged items (XREADGROUP from id 0), less those in hand."""
         streams = {self.shared: "0", **({self.private: "0"} if self.private is not None else {})}

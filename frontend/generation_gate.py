@@ -99,7 +99,6 @@ class Ticket:
         self.gone = False
         self._last: float | None = None
         self._decode: tuple[float, float | None] | None = None  # its first token's time, the line's TPOT then
-        self._steps = 0
 
     @property
     def queued_s(self) -> float:
@@ -123,13 +122,13 @@ class Ticket:
             self._decode = (now, self.gate.steps.line(self.gate.in_flight))
         else:
             self.gate.steps.step(self.gate.in_flight, now - self._last, self)
-            self._steps += 1
         self._last = now
         self.left = max(0.0, self.left - 1.0)
 
     def close(self) -> None:
         if self.gone:
             return
-        if self._decode and self._decode[1] and self._steps >= 3:  # what its decode took against the line's
-            self.gate.steps.took(self._decode[1], (self._last - self._decode[0]) / self._steps)
+        steps = int(self.tokens - self.left) - 1  # after its first token: `left` counts them down
+        if self._decode and self._decode[1] and steps >= 3:  # what its decode took against the line's
+            self.gate.steps.took(self._decode[1], (self._last - self._decode[0]) / steps)
         self.gate._release(self)

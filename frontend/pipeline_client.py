@@ -22,6 +22,7 @@ import torch
 from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
 from frontend.admission import Admission
+from frontend.step_sender import StepSender
 from models.sampling import Sampling, TokenLogprob, answers
 from state import keys
 from state.records import StartFailure
@@ -33,6 +34,8 @@ MAX_RECOMPUTES = 5
 # How long a request waits for an unreachable Redis (a supervised one is back within seconds)
 # before it is answered 503.
 REDIS_WAIT_S = 10.0
+# The most answers the reply reader takes from the list in one read.
+REPLIES_AT_ONCE = 256
 
 
 class StageFailed(Exception):
@@ -80,6 +83,7 @@ class PipelineClient:
         self._background: set[asyncio.Task] = set()
         self.admission = Admission(settings.data.admit_wait_s)
         self._sync_redis: redis.Redis | None = None
+        self._sender = StepSender(self._connection)
 
     def admit(self) -> None:
         """StageFailed(429) when the stages are too far behind to take a new request in time."""
@@ -196,7 +200,6 @@ class PipelineClient:
                              route: dict[str, str], deadline: float) -> tuple[Header, dict] | None:
         """Sends one step and waits for its answer: None when it was lost (a stage answered
         "lost", the holder's stream is gone, or a holder in the route stopped heartbeating)."""
-        r = await self._connection()
         future = asyncio.get_running_loop().create_future()
         self._pending[header.request_id] = future
         check_s = self.settings.data.reclaim_idle_ms / 1000.0
@@ -206,8 +209,7 @@ class PipelineClient:
         reply = None
         try:
             message = pack(header, tensors)
-            added = await self._while_redis_returns(
-                lambda: r.xadd(stream, {MESSAGE_FIELD: message}, nomkstream=bool(route)), deadline)
+            added = await self._while_redis_returns(lambda: self._sender.xadd(stream, message, bool(route)), deadline)
             if added is None:
                 return None
             while True:
@@ -300,26 +302,31 @@ class PipelineClient:
         return self._redis
 
     async def _dispatch(self) -> None:
-        """One reader of this entry's reply list hands each answer to the request awaiting it."""
+        """One reader of this entry's reply list hands each answer to the request awaiting it:
+        every answer there at once, so that the requests a batch answered send their next steps
+        together (frontend/step_sender.py)."""
         r = aioredis.Redis.from_url(self.settings.redis_url)
         while True:
             try:
                 item = await r.blpop([self.reply_key], timeout=1)
+                rest = await r.lpop(self.reply_key, REPLIES_AT_ONCE) if item is not None else None
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("reply reader: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
-            if item is None:
-                continue
-            try:
-                header, tensors = unpack(item[1])
-            except BadRequest as exc:
-                log.error("unreadable reply dropped: %s", exc)
-                continue
-            future = self._pending.get(header.request_id)
-            # No one waiting: the request timed out, or this is a duplicate of reclaimed work.
-            if future is not None and not future.done():
-                future.set_result((header, tensors))
+            for raw in ([item[1]] if item is not None else []) + (rest or []):
+                self._answer(raw)
+
+    def _answer(self, raw: bytes) -> None:
+        try:
+            header, tensors = unpack(raw)
+        except BadRequest as exc:
+            log.error("unreadable reply dropped: %s", exc)
+            return
+        future = self._pending.get(header.request_id)
+        # No one waiting: the request timed out, or this is a duplicate of reclaimed work.
+        if future is not None and not future.done():
+            future.set_result((header, tensors))
 
 
 def _checked(reply: tuple[Header, dict]) -> tuple[Header, dict]:

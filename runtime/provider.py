@@ -1,5 +1,5 @@
-"""The embedded runtime's local provider: the OpenFaaS gateway REST API
-(shared/openfaas/spec.openapi.yml) over local replica processes. `/system/*` needs basic auth."""
+"""The embedded runtime's local provider: the OpenFaaS gateway REST API (a copy of its spec in
+tests/upstream/openfaas-gateway.openapi.yml) over local replica processes. `/system/*` needs basic auth."""
 from __future__ import annotations
 
 import asyncio

@@ -1,0 +1,112 @@
+"""A batch of decode steps stays one batch on its way round the pipeline, against a real
+redis-server: the steps that the entry's requests send together leave in one transaction
+(frontend/step_sender.py), and a stage replica woken by the first of a batch handed on in one
+transaction takes the whole batch, not that first item alone (engine/transport.py). Broken,
+either one splits a batch into groups that each read the stage's weights once a token."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+import torch
+
+from contracts.stage import StageRef
+from contracts.wire import MESSAGE_FIELD, Header, pack
+from engine.transport import StageTransport, ensure_group
+from frontend.step_sender import StepSender
+from runtime.ports import free_port
+from runtime.redis_server import start_redis
+from state import keys
+
+STEPS = 12
+
+
+@pytest.fixture
+def redis_port(tmp_path):
+    port = free_port()
+    proc = start_redis("127.0.0.1", port, tmp_path, tmp_path / "redis.log")
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _execs(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_exec", {}).get("calls", 0))
+
+
+def _message(i: int) -> bytes:
+    header = Header(request_id=f"r{i}.1", model="m", stage=0, reply_to="nobody", deadline=time.time() + 60,
+                    kind="decode", seq=f"r{i}")
+    return pack(header, {"input_ids": torch.tensor([[i]])})
+
+
+def test_steps_sent_in_the_same_turns_leave_in_one_transaction(redis_port):
+    r = redis.Redis(port=redis_port)
+    stream = "quart:test:steps"
+
+    async def scenario() -> list:
+        connection = aioredis.Redis(port=redis_port)
+        sender = StepSender(lambda: _ready(connection))
+        replies = [asyncio.get_running_loop().create_future() for _ in range(STEPS)]
+
+        async def request(i: int):  # as a generation does: woken by its reply, then sends its next step
+            await asyncio.wait_for(asyncio.shield(replies[i]), timeout=10)
+            return await sender.xadd(stream, _message(i), nomkstream=False)
+
+        tasks = [asyncio.create_task(request(i)) for i in range(STEPS)]
+        await asyncio.sleep(0.05)
+        before = _execs(r)
+        for reply in replies:  # the reply reader answers a batch at once
+            reply.set_result(None)
+        ids = await asyncio.gather(*tasks)
+        assert _execs(r) - before == 1, "the steps left in more than one transaction"
+        gone = await sender.xadd("quart:test:gone", _message(0), nomkstream=True)
+        await connection.aclose()
+        return [*ids, gone]
+
+    *ids, gone = asyncio.run(scenario())
+    assert len(set(ids)) == STEPS and r.xlen(stream) == STEPS
+    assert gone is None  # a stream that is gone (its replica is) answers None, as a lone XADD does
+
+
+def test_a_failed_transaction_reaches_every_sender(redis_port):
+    async def scenario() -> list:
+        dead = aioredis.Redis(port=free_port(), socket_connect_timeout=1)
+        sender = StepSender(lambda: _ready(dead))
+        return await asyncio.gather(*(sender.xadd("s", _message(i), nomkstream=False) for i in range(3)),
+                                    return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    assert all(isinstance(o, (aioredis.ConnectionError, OSError)) for o in outcomes), outcomes
+
+
+def test_an_idle_replica_woken_by_a_batch_takes_all_of_it(redis_port):
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    stage = StageRef("m", 1, 2)
+    transport = StageTransport(url, stage, "m-s1.test.1", True, records_maxlen=100, reply_ttl_ms=10_000,
+                               reclaim_idle_ms=10_000, stream_ttl_ms=60_000, on_first_work=lambda: None)
+    transport.ensure_streams([])
+    r = redis.Redis.from_url(url)
+    ensure_group(r, transport.private)
+    taken: list = []
+    waiting = threading.Thread(target=lambda: taken.extend(
+        transport.wait_for_work({transport.private: ">", transport.shared: ">"}, 16, 10_000)))
+    waiting.start()
+    time.sleep(0.3)  # the replica blocks on its streams, idle
+    pipe = r.pipeline(transaction=True)  # the stage before hands its step's outputs on together
+    for i in range(STEPS):
+        pipe.xadd(keys.replica_stream("m-s1.test.1"), {MESSAGE_FIELD: _message(i)})
+    pipe.execute()
+    waiting.join(timeout=10)
+    assert sorted(w.header.seq for w in taken) == sorted(f"r{i}" for i in range(STEPS))
+    assert transport.wait_for_work({transport.private: ">"}, 4, 1) == []  # nothing left behind
+
+
+async def _ready(connection: aioredis.Redis) -> aioredis.Redis:
+    return connection
