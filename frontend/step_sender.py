@@ -52,7 +52,7 @@ class StepSender:
             pipe = r.pipeline(transaction=True)
             for stream, message, nomkstream, _ in batch:
                 pipe.xadd(stream, {MESSAGE_FIELD: message}, nomkstream=nomkstream)
-            results = await pipe.execute()
+            results = await pipe.execute(raise_on_error=False)  # a refused XADD fails its sender alone
         except BaseException as exc:  # each sender sees the failure (and may send again)
             for *_, done in batch:
                 if not done.done():
@@ -61,5 +61,9 @@ class StepSender:
                 raise
             return
         for (*_, done), result in zip(batch, results):
-            if not done.done():
+            if done.done():
+                continue
+            if isinstance(result, Exception):
+                done.set_exception(result)
+            else:
                 done.set_result(result)

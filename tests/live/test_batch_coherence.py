@@ -86,6 +86,23 @@ def test_a_failed_transaction_reaches_every_sender(redis_port):
     assert all(isinstance(o, (aioredis.ConnectionError, OSError)) for o in outcomes), outcomes
 
 
+def test_a_refused_step_fails_its_sender_alone(redis_port):
+    redis.Redis(port=redis_port).set("quart:test:not-a-stream", "x")
+
+    async def scenario() -> list:
+        connection = aioredis.Redis(port=redis_port)
+        sender = StepSender(lambda: _ready(connection))
+        streams = ["quart:test:steps", "quart:test:not-a-stream", "quart:test:steps"]
+        outcomes = await asyncio.gather(*(sender.xadd(s, _message(i), nomkstream=False) for i, s in enumerate(streams)),
+                                        return_exceptions=True)
+        await connection.aclose()
+        return outcomes
+
+    ok, refused, also_ok = asyncio.run(scenario())
+    assert isinstance(refused, redis.ResponseError) and "WRONGTYPE" in str(refused)
+    assert isinstance(ok, bytes) and isinstance(also_ok, bytes)
+
+
 def test_an_idle_replica_woken_by_a_batch_takes_all_of_it(redis_port):
     url = f"redis://127.0.0.1:{redis_port}/0"
     stage = StageRef("m", 1, 2)
