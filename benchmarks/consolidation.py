@@ -15,7 +15,7 @@ Each token's time is read from the stages' records in Redis (when the last stage
 replica, finished the step), so per-token times are exact. Shards on this machine's disk (the
 page cache left as it is).
 
-    python -m benchmarks consolidation [--reps 3] [--tokens 96] [--batches 1 4]
+    python -m benchmarks consolidation [--reps 3] [--tokens 192] [--batches 1 4]
 """
 from __future__ import annotations
 
@@ -243,7 +243,8 @@ def plot(runs: dict, batch: int, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--tokens", type=int, default=192,
+                        help="tokens per request: enough that requests still decode after the layout changes")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args(argv)
     runs = one_runtime(load_settings(), args.reps, args.tokens, args.batches)
