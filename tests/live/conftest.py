@@ -39,6 +39,18 @@ def tokenizer(partitioned):
     return AutoTokenizer.from_pretrained(partitioned("smollm2", 4).tokenizer_path())
 
 
+@pytest.fixture
+def redis_port(tmp_path):
+    """A redis-server of the test's own on a free port, stopped afterwards."""
+    port = free_port()
+    proc = start_redis("127.0.0.1", port, tmp_path, tmp_path / "redis.log")
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def km(home_settings: Settings, partitioned, tmp_path_factory):
     """A redis-server and a KeysManager process of their own, over the test models."""

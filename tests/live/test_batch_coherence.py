@@ -9,7 +9,6 @@ import asyncio
 import threading
 import time
 
-import pytest
 import redis
 import redis.asyncio as aioredis
 import torch
@@ -19,21 +18,9 @@ from contracts.wire import MESSAGE_FIELD, Header, pack
 from engine.transport import StageTransport, ensure_group
 from frontend.step_sender import StepSender
 from runtime.ports import free_port
-from runtime.redis_server import start_redis
 from state import keys
 
 STEPS = 12
-
-
-@pytest.fixture
-def redis_port(tmp_path):
-    port = free_port()
-    proc = start_redis("127.0.0.1", port, tmp_path, tmp_path / "redis.log")
-    try:
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 def _execs(r: redis.Redis) -> int:

@@ -1,7 +1,7 @@
-"""The project's own API description (docs/openapi.yml) is a valid OpenAPI document, and where the
-upstream OpenFaaS gateway spec (a copy in tests/upstream/; QUART_OPENFAAS_SPEC names another)
-everything it says about the OpenFaaS paths agrees with it:
-the same paths and methods, and every schema property upstream too, with the same type."""
+"""The project's own API description (docs/openapi.yml) is a valid OpenAPI document, and everything
+it says about the OpenFaaS paths agrees with the upstream gateway spec (a copy in tests/upstream/;
+QUART_OPENFAAS_SPEC names another): the same paths and methods, and every schema property upstream
+too, with the same type."""
 from __future__ import annotations
 
 import os
