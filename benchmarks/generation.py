@@ -169,6 +169,20 @@ class Unsplit:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @torch.inference_mode()
+    def gap(self, ids: list[int], ours: list[int], theirs: list[int], dtype: torch.dtype) -> tuple[int, float] | None:
+        """Where greedy tokens `ours` first part from this model's `theirs` (None where they do not):
+        (the position, and how far this model's logit for its own token there was above its logit
+        for ours). A gap within the dtype's rounding says the two computations tied there and took
+        different sides; a large one would say the split computes something else."""
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if at is None:
+            return None
+        x = torch.tensor([ids + theirs[:at]], device=self.device)
+        with kernels(self.device):
+            logits = self.models[dtype](input_ids=x, logits_to_keep=1).logits[0, -1].float()
+        return at, float(logits[theirs[at]] - logits[ours[at]])
+
     def step_bytes(self, dtype: torch.dtype) -> int:
         """What one decode step reads at least: every weight but the embedding table, of which it
         reads a row (the head's matrix counted as the head, tied or not)."""
@@ -336,6 +350,7 @@ def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[
     """Per prompt: the pipeline, then each unsplit reference run; medians of this repetition."""
     runs: dict[str, list] = {"pipeline": [], **{label: [] for label in refs.runs}}
     same_dtype = same_fp32 = 0
+    gaps = []
     for i, text in enumerate(texts):
         print(f"  one at a time, repetition {rep + 1}: prompt {i + 1}/{len(texts)}", flush=True)
         ids = tokenizer(text)["input_ids"]
@@ -347,8 +362,10 @@ def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[
             runs[label].append((ttft, tpot))
         same_dtype += answer["token_ids"] == tokens[refs.served]
         same_fp32 += answer["token_ids"] == tokens[refs.fp32]
+        gaps.append(unsplit.gap(ids, answer["token_ids"], tokens[refs.served], refs.runs[refs.served][0]))
     medians = {k: (float(np.median([t for t, _ in v])), float(np.median([p for _, p in v]))) for k, v in runs.items()}
     return {"medians": medians, "same_dtype": same_dtype, "same_fp32": same_fp32, "prompts": len(texts),
+            "divergences": [g for g in gaps if g is not None],
             "unsplit_seq_tps": new / ((medians[refs.fp32][0] + medians[refs.fp32][1] * (new - 1)) / 1000.0)}
 
 
@@ -409,6 +426,11 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
     agree = sum(r["same_dtype"] for r in reps), sum(r["same_fp32"] for r in reps), sum(r["prompts"] for r in reps)
     print(f"pipeline tokens equal to unsplit {_name(served)}: {agree[0]}/{agree[2]} prompts; to float32: "
           f"{agree[1]}/{agree[2]}")
+    parting = _parting([d for r in reps for d in r["divergences"]])
+    if parting:
+        print(f"where they part from unsplit {_name(served)}: at token {parting['position']:.0f} (median), the "
+              f"unsplit model's logit for its own token above the pipeline's by {parting['gap']:.3f} (median; "
+              f"max {parting['max gap']:.3f})")
     sequential = float(np.median([r["unsplit_seq_tps"] for r in reps]))
     vllm = all("vllm_tps" in r for r in rows)
     print(table("throughput (tokens/s)", ["concurrent", "pipeline", "vs sequential fp32 unsplit",
@@ -430,6 +452,12 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
          "verdict": verdict(bandwidth[1], bandwidth[2], 2.0)},
         {"name": f"prompts with tokens equal to unsplit {_name(served)}", "value": agree[0], "unit": f"of {agree[2]}"},
         {"name": "prompts with tokens equal to unsplit float32", "value": agree[1], "unit": f"of {agree[2]}"},
+        *([{"name": f"first token differing from unsplit {_name(served)}, median", "value": parting["position"],
+            "unit": "position"},
+           {"name": f"unsplit {_name(served)} logit gap where the tokens part, median", "value": parting["gap"],
+            "unit": "logits"},
+           {"name": f"unsplit {_name(served)} logit gap where the tokens part, max", "value": parting["max gap"],
+            "unit": "logits"}] if parting else []),
         {"name": f"unsplit sequential throughput ({fp32_all})", "value": round(sequential, 3), "unit": "tokens/s"},
     ]
     for r in rows:
@@ -463,6 +491,16 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                                     vllm_cpu=vllm_conditions or "absent (the run's output says why)"))
     _plot(name, model, rows, sequential, median[fp32_all][1])
     return {"figures": figures}
+
+
+def _parting(divergences: list[tuple[int, float]]) -> dict | None:
+    """Median position and logit gap (and the largest gap) of where answers parted from the unsplit
+    model's; None where none did."""
+    if not divergences:
+        return None
+    gaps = [g for _, g in divergences]
+    return {"position": float(np.median([p for p, _ in divergences])), "gap": round(float(np.median(gaps)), 4),
+            "max gap": round(max(gaps), 4)}
 
 
 def _layout(device: str, served: torch.dtype, quantize: str | None) -> str:
