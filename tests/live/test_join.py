@@ -11,8 +11,6 @@ import torch
 
 from contracts.wire import MESSAGE_FIELD, Header, StageTiming, unpack
 from engine.join import Joins
-from runtime.ports import free_port
-from runtime.redis_server import start_redis
 from state import keys
 
 MODEL = "dag"
@@ -31,36 +29,30 @@ def send(r: redis.Redis, joins: Joins, source: int) -> None:
     pipe.execute()
 
 
-def test_a_request_joins_once_with_every_part(tmp_path):
-    port = free_port()
-    proc = start_redis("127.0.0.1", port, tmp_path, tmp_path / "redis.log")
-    try:
-        r = redis.Redis(port=port)
-        joins = Joins(r, MODEL, ttl_ms=60_000)
-        stream = keys.stage_stream(MODEL, 7)
-        send(r, joins, 6)
-        send(r, joins, 4)
-        send(r, joins, 4)  # delivered twice: counts once
-        assert r.xlen(stream) == 0
-        send(r, joins, 5)
-        send(r, joins, 5)
-        assert r.xlen(stream) == 1
-        (_, fields), = r.xrange(stream)
-        header, tensors = unpack(fields[MESSAGE_FIELD])
-        assert header.stage == 7 and tensors == {}
-        header, parts = joins.collect(header, [4, 5, 6])
-        assert [t.stage for t in header.timings] == [0, 4, 5, 6]
-        assert {s: p["hidden"][0, 0, 0].item() for s, p in parts.items()} == {4: 4.0, 5: 5.0, 6: 6.0}
-        pipe = r.pipeline(transaction=True)
-        joins.done(pipe, header, 7)
-        pipe.execute()
-        assert r.keys(keys.join_parts(MODEL, 7, "*")) == []
-        # Parts of a request whose join never comes expire.
-        pipe = r.pipeline(transaction=True)
-        Joins(r, MODEL, ttl_ms=200).send_part(pipe, *part(4, 1.0), 4, parts=3)
-        pipe.execute()
-        time.sleep(0.5)
-        assert r.keys(keys.join_parts(MODEL, 7, "*")) == []
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def test_a_request_joins_once_with_every_part(redis_port):
+    r = redis.Redis(port=redis_port)
+    joins = Joins(r, MODEL, ttl_ms=60_000)
+    stream = keys.stage_stream(MODEL, 7)
+    send(r, joins, 6)
+    send(r, joins, 4)
+    send(r, joins, 4)  # delivered twice: counts once
+    assert r.xlen(stream) == 0
+    send(r, joins, 5)
+    send(r, joins, 5)
+    assert r.xlen(stream) == 1
+    (_, fields), = r.xrange(stream)
+    header, tensors = unpack(fields[MESSAGE_FIELD])
+    assert header.stage == 7 and tensors == {}
+    header, parts = joins.collect(header, [4, 5, 6])
+    assert [t.stage for t in header.timings] == [0, 4, 5, 6]
+    assert {s: p["hidden"][0, 0, 0].item() for s, p in parts.items()} == {4: 4.0, 5: 5.0, 6: 6.0}
+    pipe = r.pipeline(transaction=True)
+    joins.done(pipe, header, 7)
+    pipe.execute()
+    assert r.keys(keys.join_parts(MODEL, 7, "*")) == []
+    # Parts of a request whose join never comes expire.
+    pipe = r.pipeline(transaction=True)
+    Joins(r, MODEL, ttl_ms=200).send_part(pipe, *part(4, 1.0), 4, parts=3)
+    pipe.execute()
+    time.sleep(0.5)
+    assert r.keys(keys.join_parts(MODEL, 7, "*")) == []
