@@ -350,7 +350,7 @@ def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[
     """Per prompt: the pipeline, then each unsplit reference run; medians of this repetition."""
     runs: dict[str, list] = {"pipeline": [], **{label: [] for label in refs.runs}}
     same_dtype = same_fp32 = 0
-    gaps = []
+    partings = []
     for i, text in enumerate(texts):
         print(f"  one at a time, repetition {rep + 1}: prompt {i + 1}/{len(texts)}", flush=True)
         ids = tokenizer(text)["input_ids"]
@@ -362,10 +362,12 @@ def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[
             runs[label].append((ttft, tpot))
         same_dtype += answer["token_ids"] == tokens[refs.served]
         same_fp32 += answer["token_ids"] == tokens[refs.fp32]
-        gaps.append(unsplit.gap(ids, answer["token_ids"], tokens[refs.served], refs.runs[refs.served][0]))
+        parting = unsplit.gap(ids, answer["token_ids"], tokens[refs.served], refs.runs[refs.served][0])
+        if parting is not None:
+            partings.append(parting)
     medians = {k: (float(np.median([t for t, _ in v])), float(np.median([p for _, p in v]))) for k, v in runs.items()}
     return {"medians": medians, "same_dtype": same_dtype, "same_fp32": same_fp32, "prompts": len(texts),
-            "divergences": [g for g in gaps if g is not None],
+            "divergences": partings,
             "unsplit_seq_tps": new / ((medians[refs.fp32][0] + medians[refs.fp32][1] * (new - 1)) / 1000.0)}
 
 
