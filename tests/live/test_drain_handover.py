@@ -15,8 +15,6 @@ from contracts.stage import StageRef
 from engine.replica import StageReplica
 from frontend.pipeline_client import PipelineClient, Progress
 from models.sampling import Sampling
-from runtime.ports import free_port
-from runtime.redis_server import start_redis
 from state.store import RedisStore
 from tests.live.runtime_helpers import reference_greedy, wait_until
 
@@ -24,12 +22,11 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture
-def data_plane(home_settings, partitioned, tmp_path):
+def data_plane(home_settings, partitioned, tmp_path, redis_port):
     """Settings on a redis-server of their own, and the replicas a test starts (stopped after)."""
     partitioned("smollm2", 4)
-    settings = home_settings.replace(home=str(tmp_path), models=str(home_settings.models_dir), redis_port=free_port(),
+    settings = home_settings.replace(home=str(tmp_path), models=str(home_settings.models_dir), redis_port=redis_port,
                                      server="drain-test", drain_timeout_s=60.0, reclaim_idle_ms=1000, threads=1)
-    proc = start_redis("127.0.0.1", settings.redis.port, tmp_path / "redis", tmp_path / "redis.log")
     replicas: list[StageReplica] = []
     try:
         yield settings, replicas
@@ -37,8 +34,6 @@ def data_plane(home_settings, partitioned, tmp_path):
         for replica in replicas:
             if not replica._stop.is_set():
                 replica.stop()
-        proc.terminate()
-        proc.wait()
 
 
 def start(settings, replicas: list[StageReplica], first: int, last: int) -> StageReplica:
