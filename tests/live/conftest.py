@@ -39,16 +39,26 @@ def tokenizer(partitioned):
     return AutoTokenizer.from_pretrained(partitioned("smollm2", 4).tokenizer_path())
 
 
-@pytest.fixture
-def redis_port(tmp_path):
-    """A redis-server of the test's own on a free port, stopped afterwards."""
+def _own_redis(folder):
     port = free_port()
-    proc = start_redis("127.0.0.1", port, tmp_path, tmp_path / "redis.log")
+    proc = start_redis("127.0.0.1", port, folder, folder / "redis.log")
     try:
         yield port
     finally:
         proc.terminate()
         proc.wait()
+
+
+@pytest.fixture
+def redis_port(tmp_path):
+    """A redis-server of the test's own on a free port, stopped afterwards."""
+    yield from _own_redis(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_redis_port(tmp_path_factory):
+    """A redis-server of the module's own, for module-scoped fixtures."""
+    yield from _own_redis(tmp_path_factory.mktemp("redis"))
 
 
 @pytest.fixture(scope="module")

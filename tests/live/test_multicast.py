@@ -28,7 +28,6 @@ from models.manifest import PIECE_BYTES, Manifest
 from models.shard_reader import start_readers
 from runtime import multicast
 from runtime.ports import free_port
-from runtime.redis_server import start_redis
 from scheduler.multicast import binary_tree_plan, plan, unicast_plan
 from tests.live.runtime_helpers import wait_until
 
@@ -55,11 +54,10 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(home_settings, partitioned, tmp_path_factory):
+def servers(home_settings, partitioned, tmp_path_factory, module_redis_port):
     manifest = partitioned(MODEL, 4)
     root = tmp_path_factory.mktemp("multicast")
-    redis_port = free_port()
-    redis_proc = start_redis("127.0.0.1", redis_port, root / "redis", root / "redis.log")
+    redis_port = module_redis_port
     bandwidth = max(s.bytes for s in manifest.stages) / SECONDS_PER_SHARD
     names = [f"vm-{i}" for i in range(4)]
     ports = {name: free_port() for name in names}
@@ -83,8 +81,6 @@ def servers(home_settings, partitioned, tmp_path_factory):
         for proc in cluster.procs.values():
             proc.terminate()
             proc.wait(timeout=30)
-        redis_proc.terminate()
-        redis_proc.wait()
 
 
 def sha256(path: Path) -> str:
