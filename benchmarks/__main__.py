@@ -42,6 +42,7 @@ from benchmarks import (
     simulator_policies,
     simulator_scaleout,
     soak,
+    token_anatomy,
 )
 
 BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "scaleup": scaleup.main,
@@ -61,7 +62,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "simulator_out_of_sample": lambda: simulator_out_of_sample.main([]),
               "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([]),
               "data_plane_cpu": lambda: data_plane_cpu.main([]), "bursts": lambda: bursts.main([]),
-              "execute_while_load": lambda: execute_while_load.main([]),
+              "execute_while_load": lambda: execute_while_load.main([]), "token_anatomy": token_anatomy.main,
               **{f"generation_{m}": lambda m=m: generation.main(["--model", m]) for m in generation.FAMILY_SHAPES}}
 # Those that take options of their own: `python -m benchmarks NAME --option ...`.
 WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "coldstart": coldstart.main,

@@ -1,0 +1,120 @@
+"""Where one request's decode token goes in the 4-stage SmolLM2 pipeline, from the stages' own
+records: each stage's step, each stage's time around its step (woken by the stream, the step's
+inputs and outputs, the commit that hands the token on), and the entry's turn from the last
+stage's answer to the next step.
+
+    python -m benchmarks token_anatomy
+
+One request at a time, 64 new tokens (end of text ignored), 5 requests on ShareGPT prompts, the
+embedded runtime as the generation benchmark starts it (one replica per stage, the served dtype
+as configured). A stage's record of a step says when the step's message entered its stream (the
+stream ID), how long it waited there, how long the step took and when the record was written,
+in the same transaction as the hand-on (the record stream's ID). Stream IDs count milliseconds,
+so a stage's time from arrival to hand-on is exact to a millisecond on each step and the medians
+are finer; how that time splits between waiting and the rest is not (the wait is measured
+from the arrival's millisecond), so the two are reported together."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+from benchmarks.generation import STAGES, pipeline_request, running
+from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, write
+from contracts.http_client import GatewayClient
+from loadgen.sharegpt import first_prompts
+from state.records import StageSample
+from state.store import RedisStore
+
+MEASURES = SERVING + ("loadgen", "benchmarks/generation.py")  # the code measured (benchmarks/freshness.py)
+
+MODEL, NEW, REQUESTS = "smollm2", 64, 5
+
+
+def main() -> dict:
+    texts = first_prompts(REQUESTS, seed=29, max_chars=300)
+    per_request = []
+    with running(MODEL, NEW) as settings:
+        client = GatewayClient(settings.gateway.url, timeout=600)
+        store = RedisStore.from_url(settings.redis_url)
+        for i, text in enumerate(texts):
+            print(f"  request {i + 1}/{len(texts)}", flush=True)
+            since = time.time() - 1.0
+            rid = pipeline_request(client, MODEL, text, NEW)["id"]
+            per_request.append(anatomy(_decode_steps(store, rid, since)))
+    return _report(per_request, settings.compute.dtype)
+
+
+def _decode_steps(store: RedisStore, rid: str, since: float) -> list[list[StageSample]]:
+    """The request's decode steps in order, each its records at stages 0..3 (steps that some stage
+    did not record, none in a healthy run, are left out)."""
+    by_step: dict[str, dict[int, StageSample]] = defaultdict(dict)
+    for stage in range(STAGES):
+        for s in store.samples(MODEL, stage, since):
+            if s.kind == "decode" and s.request_id.startswith(rid):
+                by_step[s.request_id][stage] = s
+    steps = [v for v in by_step.values() if len(v) == STAGES]
+    return [[step[i] for i in range(STAGES)] for step in sorted(steps, key=lambda v: v[0].arrived_at)]
+
+
+def anatomy(steps: list[list[StageSample]]) -> dict[str, float]:
+    """Medians over one request's decode steps (ms): the token period at stage 0, and per stage
+    its step and the rest of its time from arrival to hand-on, and the entry's turn."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for k, step in enumerate(steps):
+        for i, s in enumerate(step):
+            out[f"stage {i} step"].append(s.service_ms)
+            out[f"stage {i} around the step"].append(s.at_ms - s.arrived_at * 1000.0 - s.service_ms)
+        if k + 1 < len(steps):
+            following = steps[k + 1][0].arrived_at * 1000.0
+            out["entry turn"].append(following - step[-1].at_ms)
+            out["token period"].append(following - step[0].arrived_at * 1000.0)
+    return {"decode steps": float(len(steps)), **{name: statistics.median(values) for name, values in out.items()}}
+
+
+def _report(per_request: list[dict[str, float]], dtype: str) -> dict:
+    counted = [int(r.pop("decode steps")) for r in per_request]
+    summary = {name: mean_ci95([r[name] for r in per_request]) for name in per_request[0]}
+    steps = sum(summary[f"stage {i} step"][0] for i in range(STAGES))
+    between = sum(summary[f"stage {i} around the step"][0] for i in range(STAGES)) + summary["entry turn"][0]
+    rows = [[name, mean, f"{mean - half:.2f}..{mean + half:.2f}"] for name, (mean, half) in summary.items()]
+    print(table(f"one request's decode token, {MODEL} in {STAGES} stages (ms; mean of {len(per_request)} "
+                "requests' medians, 95 % interval)", ["part", "ms", "95 % interval"], rows))
+    period = summary["token period"][0]
+    print(f"decode steps recorded at every stage, per request: {counted}")
+    print(f"steps {steps:.2f} ms ({steps / period:.0%} of the period), between them {between:.2f} ms "
+          f"({between / period:.0%})")
+    figures = [{"name": name, "value": round(mean, 3), "unit": "ms", "ci95": [round(mean - half, 3), round(mean + half, 3)]}
+               for name, (mean, half) in summary.items()]
+    figures += [{"name": "decode steps per request, fewest", "value": min(counted), "unit": "steps"},
+                {"name": "steps, all stages", "value": round(steps, 3), "unit": "ms"},
+                {"name": "between the steps", "value": round(between, 3), "unit": "ms"}]
+    write("token_anatomy", figures, conditions(model=MODEL, stages=STAGES, new_tokens=NEW, requests=len(per_request),
+                                               dtype=dtype, threads_per_replica=1, decoding="greedy, end of text ignored"))
+    _plot(summary)
+    return summary
+
+
+def _plot(summary: dict[str, tuple[float, float]]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    left = 0.0
+    for i in range(STAGES):
+        for part, color in (("step", "tab:blue"), ("around the step", "tab:orange")):
+            width = summary[f"stage {i} {part}"][0]
+            ax.barh(0, width, left=left, color=color, edgecolor="white", label=part if i == 0 else None)
+            if part == "step":
+                ax.text(left + width / 2, 0, f"s{i}", ha="center", va="center", color="white")
+            left += width
+    ax.barh(0, summary["entry turn"][0], left=left, color="tab:grey", edgecolor="white", label="entry")
+    ax.set(xlabel="ms", yticks=[], title=f"one decode token of {MODEL} in {STAGES} stages, one request in flight")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "token_anatomy.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
