@@ -57,7 +57,6 @@ class Servers:
 def servers(home_settings, partitioned, tmp_path_factory, module_redis_port):
     manifest = partitioned(MODEL, 4)
     root = tmp_path_factory.mktemp("multicast")
-    redis_port = module_redis_port
     bandwidth = max(s.bytes for s in manifest.stages) / SECONDS_PER_SHARD
     names = [f"vm-{i}" for i in range(4)]
     ports = {name: free_port() for name in names}
@@ -66,7 +65,7 @@ def servers(home_settings, partitioned, tmp_path_factory, module_redis_port):
         home = root / name
         (home / "models").mkdir(parents=True)
         settings[name] = home_settings.replace(
-            home=str(home), server=name, keysmanager_port=ports[name], redis_port=redis_port, internal_token=TOKEN,
+            home=str(home), server=name, keysmanager_port=ports[name], redis_port=module_redis_port, internal_token=TOKEN,
             server_bandwidth=bandwidth, warm_runtime=False,  # no zygote importing torch beside the transfers
             # vm-0 holds the model; the others read its manifest from vm-0 as their model store.
             models=str(home_settings.models_dir if name == "vm-0" else home / "models"),
