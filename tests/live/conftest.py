@@ -62,15 +62,14 @@ def module_redis_port(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def km(home_settings: Settings, partitioned, tmp_path_factory):
+def km(home_settings: Settings, partitioned, tmp_path_factory, module_redis_port):
     """A redis-server and a KeysManager process of their own, over the test models."""
     partitioned("smollm2", 4)
     partitioned("minilm", 3)
     home = tmp_path_factory.mktemp("km")
     settings = home_settings.replace(home=str(home), models=str(home_settings.models_dir),
-                                     redis_port=free_port(), keysmanager_port=free_port(), server="km-test")
+                                     redis_port=module_redis_port, keysmanager_port=free_port(), server="km-test")
     (home / "logs").mkdir()
-    redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
     env = child_environment(settings)
     proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
                             stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
@@ -87,8 +86,6 @@ def km(home_settings: Settings, partitioned, tmp_path_factory):
                 pass
         proc.terminate()
         proc.wait(timeout=60)
-        redis_proc.terminate()
-        redis_proc.wait()
 
 
 @pytest.fixture(scope="session")

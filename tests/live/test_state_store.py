@@ -10,8 +10,6 @@ import pytest
 import redis
 
 from contracts.stage import StageRef
-from runtime.ports import free_port
-from runtime.redis_server import start_redis
 from state import keys
 from state.memory import MemoryStore
 from state.records import (
@@ -41,15 +39,8 @@ class Clock:
 
 
 @pytest.fixture(scope="module")
-def redis_client(tmp_path_factory):
-    home = tmp_path_factory.mktemp("store-redis")
-    port = free_port()
-    proc = start_redis("127.0.0.1", port, home, home / "redis.log")
-    try:
-        yield redis.Redis(port=port)
-    finally:
-        proc.terminate()
-        proc.wait()
+def redis_client(module_redis_port):
+    return redis.Redis(port=module_redis_port)
 
 
 @pytest.fixture(params=["redis", "memory"])
