@@ -51,7 +51,7 @@ def _decode_steps(store: RedisStore, rid: str, since: float) -> list[list[StageS
     by_step: dict[str, dict[int, StageSample]] = defaultdict(dict)
     for stage in range(STAGES):
         for s in store.samples(MODEL, stage, since):
-            if s.kind == "decode" and s.request_id.startswith(rid):
+            if s.kind == "decode" and s.request_id.startswith(rid + "."):
                 by_step[s.request_id][stage] = s
     steps = [v for v in by_step.values() if len(v) == STAGES]
     return [[step[i] for i in range(STAGES)] for step in sorted(steps, key=lambda v: v[0].arrived_at)]
