@@ -61,6 +61,7 @@ from models.packed_linear import layout_for
 from models.precision import serving_dtype
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state.store import RedisStore
 
 MEASURES = SERVING + ("loadgen", "benchmarks/vllm_cpu.py")  # the code measured (benchmarks/freshness.py)
 
@@ -253,6 +254,8 @@ def running(model: str, new: int, quantize: str = "", **changes: object) -> Iter
         if control.up(settings, timeout=900) != 0:
             raise SystemExit(f"the embedded runtime did not come up; see {run_home}/logs")
         pipeline_request(GatewayClient(settings.gateway.url, timeout=900), model, "warm up", 4)
+        if settings.compute.compiles:
+            wait_compiled(settings, model)
         yield settings
         finished = True
     finally:
@@ -261,6 +264,23 @@ def running(model: str, new: int, quantize: str = "", **changes: object) -> Iter
             shutil.rmtree(run_home, ignore_errors=True)
         else:  # what went wrong is in the replicas' logs
             print(f"the runtime's logs are kept in {run_home}/logs", flush=True)
+
+
+def wait_compiled(settings: Settings, model: str, timeout_s: float = 1200.0) -> float:
+    """Sends short requests until one's decode steps ran compiled at every stage (the replicas
+    compile in the background, `models/compiled_decode.py`); seconds it took."""
+    client, store = GatewayClient(settings.gateway.url, timeout=600), RedisStore.from_url(settings.redis_url)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        since = time.time() - 1.0
+        rid = pipeline_request(client, model, "compiled yet?", 8)["id"]
+        decodes = [[s.compiled for s in store.samples(model, stage, since)
+                    if s.kind == "decode" and s.request_id.startswith(rid + ".")] for stage in range(STAGES)]
+        if all(d and all(d) for d in decodes):
+            print(f"  decode steps compiled at every stage after {time.monotonic() - t0:.0f} s", flush=True)
+            return time.monotonic() - t0
+        time.sleep(5.0)
+    raise SystemExit(f"the stages' decode steps did not compile within {timeout_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> dict:

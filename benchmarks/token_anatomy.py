@@ -21,6 +21,7 @@ from collections import defaultdict
 
 from benchmarks.generation import STAGES, pipeline_request, running
 from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, write
+from contracts.config import load_settings
 from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
 from state.records import StageSample
@@ -32,17 +33,29 @@ MODEL, NEW, REQUESTS = "smollm2", 64, 5
 
 
 def main() -> dict:
+    """Eager steps, then compiled ones (QUART_COMPILE), on the same prompts, one runtime each."""
     texts = first_prompts(REQUESTS, seed=29, max_chars=300)
+    modes = {}
+    for mode, compile_ in (("eager", False), ("compiled", True)):
+        print(f"{mode} decode steps:", flush=True)
+        modes[mode] = _measure(texts, compile_)
+    return _report(modes, load_settings().compute.dtype)
+
+
+def _measure(texts: list[str], compile_: bool) -> list[dict[str, float]]:
     per_request = []
-    with running(MODEL, NEW) as settings:
+    with running(MODEL, NEW, compile=compile_) as settings:
         client = GatewayClient(settings.gateway.url, timeout=600)
         store = RedisStore.from_url(settings.redis_url)
         for i, text in enumerate(texts):
             print(f"  request {i + 1}/{len(texts)}", flush=True)
             since = time.time() - 1.0
             rid = pipeline_request(client, MODEL, text, NEW)["id"]
-            per_request.append(anatomy(_decode_steps(store, rid, since)))
-    return _report(per_request, settings.compute.dtype)
+            steps = _decode_steps(store, rid, since)
+            if compile_ and not all(s.compiled for step in steps for s in step):
+                raise SystemExit("a decode step ran eager after the stages had compiled")
+            per_request.append(anatomy(steps))
+    return per_request
 
 
 def _decode_steps(store: RedisStore, rid: str, since: float) -> list[list[StageSample]]:
@@ -72,14 +85,34 @@ def anatomy(steps: list[list[StageSample]]) -> dict[str, float]:
     return {"decode steps": float(len(steps)), **{name: statistics.median(values) for name, values in out.items()}}
 
 
-def _report(per_request: list[dict[str, float]], dtype: str) -> dict:
+def _report(modes: dict[str, list[dict[str, float]]], dtype: str) -> dict:
+    figures, summaries = [], {}
+    for mode, per_request in modes.items():
+        summary, more = _summarise(mode, per_request)
+        summaries[mode] = summary
+        # The eager figures keep the names they had before compiled steps were measured beside them.
+        prefix = "" if mode == "eager" else f"{mode}: "
+        figures += [{**f, "name": prefix + f["name"]} for f in more]
+    ratio = summaries["compiled"]["token period"][0] / summaries["eager"]["token period"][0]
+    steps = [sum(summaries[m][f"stage {i} step"][0] for i in range(STAGES)) for m in ("compiled", "eager")]
+    print(f"compiled / eager: token period {ratio:.2f}x, steps {steps[0] / steps[1]:.2f}x")
+    figures += [{"name": "token period, compiled / eager", "value": round(ratio, 3), "unit": "x"},
+                {"name": "steps, compiled / eager", "value": round(steps[0] / steps[1], 3), "unit": "x"}]
+    write("token_anatomy", figures, conditions(model=MODEL, stages=STAGES, new_tokens=NEW, requests=REQUESTS,
+                                               dtype=dtype, threads_per_replica=1, decoding="greedy, end of text ignored",
+                                               modes="eager steps, then compiled (QUART_COMPILE=1), one runtime each"))
+    _plot(summaries)
+    return summaries
+
+
+def _summarise(mode: str, per_request: list[dict[str, float]]) -> tuple[dict, list[dict]]:
     counted = [int(r.pop("decode steps")) for r in per_request]
     summary = {name: mean_ci95([r[name] for r in per_request]) for name in per_request[0]}
     steps = sum(summary[f"stage {i} step"][0] for i in range(STAGES))
     between = sum(summary[f"stage {i} around the step"][0] for i in range(STAGES)) + summary["entry turn"][0]
     rows = [[name, mean, f"{mean - half:.2f}..{mean + half:.2f}"] for name, (mean, half) in summary.items()]
-    print(table(f"one request's decode token, {MODEL} in {STAGES} stages (ms; mean of {len(per_request)} "
-                "requests' medians, 95 % interval)", ["part", "ms", "95 % interval"], rows))
+    print(table(f"one request's decode token, {MODEL} in {STAGES} stages, {mode} steps (ms; mean of "
+                f"{len(per_request)} requests' medians, 95 % interval)", ["part", "ms", "95 % interval"], rows))
     period = summary["token period"][0]
     print(f"decode steps recorded at every stage, per request: {counted}")
     print(f"steps {steps:.2f} ms ({steps / period:.0%} of the period), between them {between:.2f} ms "
@@ -89,28 +122,29 @@ def _report(per_request: list[dict[str, float]], dtype: str) -> dict:
     figures += [{"name": "decode steps per request, fewest", "value": min(counted), "unit": "steps"},
                 {"name": "steps, all stages", "value": round(steps, 3), "unit": "ms"},
                 {"name": "between the steps", "value": round(between, 3), "unit": "ms"}]
-    write("token_anatomy", figures, conditions(model=MODEL, stages=STAGES, new_tokens=NEW, requests=len(per_request),
-                                               dtype=dtype, threads_per_replica=1, decoding="greedy, end of text ignored"))
-    _plot(summary)
-    return summary
+    return summary, figures
 
 
-def _plot(summary: dict[str, tuple[float, float]]) -> None:
+def _plot(summaries: dict[str, dict[str, tuple[float, float]]]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 2.6))
-    left = 0.0
-    for i in range(STAGES):
-        for part, color in (("step", "tab:blue"), ("around the step", "tab:orange")):
-            width = summary[f"stage {i} {part}"][0]
-            ax.barh(0, width, left=left, color=color, edgecolor="white", label=part if i == 0 else None)
-            if part == "step":
-                ax.text(left + width / 2, 0, f"s{i}", ha="center", va="center", color="white")
-            left += width
-    ax.barh(0, summary["entry turn"][0], left=left, color="tab:grey", edgecolor="white", label="entry")
-    ax.set(xlabel="ms", yticks=[], title=f"one decode token of {MODEL} in {STAGES} stages, one request in flight")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, frameon=False)
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    for row, summary in enumerate(summaries.values()):
+        left = 0.0
+        for i in range(STAGES):
+            for part, color in (("step", "tab:blue"), ("around the step", "tab:orange")):
+                width = summary[f"stage {i} {part}"][0]
+                ax.barh(row, width, left=left, color=color, edgecolor="white", label=part if i == row == 0 else None)
+                if part == "step":
+                    ax.text(left + width / 2, row, f"s{i}", ha="center", va="center", color="white")
+                left += width
+        ax.barh(row, summary["entry turn"][0], left=left, color="tab:grey", edgecolor="white",
+                label="entry" if row == 0 else None)
+    ax.set(xlabel="ms", yticks=range(len(summaries)), yticklabels=[f"{m} steps" for m in summaries],
+           title=f"one decode token of {MODEL} in {STAGES} stages, one request in flight")
+    ax.invert_yaxis()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(RESULTS / "token_anatomy.png", dpi=110)
     plt.close(fig)

@@ -60,6 +60,7 @@ class BatchResult:
     done: list[Work]               # acknowledge these (everything taken, less what waits for room)
     batch: int = 0                 # steps that ran as one forward
     service_s: float = 0.0
+    compiled: bool = False         # through the compiled decode step
 
 
 class GenerationStage:
@@ -109,6 +110,7 @@ class GenerationStage:
         if not steps:
             return BatchResult(outcomes, done)
         started, profile = time.perf_counter(), StepProfile(self.store.shape.device)
+        compiled = self.engine.runs_compiled([s for _, s in steps])
         try:
             outputs = self.engine.forward([s for _, s in steps])
         except Exception as exc:  # one bad batch must not take the replica down; its requests get the error
@@ -120,7 +122,7 @@ class GenerationStage:
         service = time.perf_counter() - started
         for (w, s), out in zip(steps, outputs):
             outcomes += self._hand_off(w, s, out)
-        return BatchResult(outcomes, done, len(steps), service)
+        return BatchResult(outcomes, done, len(steps), service, compiled)
 
     def _start_gather(self, h: Header, peer: str) -> None:
         """From this step on the sequence lives at `peer`: the reply's route names it here, and

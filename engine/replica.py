@@ -29,6 +29,7 @@ from engine.batch_policy import handover_peer, new_item_slots, still_fed
 from engine.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from engine.routes import Routes
 from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
+from models.compiled_decode import CompiledDecode
 from models.emulated import EmulatedRunner
 from models.fetch import ensure_manifest
 from models.profiles import profile as emulation_profile
@@ -95,6 +96,9 @@ class StageReplica:
         self.store = self.transport.store
         self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
                                           settings.batching.kv_wait_s, settings.limits) if generative else None
+        if self.generation is not None and settings.compute.compiles:
+            self.generation.engine.compiled = CompiledDecode(self.generation.engine)
+            self.generation.engine.compiled.warm_in_background()
         self._labels = {"model": self.model, "stage": str(first)}
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
@@ -129,7 +133,7 @@ class StageReplica:
         whole = not settings.coldstart.stream
         runner = StageRunner(manifest, stage.first, stage.last, settings.compute.device, settings.compute.dtype,
                              tensors=lambda i: stream_tensors(readers[i], whole_first=whole),
-                             prepack=settings.compute.prepack, quantize=settings.compute.quantize)
+                             prepack=settings.compute.packs_linears, quantize=settings.compute.quantize)
         self.coldstart = ColdStart(process_at=started_at(), imported_at=imported, loaded_at=time.time(),
                                    fetch_started_at=min(r.started for r in readers.values()),
                                    fetched_at=max(r.finished for r in readers.values()),
@@ -333,7 +337,7 @@ class StageReplica:
                 self._handed_over_at = time.monotonic()
             elif o.header.kind != "fork":  # a cache copied, no step run: nothing for the stage's records
                 REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
-                self._record(commit, o.work, per_item_ms, result.batch)
+                self._record(commit, o.work, per_item_ms, result.batch, result.compiled)
             replica = {PEER: o.peer, INSTALL: o.peer, HOLDER: o.header.route.get(str(self.last))}.get(o.to)
             if replica:
                 # Refused (None) if that replica's stream is gone: checked once the commit has run.
@@ -366,13 +370,13 @@ class StageReplica:
                 if x.replica_id != self.replica_id and x.stage_start == self.first and not x.draining})
         return self._peer
 
-    def _record(self, commit: Commit, work: Work, service_ms: float, batch: int) -> None:
+    def _record(self, commit: Commit, work: Work, service_ms: float, batch: int, compiled: bool = False) -> None:
         header = work.header
         queue_ms = work.queued_s * 1000.0
         header.timings.append(StageTiming(self.first, self.replica_id, round(queue_ms, 3), round(service_ms, 3)))
         QUEUE.labels(**self._labels).observe(queue_ms / 1000.0)
         sample = StageSample(header.request_id, work.received - work.queued_s, queue_ms, service_ms, self.replica_id,
-                             header.kind, batch)
+                             header.kind, batch, compiled=compiled)
         commit.record(sample)
         if log.isEnabledFor(logging.DEBUG):   # every item of every step passes here: no work unless asked
             log.debug("%s %s at stage %d: queued %.1f ms, computed %.1f ms in a batch of %d", header.kind,

@@ -78,7 +78,7 @@ def _become_replica(runner: StageRunner | EmulatedRunner | None, request: dict, 
             if not request.get("cow", True):
                 runner.clone_parameters()
             compute = settings.compute
-            runner.to(compute.device, compute.dtype, compute.prepack, compute.quantize)
+            runner.to(compute.device, compute.dtype, compute.packs_linears, compute.quantize)
         else:
             runner.reseed()
         print(f"forked: parameters ready in {(time.perf_counter() - t0) * 1000:.1f} ms "
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         # start a pool of OpenMP threads, which a forked child could not use.
         torch.set_num_threads(1)
         runner = StageRunner(Manifest.load(settings.model_dir(stage.model)), stage.first, stage.last,
-                             device="cpu", dtype=settings.compute.dtype, prepack=settings.compute.prepack,
+                             device="cpu", dtype=settings.compute.dtype, prepack=settings.compute.packs_linears,
                              quantize=settings.compute.quantize)
     assert not torch.cuda.is_initialized()
     serve(runner, args.socket)

@@ -6,6 +6,7 @@ padding, and a request alone computes exactly what transformers computes for it.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,8 @@ class BatchedDecoder:
         self.head_dim = self.layers[0].self_attn.head_dim if self.layers else 0
         # Held, not copied: a replica's runner may change its parameters' dtype after this is built.
         self._weight = next(first.parameters())
+        # Decode-only steps through a compiled function, once one is ready (`models/compiled_decode.py`).
+        self.compiled = None
 
     @property
     def head(self) -> torch.nn.Module | None:
@@ -69,32 +72,39 @@ class BatchedDecoder:
                 raise ValueError("a step of several tokens must start at position 0 (a prefill)")
             if s.start + s.tokens > s.seq.capacity:
                 raise ValueError(f"sequence {s.seq.seq_id} is full ({s.seq.capacity} positions)")
+        if not all_positions and self.runs_compiled(steps):
+            return self.compiled.forward(steps)
         x = self._inputs(steps)
         positions = torch.cat([torch.arange(s.start, s.start + s.tokens) for s in steps]).unsqueeze(0).to(x.device)
         spans = _spans(steps)
         with kernels(x.device):
-            x = self._layers(x, positions, steps, spans)
+            x = self.layers_forward(x, positions, lambda index: LayerCall(index, steps, spans))
         for s in steps:
             s.seq.length = s.start + s.tokens
         if self.head is None:
             return [x[0, a:b] for a, b in spans]
         if all_positions:
-            return [self._logits(x[:, a:b])[0] for a, b in spans]
-        return list(self._logits(x[:, [b - 1 for _, b in spans]])[0])
+            return [self.logits(x[:, a:b])[0] for a, b in spans]
+        return list(self.logits(x[:, [b - 1 for _, b in spans]])[0])
 
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, steps: list[Step],
-                spans: list[tuple[int, int]]) -> torch.Tensor:
+    def runs_compiled(self, steps: list[Step]) -> bool:
+        """Whether `forward` runs these steps through the compiled decode step."""
+        return self.compiled is not None and self.compiled.serves(steps)
+
+    def layers_forward(self, x: torch.Tensor, positions: torch.Tensor, call: Callable[[int], object]) -> torch.Tensor:
+        """The decoder layers over hidden states x at `positions`; `call(i)` is what the i-th
+        layer's attention is given (`models/decoder_attention.py`)."""
         index = 0
         for rotary, per_kind, layers, kinds in self.blocks:
             embeddings = _position_embeddings(rotary, per_kind, x, positions, kinds)
             for layer, kind in zip(layers, kinds):
                 out = layer(x, position_embeddings=embeddings[kind], attention_mask=None, position_ids=positions,
-                            quart=LayerCall(index, steps, spans))
+                            quart=call(index))
                 x = out[0] if isinstance(out, tuple) else out
                 index += 1
         return x
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.norm(hidden)).float()
         if self.softcap:  # Gemma 2 and 3 cap their logits as their ForCausalLM does
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -145,7 +155,7 @@ def run_rows(engine: BatchedDecoder, tensors: dict[str, torch.Tensor], full_logi
     inputs = tensors["input_ids"] if engine.embed is not None else tensors["hidden"]
     mask = tensors.get("attention_mask")
     lengths = [int(n) for n in (mask.long().sum(dim=1) if mask is not None else [inputs.shape[1]] * inputs.shape[0])]
-    store = KVStore(engine.kv_shape(), budget_bytes=1 << 62)
+    store = KVStore(engine.kv_shape(), budget_bytes=engine.kv_shape().bytes_per_token * sum(lengths))
     steps = [Step(store.admit(str(i), n), inputs[i, :n], 0) for i, n in enumerate(lengths)]
     outs = engine.forward(steps, all_positions=full_logits)
     if engine.head is not None and not full_logits:

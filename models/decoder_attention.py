@@ -74,23 +74,68 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scalin
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+@dataclass
+class PagedCall:
+    """What one layer's attention needs in a compiled decode step (`models/compiled_decode.py`):
+    B sequences of one new token each, as tensors only, so one compiled function serves every
+    batch. `write`: each row's slot for its new position [B]; `read`: the slots of positions
+    0..L-1 of each row [B, L] (L the batch's longest length rounded up, padded with any valid
+    slot); `masks`: per sliding window (None: the full context), which of those each row sees
+    [B, 1, 1, L]; the layer pools of `models/kv_cache.py`."""
+    layer: int
+    write: torch.Tensor
+    read: torch.Tensor
+    masks: dict[int | None, torch.Tensor]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: PagedCall,
+                    scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """query [B, heads, 1, d], key and value [B, kv_heads, 1, d] of each row's new position;
+    writes them to the pools, attends over each row's keys; [B, 1, heads, d]."""
+    keys, values = call.keys[call.layer], call.values[call.layer]
+    keys.index_copy_(0, call.write, key[:, :, 0].to(keys.dtype))
+    values.index_copy_(0, call.write, value[:, :, 0].to(values.dtype))
+    k, v = keys[call.read].transpose(1, 2), values[call.read].transpose(1, 2)
+    mask = call.masks[window]
+    if query.device.type == "cpu" and query.dtype != torch.float32:  # as `attend`, and for its reason
+        out = _masked(query.float(), k.float(), v.float(), mask, scaling, softcap).to(query.dtype)
+    else:
+        out = _masked(query, k, v, mask, scaling, softcap)
+    return out.transpose(1, 2)
+
+
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+            softcap: float | None) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scaling / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None,
                      sliding_window: int | None = None, softcap: float | None = None,
-                     quart: LayerCall | None = None, **_: object) -> tuple[torch.Tensor, None]:
+                     quart: LayerCall | PagedCall | None = None, **_: object) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [1, heads, T, d], key and value
-    [1, kv_heads, T, d] for the step's new tokens; returns [1, T, heads, d]."""
+    [1, kv_heads, T, d] for the step's new tokens; returns [1, T, heads, d]. (A compiled decode
+    step's batch of one-token rows instead: [B, heads, 1, d] in, [B, 1, heads, d] out.)"""
     if quart is None:
         raise RuntimeError("this model's layers run through models.batched_decoder.BatchedDecoder")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(quart, PagedCall):
+        return paged_attention(query, key, value, quart, scaling, sliding_window, softcap), None
     outs = []
     for s, (a, b) in zip(quart.steps, quart.spans):
         end = s.start + s.tokens
-        keys, values = s.seq.keys[quart.layer], s.seq.values[quart.layer]
-        keys[:, :, s.start:end] = key[:, :, a:b]
-        values[:, :, s.start:end] = value[:, :, a:b]
-        outs.append(attend(query[:, :, a:b], keys[:, :, :end], values[:, :, :end], s.start, scaling,
-                           sliding_window, softcap))
+        s.seq.store.write(s.seq, quart.layer, s.start, key[:, :, a:b], value[:, :, a:b])
+        keys, values = s.seq.store.read(s.seq, quart.layer, end)
+        outs.append(attend(query[:, :, a:b], keys, values, s.start, scaling, sliding_window, softcap))
     return torch.cat(outs, dim=2).transpose(1, 2), None
 
 

@@ -2,7 +2,14 @@
 
 Each sequence reserves its whole capacity (prompt plus the tokens it may generate) when it is
 admitted, so the budget in bytes is checked once, up front: a request that does not fit waits or
-is refused, and no later decode step can run the replica out of memory."""
+is refused, and no later decode step can run the replica out of memory.
+
+The cache of every sequence lives in one pool per layer, token-major ([positions, kv_heads,
+head_dim]), handed out in blocks of `BLOCK` positions (vLLM's paged layout): a sequence holds the
+flat slot of each of its positions, so a step over many sequences reads all their keys with one
+gather (`Sequence.slots`) and a compiled step sees the same tensors, of the same shapes, whichever
+sequences it serves (`models/compiled_decode.py`). On the CPU the pool is allocated whole at the
+budget's size and the kernel backs only the pages a sequence has written."""
 from __future__ import annotations
 
 import time
@@ -15,13 +22,17 @@ class NoRoom(Exception):
     """The KV budget cannot hold a new sequence now."""
 
 
+BLOCK = 16  # positions per block: what a sequence's capacity is rounded up to in the pool
+
+
 @dataclass
 class Sequence:
     seq_id: str
     capacity: int
-    keys: list[torch.Tensor]      # per layer: [1, kv_heads, capacity, head_dim]
-    values: list[torch.Tensor]
+    slots: torch.Tensor           # [capacity] int64: each position's row in the layer pools
+    blocks: list[int]
     nbytes: int
+    store: KVStore = field(repr=False)
     length: int = 0               # positions filled
     touched: float = field(default_factory=time.monotonic)
 
@@ -46,6 +57,13 @@ class KVStore:
         self.budget = budget_bytes
         self.sequences: dict[str, Sequence] = {}
         self.used = 0
+        # Rounding each capacity up to whole blocks can want a little more than the budget holds:
+        # the pool then grows (`_grow`), which the byte accounting above never sees.
+        blocks = -(-budget_bytes // max(1, shape.bytes_per_token * BLOCK)) if shape.layers else 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._grow(blocks)
 
     def need(self, capacity: int) -> int:
         return capacity * self.shape.bytes_per_token
@@ -59,20 +77,54 @@ class KVStore:
         nbytes = self.need(capacity)
         if self.used + nbytes > self.budget:
             raise NoRoom(f"{nbytes} bytes wanted, {self.budget - self.used} of {self.budget} free")
-        s = self.shape
-        dims = (1, s.kv_heads, capacity, s.head_dim)
-        seq = Sequence(seq_id, capacity,
-                       [torch.empty(dims, dtype=s.dtype, device=s.device) for _ in range(s.layers)],
-                       [torch.empty(dims, dtype=s.dtype, device=s.device) for _ in range(s.layers)], nbytes)
+        count = -(-capacity // BLOCK) if self.shape.layers else 0
+        if count > len(self._free):
+            self._grow(max(count - len(self._free), self.pool_blocks // 4))
+        blocks = [self._free.pop() for _ in range(count)]
+        slots = (torch.tensor(blocks, dtype=torch.long).unsqueeze(1) * BLOCK + torch.arange(BLOCK)).flatten()
+        seq = Sequence(seq_id, capacity, slots[:capacity].to(self.shape.device), blocks, nbytes, self)
         self.sequences[seq_id] = seq
         self.used += nbytes
         return seq
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.keys[0].shape[0] // BLOCK if self.keys else 0
+
+    def _grow(self, blocks: int) -> None:
+        if blocks <= 0 or not self.shape.layers:
+            return
+        s, old = self.shape, self.pool_blocks
+        rows = (old + blocks) * BLOCK
+        for pool in (self.keys, self.values):
+            for i in range(s.layers):
+                grown = torch.empty(rows, s.kv_heads, s.head_dim, dtype=s.dtype, device=s.device)
+                if old:
+                    grown[:old * BLOCK] = pool[i]
+                    pool[i] = grown
+                else:
+                    pool.append(grown)
+        # Handed out from the end of the list: the lowest blocks first, whose pages are the ones
+        # already written.
+        self._free = list(range(old + blocks - 1, old - 1, -1)) + self._free
 
     def get(self, seq_id: str) -> Sequence | None:
         seq = self.sequences.get(seq_id)
         if seq is not None:
             seq.touched = time.monotonic()
         return seq
+
+    def write(self, seq: Sequence, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Stores a step's keys and values ([1, kv_heads, T, head_dim]) at positions start.."""
+        rows = seq.slots[start:start + keys.shape[2]]
+        self.keys[layer][rows] = keys[0].transpose(0, 1)
+        self.values[layer][rows] = values[0].transpose(0, 1)
+
+    def read(self, seq: Sequence, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions 0..end of one layer's keys and values, [1, kv_heads, end, head_dim] (copies)."""
+        rows = seq.slots[:end]
+        return (self.keys[layer][rows].transpose(0, 1).unsqueeze(0),
+                self.values[layer][rows].transpose(0, 1).unsqueeze(0))
 
     def fork(self, parent_id: str, seq_id: str, capacity: int, length: int) -> Sequence:
         """A new sequence holding a copy of the first `length` positions of another (the prompt
@@ -82,8 +134,9 @@ class KVStore:
         if parent is None or parent.length < length or length > capacity:
             raise KeyError(f"no sequence {parent_id} of {length} positions to fork")
         seq = self.admit(seq_id, capacity)
-        for mine, theirs in zip(seq.keys + seq.values, parent.keys + parent.values):
-            mine[:, :, :length] = theirs[:, :, :length]
+        src, dst = parent.slots[:length], seq.slots[:length]
+        for pool in self.keys + self.values:
+            pool[dst] = pool[src]
         seq.length = length
         return seq
 
@@ -92,6 +145,7 @@ class KVStore:
         if seq is None:
             return False
         self.used -= seq.nbytes
+        self._free.extend(reversed(seq.blocks))
         return True
 
     def expire(self, idle_s: float) -> list[str]:
@@ -108,12 +162,12 @@ class KVStore:
     # (consolidation), one of a narrower range takes its own and hands the rest on (a split).
 
     def export(self, seq_id: str, first_layer: int = 0) -> dict[str, torch.Tensor]:
-        """The filled part of a sequence's cache, layer by layer, to send to another replica."""
+        """The filled part of a sequence's cache, layer by layer ([1, kv_heads, length,
+        head_dim]), to send to another replica."""
         seq = self.sequences[seq_id]
         out = {}
-        for i, (k, v) in enumerate(zip(seq.keys, seq.values)):
-            out[f"k{first_layer + i}"] = k[:, :, :seq.length]
-            out[f"v{first_layer + i}"] = v[:, :, :seq.length]
+        for i in range(self.shape.layers):
+            out[f"k{first_layer + i}"], out[f"v{first_layer + i}"] = self.read(seq, i, seq.length)
         return out
 
     def adopt(self, seq_id: str, capacity: int, tensors: dict[str, torch.Tensor], first_layer: int = 0) -> Sequence:
@@ -130,8 +184,8 @@ class KVStore:
             raise ValueError(f"migrated cache holds {length} positions, more than its capacity {capacity}")
         seq = self.admit(seq_id, capacity)
         for i in range(self.shape.layers):
-            seq.keys[i][:, :, :length] = tensors[f"k{first_layer + i}"]
-            seq.values[i][:, :, :length] = tensors[f"v{first_layer + i}"]
+            self.write(seq, i, 0, tensors[f"k{first_layer + i}"].to(self.shape.device, self.shape.dtype),
+                       tensors[f"v{first_layer + i}"].to(self.shape.device, self.shape.dtype))
         seq.length = length
         return seq
 

@@ -37,7 +37,7 @@ PROMPTS = 200
 
 def measure(engine: BatchedDecoder, steps: list[Step], repeats: int = REPEATS) -> float:
     """Median seconds of one forward over `steps`, each request with its own cache at its position."""
-    store = KVStore(engine.kv_shape(), 1 << 40)
+    store = KVStore(engine.kv_shape(), engine.kv_shape().bytes_per_token * sum(s + t for t, s in steps))
     seqs = [store.admit(f"r{i}", start + tokens) for i, (tokens, start) in enumerate(steps)]
     inputs = [_inputs(engine, tokens) for tokens, _ in steps]
     times = []

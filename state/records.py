@@ -134,18 +134,20 @@ class StageSample:
     kind: str
     batch: int = 1
     at_ms: int = 0
+    compiled: bool = False          # the step ran compiled (models/compiled_decode.py)
 
     # The stream's field names are short: a stage writes one record per work item.
     def encode(self) -> dict[str, str]:
         return {"id": self.request_id, "t": f"{self.arrived_at:.6f}", "q": f"{self.wait_ms:.3f}",
-                "s": f"{self.service_ms:.3f}", "r": self.replica_id, "k": self.kind, "b": str(self.batch)}
+                "s": f"{self.service_ms:.3f}", "r": self.replica_id, "k": self.kind, "b": str(self.batch),
+                **({"c": "1"} if self.compiled else {})}
 
     @classmethod
     def decode(cls, entry_id: bytes | str, raw: Raw) -> StageSample:
         data = _text(raw)
         return cls(request_id=data.get("id", ""), arrived_at=float(data["t"]), wait_ms=float(data.get("q", "0")),
                    service_ms=float(data.get("s", "0")), replica_id=data.get("r", ""), kind=data.get("k", "pass"),
-                   batch=int(data.get("b", "1")), at_ms=stream_ms(entry_id))
+                   batch=int(data.get("b", "1")), at_ms=stream_ms(entry_id), compiled=data.get("c") == "1")
 
     @property
     def starts_request(self) -> bool:

@@ -4,10 +4,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.kv_cache import KVShape, KVStore, NoRoom, split_cache
+from models.kv_cache import BLOCK, KVShape, KVStore, NoRoom, Sequence, split_cache
 from models.sampling import Sampling, next_token
 
 SHAPE = KVShape(layers=2, kv_heads=3, head_dim=4, dtype=torch.float32)
+
+
+def fill(store: KVStore, seq_id: str, capacity: int, length: int) -> Sequence:
+    """A sequence of `length` random positions."""
+    seq = store.admit(seq_id, capacity)
+    dims = (1, SHAPE.kv_heads, length, SHAPE.head_dim)
+    for layer in range(SHAPE.layers):
+        store.write(seq, layer, 0, torch.randn(dims), torch.randn(dims))
+    seq.length = length
+    return seq
 
 
 def test_a_sequence_reserves_its_whole_capacity_and_frees_it():
@@ -30,6 +40,36 @@ def test_admitting_an_id_again_replaces_it():
     assert store.used == 50 * SHAPE.bytes_per_token and len(store.sequences) == 1
 
 
+def test_sequences_share_the_pool_without_touching_each_others_positions():
+    """Capacities that are not whole blocks (rounded up in the pool, not in the budget), freed and
+    reused blocks, and a pool that grows past what the budget's bytes alone would hold: every
+    sequence reads back exactly what was written to it."""
+    store = KVStore(SHAPE, budget_bytes=SHAPE.bytes_per_token * 4 * BLOCK)
+    first = [fill(store, str(i), BLOCK // 2 + 1, BLOCK // 2) for i in range(5)]
+    kept = {seq.seq_id: [store.read(seq, layer, seq.length) for layer in range(SHAPE.layers)] for seq in first}
+    assert len({b for seq in first for b in seq.blocks}) == 5, "each sequence holds its own block"
+    for seq in first[:3]:
+        store.free(seq.seq_id)
+        del kept[seq.seq_id]
+    again = [fill(store, f"n{i}", BLOCK + 3, BLOCK + 2) for i in range(2)]
+    kept.update({seq.seq_id: [store.read(seq, layer, seq.length) for layer in range(SHAPE.layers)] for seq in again})
+    for sid, layers in kept.items():
+        seq = store.sequences[sid]
+        assert all(torch.equal(a, b) for layer, pair in enumerate(layers)
+                   for a, b in zip(pair, store.read(seq, layer, seq.length))), sid
+
+
+def test_a_forked_sequence_copies_the_prompt_and_then_goes_its_own_way():
+    store = KVStore(SHAPE, budget_bytes=10 ** 6)
+    parent = fill(store, "p", 40, 20)
+    child = store.fork("p", "c", 40, 20)
+    assert not set(child.blocks) & set(parent.blocks)
+    assert torch.equal(store.read(child, 1, 20)[0], store.read(parent, 1, 20)[0])
+    store.write(child, 1, 20, torch.ones(1, SHAPE.kv_heads, 1, SHAPE.head_dim), torch.ones(1, SHAPE.kv_heads, 1, SHAPE.head_dim))
+    store.write(parent, 1, 20, torch.zeros(1, SHAPE.kv_heads, 1, SHAPE.head_dim), torch.zeros(1, SHAPE.kv_heads, 1, SHAPE.head_dim))
+    assert store.read(child, 1, 21)[0][:, :, 20].eq(1).all() and store.read(parent, 1, 21)[0][:, :, 20].eq(0).all()
+
+
 def test_idle_sequences_expire():
     store = KVStore(SHAPE, budget_bytes=10 ** 6)
     store.admit("old", 10)
@@ -40,13 +80,11 @@ def test_idle_sequences_expire():
 
 def test_an_exported_cache_is_adopted_whole():
     store, other = KVStore(SHAPE, 10 ** 6), KVStore(SHAPE, 10 ** 6)
-    seq = store.admit("a", 10)
-    for t in seq.keys + seq.values:
-        t.normal_()
-    seq.length = 6
+    seq = fill(store, "a", 10, 6)
     copy = other.adopt("a", 10, store.export("a"))
     assert copy.length == 6
-    assert all(torch.equal(a[:, :, :6], b[:, :, :6]) for a, b in zip(seq.keys + seq.values, copy.keys + copy.values))
+    assert all(torch.equal(a, b) for layer in range(SHAPE.layers)
+               for a, b in zip(store.read(seq, layer, 6), other.read(copy, layer, 6)))
     with pytest.raises(ValueError):
         other.adopt("b", 10, {"k0": torch.zeros(1, 3, 4, 4)})
 
@@ -58,17 +96,15 @@ def test_caches_named_by_model_layer_gather_into_a_wider_store_and_split_back():
     wide = KVStore(KVShape(2 * SHAPE.layers, SHAPE.kv_heads, SHAPE.head_dim, SHAPE.dtype), 10 ** 6)
     gathered = {}
     for i, store in enumerate(narrow):
-        seq = store.admit("a", 10)
-        for t in seq.keys + seq.values:
-            t.normal_()
-        seq.length = 5
+        fill(store, "a", 10, 5)
         gathered.update(store.export("a", first_layer=4 + 2 * i))
     assert sorted(gathered) == ["k4", "k5", "k6", "k7", "v4", "v5", "v6", "v7"]
     whole = wide.adopt("a", 10, gathered, first_layer=4)
     assert whole.length == 5
-    assert torch.equal(whole.keys[3][:, :, :5], narrow[1].sequences["a"].keys[1][:, :, :5])
-    back = KVStore(SHAPE, 10 ** 6).adopt("a", 10, wide.export("a", first_layer=4), first_layer=6)
-    assert torch.equal(back.values[0][:, :, :5], narrow[1].sequences["a"].values[0][:, :, :5])
+    assert torch.equal(wide.read(whole, 3, 5)[0], narrow[1].read(narrow[1].sequences["a"], 1, 5)[0])
+    back_store = KVStore(SHAPE, 10 ** 6)
+    back = back_store.adopt("a", 10, wide.export("a", first_layer=4), first_layer=6)
+    assert torch.equal(back_store.read(back, 0, 5)[1], narrow[1].read(narrow[1].sequences["a"], 0, 5)[1])
     cache, inputs = split_cache({**gathered, "hidden": torch.zeros(1), "kv": torch.zeros(1)})
     assert sorted(inputs) == ["hidden", "kv"] and cache.keys() == gathered.keys()
     with pytest.raises(KeyError):

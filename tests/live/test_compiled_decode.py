@@ -1,0 +1,69 @@
+"""Decode steps compiled with torch.compile compute what the eager steps compute: the same greedy
+tokens, logits within float32's rounding, for a batch of sequences at different lengths, through
+every stage of a split model (random weights written by transformers' own config classes), across
+the lengths where the compiled step reads keys in a new bucket, and in a family with sliding
+windows and soft-capped logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.batched_decoder import BatchedDecoder, Step
+from models.compiled_decode import LENGTH_BUCKET, CompiledDecode
+from models.kv_cache import KVStore
+from models.partition import partition
+from models.sources import resolve
+from models.stage_runner import StageRunner
+
+PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 12, 31], [8, 9], [400, 3, 77, 12]]
+# Past one length bucket, so the compiled step runs at two lengths of keys.
+NEW = LENGTH_BUCKET - 4
+
+
+def decode(chain: list[BatchedDecoder], new: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of PROMPTS, prefilled one by one and decoded together; each step's logits."""
+    stores = [KVStore(e.kv_shape(), 1 << 26) for e in chain]
+    seqs = [[store.admit(str(i), len(p) + new) for store in stores] for i, p in enumerate(PROMPTS)]
+    tokens: list[list[int]] = []
+    for i, prompt in enumerate(PROMPTS):
+        x = torch.tensor(prompt)
+        for engine, seq in zip(chain, seqs[i]):
+            x = engine.forward([Step(seq, x, 0)])[0]
+        tokens.append([int(x.argmax())])
+    logits = []
+    for _ in range(new - 1):
+        xs = [torch.tensor([t[-1]]) for t in tokens]
+        for k, engine in enumerate(chain):
+            xs = engine.forward([Step(seqs[i][k], xs[i], seqs[i][k].length) for i in range(len(PROMPTS))])
+        logits.append(torch.stack(xs))
+        for t, x in zip(tokens, xs):
+            t.append(int(x.argmax()))
+    return tokens, logits
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_compiled_decode_steps_generate_what_eager_steps_do(model_type, home_settings, tmp_path):
+    manifest = partition(resolve(f"random-{model_type}", home_settings.models_dir / "_sources", seed=3), 2,
+                         tmp_path / model_type)
+    chain = [BatchedDecoder(StageRunner(manifest, i, i + 1, dtype="float32", prepack=False).modules)
+             for i in range(manifest.num_stages)]
+    expected, expected_logits = decode(chain, NEW)
+    for engine in chain:
+        engine.compiled = CompiledDecode(engine)
+        engine.compiled.warm()
+    got, logits = decode(chain, NEW)
+    assert got == expected
+    gap = max((a - b).abs().max().item() for a, b in zip(logits, expected_logits))
+    assert gap <= 1e-3, gap
+
+
+def test_steps_that_are_not_all_decodes_stay_eager(home_settings, tmp_path):
+    manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
+    engine = BatchedDecoder(StageRunner(manifest, 0, 1, dtype="float32", prepack=False).modules)
+    compiled = CompiledDecode(engine)
+    store = KVStore(engine.kv_shape(), 1 << 26)
+    a, b = store.admit("a", 20), store.admit("b", 20)
+    decode_a, prefill_b = Step(a, torch.tensor([3]), 4), Step(b, torch.tensor([1, 2, 3]), 0)
+    assert not compiled.serves([decode_a]), "nothing runs compiled before the compile is done"
+    compiled.warm()
+    assert compiled.serves([decode_a]) and not compiled.serves([decode_a, prefill_b])
