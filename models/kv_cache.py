@@ -83,6 +83,11 @@ class KVStore:
         blocks = [self._free.pop() for _ in range(count)]
         slots = (torch.tensor(blocks, dtype=torch.long).unsqueeze(1) * BLOCK + torch.arange(BLOCK)).flatten()
         seq = Sequence(seq_id, capacity, slots[:capacity].to(self.shape.device), blocks, nbytes, self)
+        # Zeroed: a compiled step reads a bucket of positions past a sequence's length (masked
+        # out), and memory never written may hold any bits, NaN's among them, which a mask does
+        # not stop (its weight 0 times NaN is NaN).
+        for pool in self.keys + self.values:
+            pool[seq.slots] = 0
         self.sequences[seq_id] = seq
         self.used += nbytes
         return seq

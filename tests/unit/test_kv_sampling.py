@@ -59,6 +59,20 @@ def test_sequences_share_the_pool_without_touching_each_others_positions():
                    for a, b in zip(pair, store.read(seq, layer, seq.length))), sid
 
 
+def test_a_new_sequence_reads_zeros_where_a_freed_one_left_nan():
+    """A compiled step reads past a sequence's length (masked out), where a mask's zero weight
+    times NaN would still be NaN: a sequence starts with every position zeroed."""
+    store = KVStore(SHAPE, budget_bytes=SHAPE.bytes_per_token * BLOCK)
+    old = store.admit("old", BLOCK)
+    nan = torch.full((1, SHAPE.kv_heads, BLOCK, SHAPE.head_dim), float("nan"))
+    for layer in range(SHAPE.layers):
+        store.write(old, layer, 0, nan, nan)
+    store.free("old")
+    new = store.admit("new", BLOCK)
+    assert new.blocks == old.blocks
+    assert all(t.eq(0).all() for layer in range(SHAPE.layers) for t in store.read(new, layer, BLOCK))
+
+
 def test_a_forked_sequence_copies_the_prompt_and_then_goes_its_own_way():
     store = KVStore(SHAPE, budget_bytes=10 ** 6)
     parent = fill(store, "p", 40, 20)
