@@ -7,6 +7,7 @@ transformers model in this process, on the same ShareGPT prompts, in one run.
                                                      # qwen3, mistral, gemma2, gemma3, phi3), ~0.5 B
     python -m benchmarks generation --reps 5         # repetitions of the one-at-a-time part
     python -m benchmarks generation --quantize int8  # the pipeline on int8 weights (generation_int8.json)
+    python -m benchmarks generation --compile        # decode steps compiled, QUART_COMPILE (generation_compiled.json)
 
 The pipeline serves the default dtype (`QUART_DTYPE=auto`: bfloat16 where the CPU has it). One at a
 time, interleaved, repeated `--reps` times: the pipeline's time to first token (TTFT) and time
@@ -51,7 +52,7 @@ import yaml
 
 from benchmarks import vllm_cpu
 from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, verdict, write
-from contracts.config import Settings, load_settings
+from contracts.config import ComputeConfig, Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
 from loadgen.sharegpt import first_prompts
@@ -289,12 +290,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3, help="repetitions of the one-at-a-time part (>= 3 for intervals)")
     parser.add_argument("--quantize", choices=["int8"], help="the pipeline's weights in int8 (QUART_QUANTIZE)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the stages' decode steps compiled (QUART_COMPILE), measured once all have compiled")
     parser.add_argument("--no-vllm", action="store_true", help="without the vLLM-CPU baseline (on a CPU)")
     args = parser.parse_args(argv)
     spec, new = MODELS[args.model], args.new_tokens
     levels, cores = spec["levels"], len(os.sched_getaffinity(0))
     texts = first_prompts(spec["prompts"] + max(levels), seed=21, max_chars=300)
-    with running(args.model, new, args.quantize or "") as settings:
+    with running(args.model, new, args.quantize or "", **({"compile": True} if args.compile else {})) as settings:
         served = serving_dtype(settings.compute.dtype, Manifest.load(settings.model_dir(args.model)).dtype,
                                settings.compute.device)
         unsplit = Unsplit(settings, args.model, served)
@@ -311,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
         vllm = _with_vllm(unsplit, args.model, texts, spec["prompts"], new, served, reps, throughput)
     step_bytes = unsplit.step_bytes(torch.int8 if args.quantize else served)
     limit_ms = step_bytes / read_bandwidth(cores, settings.compute.device) * 1000.0
-    return _report(args.model, reps, throughput, new, levels, served, refs, limit_ms, step_bytes, args.quantize, vllm)
+    return _report(args.model, reps, throughput, new, levels, served, refs, limit_ms, step_bytes, args.quantize, vllm,
+                   settings.compute)
 
 
 @dataclass(frozen=True)
@@ -420,7 +424,9 @@ def _ratio(reps: list[dict], path: str, reference: str, index: int) -> tuple[flo
 
 
 def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, served: torch.dtype, refs: References,
-            limit_ms: float, step_bytes: int, quantize: str | None, vllm_conditions: dict | None = None) -> dict:
+            limit_ms: float, step_bytes: int, quantize: str | None, vllm_conditions: dict | None = None,
+            compute: ComputeConfig | None = None) -> dict:
+    compute = compute or load_settings().compute
     paths = list(reps[0]["medians"])
     same, fp32_all, gpu = refs.served, refs.fp32, refs.device.startswith("cuda")
     median = {k: [float(np.median([r["medians"][k][i] for r in reps])) for i in (0, 1)] for k in paths}
@@ -501,14 +507,15 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                 {"name": f"{VLLM} TPOT p50 at {c}", "value": round(r["vllm_tpot_p50"], 3), "unit": "ms"},
             ]
     name = ("generation" if model == "smollm2" else f"generation_{model}") + (f"_{quantize}" if quantize else "")
-    name += "_cuda" if gpu else ""
+    name += ("_compiled" if compute.compiles else "") + ("_cuda" if gpu else "")
     source, config = SOURCES[model]
     write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,
                                     prompts=reps[0]["prompts"], repetitions=len(reps), levels=list(levels),
                                     threads_per_replica=1, unsplit={k: [_name(d), t] for k, (d, t) in refs.runs.items()},
                                     device=refs.device, gpu=torch.cuda.get_device_name() if gpu else None, dtype=_name(served),
-                                    prepack=load_settings().compute.prepack, quantize=quantize or "none",
-                                    linear_layout=_layout(refs.device, served, quantize),
+                                    prepack=compute.packs_linears, quantize=quantize or "none",
+                                    compiled_decode_steps=compute.compiles,
+                                    linear_layout=_layout(refs.device, served, quantize, compute.packs_linears),
                                     decoding="greedy, end of text ignored", max_batch=load_settings().batching.max_batch,
                                     vllm_cpu=vllm_conditions or "absent (the run's output says why)"))
     _plot(name, model, rows, sequential, median[fp32_all][1])
@@ -525,10 +532,10 @@ def _parting(divergences: list[tuple[int, float]]) -> dict | None:
             "max gap": round(max(gaps), 4)}
 
 
-def _layout(device: str, served: torch.dtype, quantize: str | None) -> str:
-    """The layout the stages' linear layers got (the setting alone does not say: oneDNN may not
-    pack the served dtype on this CPU)."""
-    layout = layout_for(torch.device(device), served, load_settings().compute.prepack, quantize or "")
+def _layout(device: str, served: torch.dtype, quantize: str | None, prepack: bool) -> str:
+    """The layout the stages' eager linear layers got (the setting alone does not say: oneDNN may
+    not pack the served dtype on this CPU)."""
+    layout = layout_for(torch.device(device), served, prepack, quantize or "")
     if layout == "packed" and served == torch.float32 and torch.device(device).type == "cpu":
         return "packed (oneDNN; one-row steps on MKL's packing where torch has it)"
     return layout or "plain nn.Linear"

@@ -59,6 +59,25 @@ def test_sequences_share_the_pool_without_touching_each_others_positions():
                    for a, b in zip(pair, store.read(seq, layer, seq.length))), sid
 
 
+def test_scattered_blocks_read_back_as_consecutive_ones_do():
+    """A sequence on consecutive blocks is read as a slice of the pool, one on blocks freed by
+    others in between as a gather: the same values either way, an export a copy in both."""
+    store = KVStore(SHAPE, budget_bytes=SHAPE.bytes_per_token * 4 * BLOCK)
+    a, b, c = (fill(store, name, BLOCK, BLOCK) for name in "abc")
+    store.free("a")
+    store.free("c")
+    scattered = fill(store, "d", 2 * BLOCK, 2 * BLOCK - 1)
+    assert a.base is not None and scattered.base is None and sorted(scattered.blocks) == sorted(a.blocks + c.blocks)
+    for seq in (b, scattered):
+        exported = store.export(seq.seq_id)
+        for layer in range(SHAPE.layers):
+            keys, _ = store.read(seq, layer, seq.length)
+            assert torch.equal(keys[0].transpose(0, 1), store.keys[layer][seq.slots[:seq.length]])
+            assert torch.equal(exported[f"k{layer}"], keys)
+        exported["k0"].zero_()
+        assert not store.read(seq, 0, seq.length)[0].eq(0).all(), "an export shares memory with the pool"
+
+
 def test_a_new_sequence_reads_zeros_where_a_freed_one_left_nan():
     """A compiled step reads past a sequence's length (masked out), where a mask's zero weight
     times NaN would still be NaN: a sequence starts with every position zeroed."""
