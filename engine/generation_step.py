@@ -110,9 +110,11 @@ class GenerationStage:
         if not steps:
             return BatchResult(outcomes, done)
         started, profile = time.perf_counter(), StepProfile(self.store.shape.device)
-        compiled = self.engine.runs_compiled([s for _, s in steps])
+        batch = [s for _, s in steps]
+        # Decided once, so the record says how the step ran (the compile finishes on another thread).
+        compiled = self.engine.runs_compiled(batch)
         try:
-            outputs = self.engine.forward([s for _, s in steps])
+            outputs = self.engine.forward(batch, compiled=compiled)
         except Exception as exc:  # one bad batch must not take the replica down; its requests get the error
             for w, s in steps:
                 self.store.free(s.seq.seq_id)

@@ -63,16 +63,19 @@ class BatchedDecoder:
         return KVShape(len(self.layers), self.kv_heads, self.head_dim, p.dtype, p.device)
 
     @torch.inference_mode()
-    def forward(self, steps: list[Step], all_positions: bool = False) -> list[torch.Tensor]:
+    def forward(self, steps: list[Step], all_positions: bool = False, compiled: bool | None = None) -> list[torch.Tensor]:
         """Per step: hidden states [T, width] for the next stage, or, on the last stage, the
         logits of its last position [vocab] (of every position [T, vocab] with `all_positions`;
-        float32)."""
+        float32). `compiled`: whether through the compiled decode step, as `runs_compiled` said
+        (asked here where not given)."""
         for s in steps:
             if s.tokens > 1 and s.start != 0:
                 raise ValueError("a step of several tokens must start at position 0 (a prefill)")
             if s.start + s.tokens > s.seq.capacity:
                 raise ValueError(f"sequence {s.seq.seq_id} is full ({s.seq.capacity} positions)")
-        if not all_positions and self.runs_compiled(steps):
+        if compiled is None:
+            compiled = not all_positions and self.runs_compiled(steps)
+        if compiled:
             return self.compiled.forward(steps)
         x = self._inputs(steps)
         positions = torch.cat([torch.arange(s.start, s.start + s.tokens) for s in steps]).unsqueeze(0).to(x.device)

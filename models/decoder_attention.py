@@ -64,14 +64,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scalin
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scaling / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    return _masked(q, k, v, mask, scaling, softcap)
 
 
 @dataclass
@@ -106,15 +99,18 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.transpose(1, 2)
 
 
-def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+def _masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float,
             softcap: float | None) -> torch.Tensor:
+    """Attention of q over the keys `mask` lets it see (all where None), logits soft-capped where
+    `softcap` says."""
     groups = q.shape[1] // k.shape[1]
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scaling / softcap) * softcap
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
