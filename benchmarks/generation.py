@@ -40,6 +40,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -62,6 +63,7 @@ from models.packed_linear import layout_for
 from models.precision import serving_dtype
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state.records import StageSample
 from state.store import RedisStore
 
 MEASURES = SERVING + ("loadgen", "benchmarks/vllm_cpu.py")  # the code measured (benchmarks/freshness.py)
@@ -274,14 +276,24 @@ def wait_compiled(settings: Settings, model: str, timeout_s: float = 1200.0) -> 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         since = time.time() - 1.0
-        rid = pipeline_request(client, model, "compiled yet?", 8)["id"]
-        decodes = [[s.compiled for s in store.samples(model, stage, since)
-                    if s.kind == "decode" and s.request_id.startswith(rid + ".")] for stage in range(STAGES)]
-        if all(d and all(d) for d in decodes):
+        steps = decode_steps(store, model, pipeline_request(client, model, "compiled yet?", 8)["id"], since)
+        if steps and all(s.compiled for step in steps for s in step):
             print(f"  decode steps compiled at every stage after {time.monotonic() - t0:.0f} s", flush=True)
             return time.monotonic() - t0
         time.sleep(5.0)
     raise SystemExit(f"the stages' decode steps did not compile within {timeout_s:.0f} s")
+
+
+def decode_steps(store: RedisStore, model: str, rid: str, since: float) -> list[list[StageSample]]:
+    """A request's decode steps in order, each its records at stages 0..3 (steps that some stage
+    did not record, none in a healthy run, are left out)."""
+    by_step: dict[str, dict[int, StageSample]] = defaultdict(dict)
+    for stage in range(STAGES):
+        for s in store.samples(model, stage, since):
+            if s.kind == "decode" and s.request_id.startswith(rid + "."):
+                by_step[s.request_id][stage] = s
+    steps = [v for v in by_step.values() if len(v) == STAGES]
+    return [[step[i] for i in range(STAGES)] for step in sorted(steps, key=lambda v: v[0].arrived_at)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -424,9 +436,8 @@ def _ratio(reps: list[dict], path: str, reference: str, index: int) -> tuple[flo
 
 
 def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, served: torch.dtype, refs: References,
-            limit_ms: float, step_bytes: int, quantize: str | None, vllm_conditions: dict | None = None,
-            compute: ComputeConfig | None = None) -> dict:
-    compute = compute or load_settings().compute
+            limit_ms: float, step_bytes: int, quantize: str | None, vllm_conditions: dict | None,
+            compute: ComputeConfig) -> dict:
     paths = list(reps[0]["medians"])
     same, fp32_all, gpu = refs.served, refs.fp32, refs.device.startswith("cuda")
     median = {k: [float(np.median([r["medians"][k][i] for r in reps])) for i in (0, 1)] for k in paths}

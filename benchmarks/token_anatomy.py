@@ -19,7 +19,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from benchmarks.generation import STAGES, pipeline_request, running
+from benchmarks.generation import STAGES, decode_steps, pipeline_request, running
 from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, write
 from contracts.config import load_settings
 from contracts.http_client import GatewayClient
@@ -51,23 +51,11 @@ def _measure(texts: list[str], compile_: bool) -> list[dict[str, float]]:
             print(f"  request {i + 1}/{len(texts)}", flush=True)
             since = time.time() - 1.0
             rid = pipeline_request(client, MODEL, text, NEW)["id"]
-            steps = _decode_steps(store, rid, since)
+            steps = decode_steps(store, MODEL, rid, since)
             if compile_ and not all(s.compiled for step in steps for s in step):
                 raise SystemExit("a decode step ran eager after the stages had compiled")
             per_request.append(anatomy(steps))
     return per_request
-
-
-def _decode_steps(store: RedisStore, rid: str, since: float) -> list[list[StageSample]]:
-    """The request's decode steps in order, each its records at stages 0..3 (steps that some stage
-    did not record, none in a healthy run, are left out)."""
-    by_step: dict[str, dict[int, StageSample]] = defaultdict(dict)
-    for stage in range(STAGES):
-        for s in store.samples(MODEL, stage, since):
-            if s.kind == "decode" and s.request_id.startswith(rid + "."):
-                by_step[s.request_id][stage] = s
-    steps = [v for v in by_step.values() if len(v) == STAGES]
-    return [[step[i] for i in range(STAGES)] for step in sorted(steps, key=lambda v: v[0].arrived_at)]
 
 
 def anatomy(steps: list[list[StageSample]]) -> dict[str, float]:
