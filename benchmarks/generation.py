@@ -524,9 +524,9 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                                     prompts=reps[0]["prompts"], repetitions=len(reps), levels=list(levels),
                                     threads_per_replica=1, unsplit={k: [_name(d), t] for k, (d, t) in refs.runs.items()},
                                     device=refs.device, gpu=torch.cuda.get_device_name() if gpu else None, dtype=_name(served),
-                                    prepack=compute.packs_linears, quantize=quantize or "none",
+                                    prepack=compute.prepack, quantize=quantize or "none",
                                     compiled_decode_steps=compute.compiles,
-                                    linear_layout=_layout(refs.device, served, quantize, compute.packs_linears),
+                                    linear_layout=_layout(refs.device, served, quantize, compute.prepack),
                                     decoding="greedy, end of text ignored", max_batch=load_settings().batching.max_batch,
                                     vllm_cpu=vllm_conditions or "absent (the run's output says why)"))
     _plot(name, model, rows, sequential, median[fp32_all][1])

@@ -187,8 +187,11 @@ def report(settings: Settings, samples: dict, memory: dict, repeats: int) -> dic
     print(table("PSS of smollm2 stage 1 replicas (MB)", ["what", "PSS MB"],
                 [[k, round(v, 1)] for k, v in memory.items()]))
     figures += [{"name": f"PSS {k}", "value": round(v, 1), "unit": "MB"} for k, v in memory.items()]
-    write("scaleup", figures, conditions(repeats=repeats, device="cpu", threads=1,
-                                         shard_files="in the page cache (a cold start from disk is slower)"))
+    # QUART_COMPILE=true: the zygotes compile the decode step before they fork (a fork inherits it).
+    compiles = settings.compute.compiles
+    write("scaleup_compiled" if compiles else "scaleup", figures,
+          conditions(repeats=repeats, device="cpu", threads=1, compiled_decode_steps=compiles,
+                     shard_files="in the page cache (a cold start from disk is slower)"))
     return {"samples": {f"{m}/{k}": v for (m, k), v in samples.items()}, "pss_mb": memory}
 
 

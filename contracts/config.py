@@ -106,12 +106,6 @@ class ComputeConfig:
     compile: bool = False
 
     @property
-    def packs_linears(self) -> bool:
-        """Whether eager steps prepack their linears: not where decode steps compile, as
-        inductor's freezing packs its own copy from the plain weights (`models/compiled_decode.py`)."""
-        return self.prepack and not self.compiles
-
-    @property
     def compiles(self) -> bool:
         """Whether a replica's decode steps compile: asked for, on the CPU, without int8 weights."""
         return self.compile and self.device == "cpu" and not self.quantize
@@ -458,8 +452,9 @@ VARIABLES: tuple[Var, ...] = (
         "in float32 also packed for MKL's sgemm, through which one-token steps run (twice the float32 weights' "
         "memory); false: plain `F.linear`"),
     Var("QUART_COMPILE", "compute.compile",
-        "decode steps compiled with torch.compile (inductor, frozen weights) in the background after a replica "
-        "starts, eager until then; CPU only, not with int8 weights; the weights then take twice their memory"),
+        "decode steps compiled with torch.compile (inductor) once per stage range: in the KeysManager's zygote "
+        "before it forks (a fork inherits the compiled step), else in the background after a replica starts, "
+        "eager until then; CPU only, not with int8 weights"),
     Var("QUART_QUANTIZE", "compute.quantize",
         "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "
         "half bfloat16's bytes; empty: none", lambda v: None if v in ("", "int8") else "must be int8 or empty"),

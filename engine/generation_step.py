@@ -12,7 +12,7 @@ from contracts.config import Limits
 from contracts.wire import BadRequest, Header
 from engine.batch_policy import MIGRATE
 from engine.step_profile import StepProfile
-from models.batched_decoder import BatchedDecoder, Step
+from models.batched_decoder import Step
 from models.kv_cache import KVStore, NoRoom, split_cache
 from models.sampling import Sampling, sample
 from models.stage_runner import StageRunner
@@ -67,7 +67,7 @@ class GenerationStage:
     def __init__(self, runner: StageRunner, replica_id: str, budget_bytes: int, kv_wait_s: float,
                  limits: Limits) -> None:
         self.runner, self.limits = runner, limits
-        self.engine = BatchedDecoder(runner.modules)
+        self.engine = runner.batched()
         self.store = KVStore(self.engine.kv_shape(), budget_bytes)
         self.replica_id = replica_id
         self.kv_wait_s = kv_wait_s

@@ -29,6 +29,7 @@ from engine.batch_policy import handover_peer, new_item_slots, still_fed
 from engine.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from engine.routes import Routes
 from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
+from models.batched_decoder import BatchedDecoder
 from models.compiled_decode import CompiledDecode
 from models.emulated import EmulatedRunner
 from models.fetch import ensure_manifest
@@ -97,8 +98,7 @@ class StageReplica:
         self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
                                           settings.batching.kv_wait_s, settings.limits) if generative else None
         if self.generation is not None and settings.compute.compiles:
-            self.generation.engine.compiled = CompiledDecode(self.generation.engine)
-            self.generation.engine.compiled.warm_in_background()
+            self._compile(self.generation.engine)
         self._labels = {"model": self.model, "stage": str(first)}
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
@@ -119,6 +119,16 @@ class StageReplica:
         self._pinned: int | None = None
         self._threads: list[threading.Thread] = []
 
+    @staticmethod
+    def _compile(engine: BatchedDecoder) -> None:
+        """Compiles the decode step in the background, unless the zygote this replica was forked
+        from compiled it already."""
+        if engine.compiled is not None:
+            log.info("decode steps compiled by the zygote (in %.1f s)", engine.compiled.compile_s)
+            return
+        engine.compiled = CompiledDecode(engine)
+        engine.compiled.warm_in_background()
+
     @property
     def replica_id(self) -> str:
         return self.info.replica_id
@@ -133,7 +143,7 @@ class StageReplica:
         whole = not settings.coldstart.stream
         runner = StageRunner(manifest, stage.first, stage.last, settings.compute.device, settings.compute.dtype,
                              tensors=lambda i: stream_tensors(readers[i], whole_first=whole),
-                             prepack=settings.compute.packs_linears, quantize=settings.compute.quantize)
+                             prepack=settings.compute.prepack, quantize=settings.compute.quantize)
         self.coldstart = ColdStart(process_at=started_at(), imported_at=imported, loaded_at=time.time(),
                                    fetch_started_at=min(r.started for r in readers.values()),
                                    fetched_at=max(r.finished for r in readers.values()),

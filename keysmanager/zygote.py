@@ -8,7 +8,8 @@ It loads its tensors in the dtype the replicas serve and packs their linear weig
 never runs multi-threaded kernels and never initialises CUDA, because a process that has started
 OpenMP's thread pool (or CUDA) can hang its forked children. A child sets its own threads and
 device after the fork. Copy-on-write children share the parent's pages; a non-COW child clones
-the parameters first, for isolation.
+the parameters first, for isolation. With QUART_COMPILE it compiles the stage's decode step too
+(on its one thread, without inductor's worker pool) before it forks: every child inherits it.
 
 Control is a Unix socket that takes one JSON line per connection:
     {"op": "fork", "cow": true, "env": {...}, "handler": "...", "port_file": "...", "log_file": "..."}
@@ -24,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -41,6 +43,7 @@ from contracts.config import load_settings
 from contracts.stage import StageRef
 from engine import inherited, watchdog
 from engine import replica as _replica  # noqa: F401
+from models.compiled_decode import compile_here
 from models.emulated import EmulatedRunner
 from models.manifest import Manifest
 from models.profiles import profile as emulation_profile
@@ -78,7 +81,7 @@ def _become_replica(runner: StageRunner | EmulatedRunner | None, request: dict, 
             if not request.get("cow", True):
                 runner.clone_parameters()
             compute = settings.compute
-            runner.to(compute.device, compute.dtype, compute.packs_linears, compute.quantize)
+            runner.to(compute.device, compute.dtype, compute.prepack, compute.quantize)
         else:
             runner.reseed()
         print(f"forked: parameters ready in {(time.perf_counter() - t0) * 1000:.1f} ms "
@@ -111,6 +114,15 @@ def _exit_when_orphaned(period_s: float = 1.0) -> None:
             sys.exit(0)
     signal.signal(signal.SIGALRM, check)
     signal.setitimer(signal.ITIMER_REAL, period_s, period_s)
+
+
+def _compile(runner: StageRunner) -> None:
+    """The decode step compiled once here, before any fork, on this process's one thread: every
+    replica forked afterwards serves compiled steps from its first (models/compiled_decode.py)."""
+    t0 = time.perf_counter()
+    compiled = compile_here(runner.batched())
+    outcome = f"in {time.perf_counter() - t0:.1f} s" if compiled else "failed: forks compile their own"
+    print(f"decode steps compiled {outcome}; threads now {threading.active_count()}", file=sys.stderr, flush=True)
 
 
 def serve(runner: StageRunner | EmulatedRunner | None, socket_path: Path) -> None:
@@ -167,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         # start a pool of OpenMP threads, which a forked child could not use.
         torch.set_num_threads(1)
         runner = StageRunner(Manifest.load(settings.model_dir(stage.model)), stage.first, stage.last,
-                             device="cpu", dtype=settings.compute.dtype, prepack=settings.compute.packs_linears,
+                             device="cpu", dtype=settings.compute.dtype, prepack=settings.compute.prepack,
                              quantize=settings.compute.quantize)
+        if settings.compute.compiles and runner.manifest.generative:
+            _compile(runner)
     assert not torch.cuda.is_initialized()
     serve(runner, args.socket)
     return 0

@@ -1,19 +1,21 @@
 """A stage's decode steps (every sequence in the batch one new token) through one function
 compiled with torch.compile's inductor: the family's own decoder layers (`BatchedDecoder`), with
-attention reading the paged KV pools by slot (`PagedCall`), frozen weights (inductor packs them
-for oneDNN itself and folds what it can), and the C++ wrapper, which calls the kernels without
-Python between them. The shapes are dynamic: one compile serves every batch size from 2 up and
-every length, and a second the single sequence (torch specialises a dimension of size one).
+attention reading the paged KV pools by slot (`PagedCall`), the linear layers as the replica holds
+them (prepacked for oneDNN, `models/packed_linear.py`, each one opaque kernel in the graph), and
+the C++ wrapper, which calls the kernels without Python between them. The shapes are dynamic: one
+compile serves every batch size from 2 up and every length, and a second the single sequence
+(torch specialises a dimension of size one).
 
-Measured on an AVX512-BF16 EPYC, one 11-layer SmolLM2 stage in bfloat16 on one thread: 4.1, 5.2
-and 10.2 ms a step at 1, 4 and 16 sequences against 5.4, 7.6 and 16.0 eager (docs/benchmarks.md);
-compiling takes 20-30 s per graph on this host, so it runs in the background while eager steps
-serve, and only on the CPU (a GPU's counterpart would be CUDA graphs: not built).
+Inductor's freezing is not used: it would pack a second copy of every weight (the eager prefills
+need theirs) and took 100 s to compile one SmolLM2 stage where this takes 23 s, for the same step
+time (measured on a 2-core Xeon with AMX, one 11-layer stage in bfloat16, one thread: 11.4, 13.3
+and 22.2 ms a step at 1, 4 and 16 sequences, against 11.2, 13.3 and 20.8 frozen and 15.5, 18.7 and
+31.4 eager). A KeysManager zygote compiles before it forks (`compile_here`), so its forks serve
+compiled steps from their first; a replica started otherwise compiles on a thread of its own
+while eager steps serve. Only on the CPU (a GPU's counterpart would be CUDA graphs: not built).
 
 Prefills, and batches that mix them with decodes, stay eager: their lengths vary too much to
-bucket, and a prompt runs once where its tokens run every step. The eager path's linears are then
-plain `nn.Linear` (freezing packs its own copy; `QUART_COMPILE` turns prepacking off), so the
-weights take twice their memory in a replica that compiles."""
+bucket, and a prompt runs once where its tokens run every step."""
 from __future__ import annotations
 
 import logging
@@ -32,7 +34,7 @@ log = logging.getLogger("quart.compiled_decode")
 # Keys are read up to the batch's longest length rounded up to this: a step attends over a few
 # padded positions at most, and the compiled function sees a handful of lengths per 1,000.
 LENGTH_BUCKET = 64
-INDUCTOR = {"freezing": True, "cpp_wrapper": True}
+INDUCTOR = {"cpp_wrapper": True}
 
 
 class CompiledDecode:
@@ -130,10 +132,24 @@ class CompiledDecode:
         return torch.zeros(1, e.width, dtype=e.dtype)
 
 
+def compile_here(engine: BatchedDecoder) -> CompiledDecode | None:
+    """Compiles `engine`'s decode step in this thread and attaches it; None, and the reason in the
+    log, where the compiler fails. For a process that forks afterwards (a KeysManager zygote):
+    inductor's pool of compile workers is not started, so no thread of it outlives the compile."""
+    torch._inductor.config.compile_threads = 1
+    compiled = CompiledDecode(engine)
+    try:
+        compiled.warm()
+    except Exception:  # noqa: BLE001 - any compiler failure must leave eager serving
+        log.exception("compiling the decode step failed; steps stay eager")
+        return None
+    engine.compiled = compiled
+    return compiled
+
+
 def _configure() -> None:
     """Inductor's settings for the compile, in the calling thread: they are per thread (a thread
-    other than the one that set them sees the defaults), and torch.compile's `options` do not
-    reach the freezing pass (measured: 7.0 ms a step compiled so, 3.9 with freezing)."""
+    other than the one that set them sees the defaults)."""
     for key, value in INDUCTOR.items():
         if getattr(torch._inductor.config, key) != value:
             setattr(torch._inductor.config, key, value)

@@ -1,10 +1,10 @@
 """Linear layers with their weights reordered once, at load, into oneDNN's blocked layout: what
 torch.compile's inductor does to a frozen model's linears on the CPU (`mkldnn._linear_pointwise`
-on a weight from `mkldnn._reorder_linear_weight`), without the compile. `F.linear` reorders a
+on a weight from `mkldnn._reorder_linear_weight`), without freezing the model. `F.linear` reorders a
 weight's blocks on every call; a decode step, which reads each weight once, then streams at
 about half the memory bandwidth (measured: 106 MB of bfloat16 weights at one token in 10.8 ms
-through `F.linear` and 6.0 ms prepacked, two threads). torch.compile itself is not used: on a
-2-core host it compiles a 30-layer model for minutes, per shape, in every replica.
+through `F.linear` and 6.0 ms prepacked, two threads). Compiled decode steps call these layers as
+they are (`packed_linear` below): freezing would take minutes per replica and a second copy.
 
 In float32 no one layout wins at every batch size (measured on an AVX2 EPYC, one thread,
 2048×5632): at one token oneDNN's kernel on the packed weight is slower than the BLAS on the plain
@@ -72,6 +72,28 @@ def layout_for(device: torch.device, dtype: torch.dtype, prepack: bool, quantize
     return "packed" if prepack and can_pack(device, dtype) else None
 
 
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, row_packed: torch.Tensor | None,
+                   plain_shape: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if row_packed is not None and x.numel() == plain_shape.shape[1]:
+        return torch.ops.mkl._mkl_linear(x, row_packed, plain_shape, bias, 1)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# A compiled step (models/compiled_decode.py) calls the packed layer as one opaque kernel:
+# inductor has no lowering for `_linear_pointwise` on a weight packed outside its own freezing pass
+# (it fails at lowering), and its freezing pass would pack a second copy of every weight.
+@torch.library.custom_op("quart::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, row_packed: torch.Tensor | None, plain_shape: torch.Tensor,
+                  bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return _packed_linear(x, packed, row_packed, plain_shape, bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, row_packed: torch.Tensor | None, plain_shape: torch.Tensor,
+      bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear`'s computation on a prepacked weight (a buffer: no gradient, no dtype moves);
     in float32, one-row steps on a second packing for MKL's sgemm (see the module's docstring)."""
@@ -91,9 +113,9 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_packed is not None and x.numel() == self.in_features:
-            return torch.ops.mkl._mkl_linear(x, self.row_packed, self.plain_shape, self.bias, 1)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.packed, self.row_packed, self.plain_shape, self.bias, self.out_features)
+        return _packed_linear(x, self.packed, self.row_packed, self.plain_shape, self.bias)
 
     def unpacked(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")

@@ -39,8 +39,7 @@ ENTRY_CPU = {"requests": "500m", "limits": "1"}
 def resident_weight_bytes(shard_bytes: int, checkpoint_dtype: str, compute: ComputeConfig) -> int:
     """A stage's weights in memory at most: where it may serve in float32 with prepacked linears
     (models/precision.py's choice on a host without native bfloat16), its shards widened to float32
-    and held twice, once per packing (models/packed_linear.py); where decode steps compile, held
-    twice in the dtype served (models/compiled_decode.py); else as stored."""
+    and held twice, once per packing (models/packed_linear.py); else as stored."""
     # Imported here: the runtime server and the autoscaler read stage_bytes without loading torch.
     import torch
 
@@ -49,8 +48,6 @@ def resident_weight_bytes(shard_bytes: int, checkpoint_dtype: str, compute: Comp
     twice = 2 * shard_bytes * served.itemsize // DTYPES.get(checkpoint_dtype, torch.float32).itemsize
     if compute.device != "cpu" or compute.quantize:
         return shard_bytes
-    if compute.compile:  # plain linears for the eager steps, and the compiled step's frozen copy
-        return twice
     return twice if served == torch.float32 and compute.prepack else shard_bytes
 
 

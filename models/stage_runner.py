@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from contracts.config import Limits
 from contracts.wire import BadRequest
 from models.architectures import StageModule, architecture
+from models.batched_decoder import BatchedDecoder
 from models.manifest import Manifest, sha256_file
 from models.packed_linear import LAYOUTS, layout_for, pack, unpack
 from models.precision import AUTO, serving_dtype
@@ -54,7 +55,16 @@ class StageRunner:
         self.modules = [load_stage_module(manifest, i, verify, tensors(i) if tensors else None, place)
                         for i in range(first, last)]
         self.layout: str | None = None
+        self._batched: BatchedDecoder | None = None
         self.to(device, dtype, prepack, quantize)
+
+    def batched(self) -> BatchedDecoder:
+        """The one batched decoder over these modules, kept with them: a replica forked from a
+        KeysManager zygote takes the zygote's, and with it the decode step the zygote compiled
+        (torch.compile's guards hold for that object, not for a new one over the same modules)."""
+        if self._batched is None:
+            self._batched = BatchedDecoder(self.modules)
+        return self._batched
 
     def to(self, device: str, dtype: str, prepack: bool = True, quantize: str = "") -> None:
         """Moves the parameters (`dtype` "auto": `models/precision.py`) and lays out the linear

@@ -1,7 +1,9 @@
 """QUART_COMPILE the way a user turns it on: a user's own decoder (LLaMA-shaped, random weights
 written by transformers' save_pretrained) in two stages on the embedded runtime with decode steps
 compiled. The replicas serve eagerly while they compile, then their records say the decode steps
-ran compiled, and the tokens, alone and batched, are the unsplit model's."""
+ran compiled, and the tokens, alone and batched, are the unsplit model's. A replica forked from the
+KeysManager's zygote, which compiled before it forked, runs its decode steps compiled from the
+first."""
 from __future__ import annotations
 
 import time
@@ -11,11 +13,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from contracts.http_client import GatewayClient
+from contracts.stage import StageRef
+from keysmanager.client import KeysClient
 from models.architectures import architecture
 from models.random_checkpoint import write_random_checkpoint
 from runtime.ports import free_port
 from state.store import RedisStore
-from tests.live.runtime_helpers import STACK_HEAD, greedy_reference
+from tests.live.runtime_helpers import STACK_HEAD, greedy_reference, wait_until
 from tools import stack as stack_tool
 
 MODEL, NEW = "my-llama", 12
@@ -49,18 +53,23 @@ def _generate(client: GatewayClient, text: str) -> dict:
     return reply.json()
 
 
-def _decode_records(store: RedisStore, rid: str, since: float) -> list[list[bool]]:
-    """Per stage, whether each of the request's decode steps ran compiled."""
+def _decode_records(store: RedisStore, rid: str, since: float, replica: str = "") -> list[list[bool]]:
+    """Per stage, whether each of the request's decode steps (those of `replica` if given) ran compiled."""
     return [[s.compiled for s in store.samples(MODEL, stage, since)
-             if s.kind == "decode" and s.request_id.startswith(rid + ".")] for stage in range(2)]
+             if s.kind == "decode" and s.request_id.startswith(rid + ".") and s.replica_id.endswith(replica)]
+            for stage in range(2)]
+
+
+def _expected(folder) -> dict[str, list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reference = architecture("llama").reference(folder)
+    return {t: greedy_reference(reference, tokenizer(t)["input_ids"], NEW)[0] for t in TEXTS}
 
 
 def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(compiled):
     settings, folder = compiled
     client, store = GatewayClient(settings.gateway.url, timeout=120), RedisStore.from_url(settings.redis_url)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    reference = architecture("llama").reference(folder)
-    expected = {t: greedy_reference(reference, tokenizer(t)["input_ids"], NEW)[0] for t in TEXTS}
+    expected = _expected(folder)
     # Answered while the replicas compile (eager steps), and after.
     deadline, ran = time.monotonic() + 900, []
     while True:
@@ -77,4 +86,30 @@ def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(
         replies = list(pool.map(lambda t: _generate(client, t), TEXTS))
     for text, reply in zip(TEXTS, replies):
         assert reply["token_ids"] == expected[text], text
-        assert all(r and all(r) for r in _decode_records(store, reply["id"], since)), text
+        # A step that holds another request's prefill runs eager (the requests' prefills need not
+        # share a step); every one after the last prefill is decodes only, and compiled.
+        assert all(r and r[-1] for r in _decode_records(store, reply["id"], since)), text
+
+
+def test_a_replica_forked_from_the_zygote_runs_compiled_steps_from_its_first(compiled):
+    settings, folder = compiled
+    client, store = GatewayClient(settings.gateway.url, timeout=120), RedisStore.from_url(settings.redis_url)
+    keys = KeysClient.for_settings(settings, timeout=900)
+    stage = StageRef.parse(MODEL, "1")
+    keys.cache(stage)  # answers once the zygote has compiled and listens
+    pid = keys.fork(stage, f"{MODEL}-s1")["pid"]
+    try:
+        replica = f".{pid}"
+        wait_until(lambda: any(r.replica_id.endswith(replica) for r in store.live_replicas(MODEL, 1)), 120,
+                   "the forked replica registered")
+        # One request at a time (no prefill shares a step with decodes), until the fork takes one.
+        expected, deadline, ran = _expected(folder)[TEXTS[1]], time.monotonic() + 300, [[], []]
+        while not ran[1]:
+            assert time.monotonic() < deadline, "the forked replica took no request in 300 s"
+            since = time.time() - 1.0
+            reply = _generate(client, TEXTS[1])
+            assert reply["token_ids"] == expected
+            ran = _decode_records(store, reply["id"], since, replica)
+        assert all(ran[1]), ran[1]
+    finally:
+        keys.stop(pid)
