@@ -7,7 +7,7 @@ transformers model in this process, on the same ShareGPT prompts, in one run.
                                                      # qwen3, mistral, gemma2, gemma3, phi3), ~0.5 B
     python -m benchmarks generation --reps 5         # repetitions of the one-at-a-time part
     python -m benchmarks generation --quantize int8  # the pipeline on int8 weights (generation_int8.json)
-    python -m benchmarks generation --compile        # decode steps compiled, QUART_COMPILE (generation_compiled.json)
+    python -m benchmarks generation --eager          # decode steps eager, QUART_COMPILE=false (generation_eager.json)
 
 The pipeline serves the default dtype (`QUART_DTYPE=auto`: bfloat16 where the CPU has it). One at a
 time, interleaved, repeated `--reps` times: the pipeline's time to first token (TTFT) and time
@@ -302,14 +302,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3, help="repetitions of the one-at-a-time part (>= 3 for intervals)")
     parser.add_argument("--quantize", choices=["int8"], help="the pipeline's weights in int8 (QUART_QUANTIZE)")
-    parser.add_argument("--compile", action="store_true",
-                        help="the stages' decode steps compiled (QUART_COMPILE), measured once all have compiled")
+    parser.add_argument("--eager", action="store_true",
+                        help="the stages' decode steps eager (QUART_COMPILE=false); else measured once all have compiled")
     parser.add_argument("--no-vllm", action="store_true", help="without the vLLM-CPU baseline (on a CPU)")
     args = parser.parse_args(argv)
     spec, new = MODELS[args.model], args.new_tokens
     levels, cores = spec["levels"], len(os.sched_getaffinity(0))
     texts = first_prompts(spec["prompts"] + max(levels), seed=21, max_chars=300)
-    with running(args.model, new, args.quantize or "", **({"compile": True} if args.compile else {})) as settings:
+    with running(args.model, new, args.quantize or "", **({"compile": False} if args.eager else {})) as settings:
         served = serving_dtype(settings.compute.dtype, Manifest.load(settings.model_dir(args.model)).dtype,
                                settings.compute.device)
         unsplit = Unsplit(settings, args.model, served)
@@ -518,7 +518,7 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                 {"name": f"{VLLM} TPOT p50 at {c}", "value": round(r["vllm_tpot_p50"], 3), "unit": "ms"},
             ]
     name = ("generation" if model == "smollm2" else f"generation_{model}") + (f"_{quantize}" if quantize else "")
-    name += ("_compiled" if compute.compiles else "") + ("_cuda" if gpu else "")
+    name += ("_eager" if not compute.compile else "") + ("_cuda" if gpu else "")
     source, config = SOURCES[model]
     write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,
                                     prompts=reps[0]["prompts"], repetitions=len(reps), levels=list(levels),

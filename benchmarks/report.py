@@ -97,7 +97,8 @@ def conditions(**extra: object) -> dict:
             "cpu_features": [f for f in CPU_FEATURES if f in cpu_flags()],
             "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **extra}
+            # Replicas of real generative models compile their decode steps unless QUART_COMPILE is off.
+            "compiled_decode_steps": load_settings().compute.compiles, **extra}
 
 
 def table(title: str, header: list[str], rows: list[list[object]]) -> str:

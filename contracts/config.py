@@ -103,7 +103,7 @@ class ComputeConfig:
     emulate: str = ""
     prepack: bool = True
     quantize: str = ""
-    compile: bool = False
+    compile: bool = True
 
     @property
     def compiles(self) -> bool:
@@ -452,9 +452,9 @@ VARIABLES: tuple[Var, ...] = (
         "in float32 also packed for MKL's sgemm, through which one-token steps run (twice the float32 weights' "
         "memory); false: plain `F.linear`"),
     Var("QUART_COMPILE", "compute.compile",
-        "decode steps compiled with torch.compile (inductor) once per stage range: in the KeysManager's zygote "
-        "before it forks (a fork inherits the compiled step), else in the background after a replica starts, "
-        "eager until then; CPU only, not with int8 weights"),
+        "decode steps compiled with torch.compile (inductor; needs a C++ compiler, else eager) once per stage "
+        "range: in the KeysManager's zygote before it forks (a fork inherits the compiled step), else in the "
+        "background after a replica starts, eager until then; CPU only, not with int8 weights; false: eager"),
     Var("QUART_QUANTIZE", "compute.quantize",
         "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "
         "half bfloat16's bytes; empty: none", lambda v: None if v in ("", "int8") else "must be int8 or empty"),

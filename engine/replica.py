@@ -30,7 +30,7 @@ from engine.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, Generatio
 from engine.routes import Routes
 from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
 from models.batched_decoder import BatchedDecoder
-from models.compiled_decode import CompiledDecode
+from models.compiled_decode import CompiledDecode, cannot_compile
 from models.emulated import EmulatedRunner
 from models.fetch import ensure_manifest
 from models.profiles import profile as emulation_profile
@@ -125,6 +125,9 @@ class StageReplica:
         from compiled it already."""
         if engine.compiled is not None:
             log.info("decode steps compiled by the zygote (in %.1f s)", engine.compiled.compile_s)
+            return
+        if (why := cannot_compile()) is not None:
+            log.warning("%s: decode steps stay eager", why)
             return
         engine.compiled = CompiledDecode(engine)
         engine.compiled.warm_in_background()

@@ -18,6 +18,12 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_HOME = Path(os.environ.get("QUART_TEST_HOME", REPO / ".quart" / "test"))
 
 
+# Replicas compile their decode steps by default (QUART_COMPILE), which costs a 2-core host a
+# minute or more a replica: the tests run eager steps, but for those that test compiling
+# (tests/live/test_compiled_*.py turn it on). Set here too for what reads the process environment.
+os.environ.setdefault("QUART_COMPILE", "false")
+EAGER = {"QUART_COMPILE": "false"}
+
 # The tests that compare with transformers' float32 model to 1e-4 serve float32; the default
 # (bfloat16 where the CPU has it) is tested against the same dtype in tests/live/test_precision.py.
 REFERENCE_DTYPE = "float32"
@@ -25,7 +31,7 @@ REFERENCE_DTYPE = "float32"
 
 @pytest.fixture(scope="session")
 def home_settings() -> Settings:
-    return load_settings(environ={"QUART_DTYPE": REFERENCE_DTYPE}, home=str(TEST_HOME))
+    return load_settings(environ={"QUART_DTYPE": REFERENCE_DTYPE, **EAGER}, home=str(TEST_HOME))
 
 
 @pytest.fixture(scope="session")
