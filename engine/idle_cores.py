@@ -1,0 +1,89 @@
+"""A stage step's threads from the host's idle cores. With one request in flight only one stage
+of a pipeline computes at a time, and a decode step at one token is bound by how fast one thread
+reads the weights (on a 2-core Xeon, one SmolLM2 stage: 9.6-12.9 ms a step on one thread, 6.7-7.9
+on two); under load every replica computes, and threads beyond a replica's share only contend.
+
+So the replicas of a host share a small file, a slot each, holding when the replica's current
+step started (0 while it is not computing). Before a step a replica marks its slot, counts the
+other marks, and takes the cores they leave, never fewer than its own share (QUART_THREADS, or
+what the autoscaler's CPU compensation gave it). A replica that dies mid-step leaves a mark,
+which stops counting after STALE_S. Two replicas that start a step at the same moment may both
+take the idle cores for that step. Written here because nothing in the standard library or torch
+shares such flags between unrelated processes without a lock per step: each slot has one writer,
+and an aligned 8-byte store is read whole."""
+from __future__ import annotations
+
+import fcntl
+import math
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+SLOT = struct.Struct("qd")   # pid, when its step started (time.monotonic(); 0: not computing)
+SLOTS = 256
+STALE_S = 30.0               # longer than any step: a mark older than this is a dead replica's
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity, capped by its cgroup's CPU quota (a
+    container limited to 2 CPUs on a 64-core host must not start 64 threads)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    return cores if quota == "max" else max(1, min(cores, math.ceil(int(quota) / int(period))))
+
+
+class CoreBoard:
+    def __init__(self, path: Path, cores: int | None = None) -> None:
+        """Takes a slot in the board at `path` (created if missing) for this process."""
+        self.cores = cores or usable_cores()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)   # one replica at a time chooses its slot
+            if os.fstat(fd).st_size < SLOT.size * SLOTS:
+                os.ftruncate(fd, SLOT.size * SLOTS)
+            self._map = mmap.mmap(fd, SLOT.size * SLOTS)
+            self._slot = self._free_slot()
+            self._offset = SLOT.size * self._slot
+            SLOT.pack_into(self._map, self._offset, os.getpid(), 0.0)
+        finally:
+            # Unlocked explicitly: the mapping holds the file open (mmap keeps a duplicate), and
+            # with it the lock, until the mapping is closed.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _free_slot(self) -> int:
+        for i, (pid, _) in enumerate(SLOT.iter_unpack(self._map)):
+            if pid == 0 or not _alive(pid):
+                return i
+        raise RuntimeError(f"all {SLOTS} slots of the core board are held by live processes")
+
+    def begin(self, own: int) -> int:
+        """Marks this replica computing; the threads its step may use (at least `own`)."""
+        now = time.monotonic()
+        struct.pack_into("d", self._map, self._offset + 8, now)
+        others = sum(1 for i, (_, since) in enumerate(SLOT.iter_unpack(self._map))
+                     if i != self._slot and since and now - since < STALE_S)
+        return max(own, self.cores - others)
+
+    def end(self) -> None:
+        struct.pack_into("d", self._map, self._offset + 8, 0.0)
+
+    def close(self) -> None:
+        SLOT.pack_into(self._map, self._offset, 0, 0.0)
+        self._map.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process: alive
+        return True
+    return True
