@@ -30,11 +30,23 @@ def usable_cores() -> int:
     """The cores this process may run on: its affinity, capped by its cgroup's CPU quota (a
     container limited to 2 CPUs on a 64-core host must not start 64 threads)."""
     cores = len(os.sched_getaffinity(0))
+    quota = _cgroup_quota()
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+def _cgroup_quota() -> float | None:
+    """CPUs the cgroup may use (v2's cpu.max, else v1's CFS quota), None where unlimited."""
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
-        return cores
-    return cores if quota == "max" else max(1, min(cores, math.ceil(int(quota) / int(period))))
+        try:
+            quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text().strip()
+            period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    return int(quota) / int(period)
 
 
 class CoreBoard:
