@@ -8,9 +8,9 @@ stage's answer to the next step.
 One request at a time, 64 new tokens (end of text ignored), 5 requests on ShareGPT prompts, the
 embedded runtime as the generation benchmark starts it (one replica per stage, the served dtype
 as configured), once per mode: eager steps, compiled steps on one thread each, and compiled steps
-on the host's idle cores (QUART_IDLE_CORES). A stage's record of a step says when the step's message entered its stream (the
-stream ID), how long it waited there, how long the step took and when the record was written,
-in the same transaction as the hand-on (the record stream's ID). Stream IDs count milliseconds,
+on the host's idle cores (QUART_IDLE_CORES). A stage's record of a step says when the step's
+message entered its stream (the stream ID), how long it waited there, how long the step took and
+when the record was written, in the same transaction as the hand-on (the record stream's ID). Stream IDs count milliseconds,
 so a stage's time from arrival to hand-on is exact to a millisecond on each step and the medians
 are finer; how that time splits between waiting and the rest is not (the wait is measured
 from the arrival's millisecond), so the two are reported together."""

@@ -7,10 +7,16 @@ So the replicas of a host share a small file, a slot each, holding when the repl
 step started (0 while it is not computing). Before a step a replica marks its slot, counts the
 other marks, and takes the cores they leave, never fewer than its own share (QUART_THREADS, or
 what the autoscaler's CPU compensation gave it). A replica that dies mid-step leaves a mark,
-which stops counting after STALE_S. Two replicas that start a step at the same moment may both
-take the idle cores for that step. Written here because nothing in the standard library or torch
-shares such flags between unrelated processes without a lock per step: each slot has one writer,
-and an aligned 8-byte store is read whole."""
+which stops counting after STALE_S.
+
+What it does not do, and why QUART_IDLE_CORES is off by default: a step keeps the threads it took
+until it ends, so one that starts while another holds every core runs beside it oversubscribed
+(three threads on two cores), and OpenMP's barriers wait on the thread that is not scheduled; at
+4 concurrent requests the generation benchmark's pipeline collapsed so (docs/benchmarks.md).
+
+Written here because nothing in the standard library or torch shares such flags between
+unrelated processes without a lock per step: each slot has one writer, and an aligned 8-byte
+store is read whole."""
 from __future__ import annotations
 
 import fcntl
