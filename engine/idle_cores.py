@@ -4,15 +4,17 @@ reads the weights (on a 2-core Xeon, one SmolLM2 stage: 9.6-12.9 ms a step on on
 on two); under load every replica computes, and threads beyond a replica's share only contend.
 
 So the replicas of a host share a small file, a slot each, holding when the replica's current
-step started (0 while it is not computing). Before a step a replica marks its slot, counts the
-other marks, and takes the cores they leave, never fewer than its own share (QUART_THREADS, or
-what the autoscaler's CPU compensation gave it). A replica that dies mid-step leaves a mark,
-which stops counting after STALE_S.
+step started (0 while it is not computing). Before a step a replica marks its slot and counts the
+other marks: alone, and with no two steps overlapping in the last CALM_S, it takes every core;
+else its own share (QUART_THREADS, or what the autoscaler's CPU compensation gave it), and it
+notes the overlap. A replica that dies mid-step leaves a mark, which stops counting after STALE_S.
 
-What it does not do, and why QUART_IDLE_CORES is off by default: a step keeps the threads it took
-until it ends, so one that starts while another holds every core runs beside it oversubscribed
-(three threads on two cores), and OpenMP's barriers wait on the thread that is not scheduled; at
-4 concurrent requests the generation benchmark's pipeline collapsed so (docs/benchmarks.md).
+A step keeps the threads it took until it ends, so one that starts while another holds every core
+runs beside it oversubscribed (three threads on two cores), and OpenMP's barriers wait on the
+thread that is not scheduled. Without the calm window (each step taking the cores the others
+left) the generation benchmark's pipeline collapsed so at 4 concurrent requests (2.4 tokens/s,
+docs/benchmarks.md); with it that happens at most to the steps that begin a burst. Off by default
+(QUART_IDLE_CORES) until measured at every load.
 
 Written here because nothing in the standard library or torch shares such flags between
 unrelated processes without a lock per step: each slot has one writer, and an aligned 8-byte
@@ -30,6 +32,11 @@ from pathlib import Path
 SLOT = struct.Struct("qd")   # pid, when its step started (time.monotonic(); 0: not computing)
 SLOTS = 256
 STALE_S = 30.0               # longer than any step: a mark older than this is a dead replica's
+# After two steps overlapped, none takes more than its own share for this long: under load steps
+# overlap all the time, and one that took the idle cores would be oversubscribed by the next.
+CALM_S = 1.0
+OVERLAP = struct.Struct("d")  # after the slots: when two steps last overlapped
+SIZE = SLOT.size * SLOTS + OVERLAP.size
 
 
 def usable_cores() -> int:
@@ -63,9 +70,9 @@ class CoreBoard:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)   # one replica at a time chooses its slot
-            if os.fstat(fd).st_size < SLOT.size * SLOTS:
-                os.ftruncate(fd, SLOT.size * SLOTS)
-            self._map = mmap.mmap(fd, SLOT.size * SLOTS)
+            if os.fstat(fd).st_size < SIZE:
+                os.ftruncate(fd, SIZE)
+            self._map = mmap.mmap(fd, SIZE)
             self._slot = self._free_slot()
             self._offset = SLOT.size * self._slot
             SLOT.pack_into(self._map, self._offset, os.getpid(), 0.0)
@@ -76,7 +83,7 @@ class CoreBoard:
             os.close(fd)
 
     def _free_slot(self) -> int:
-        for i, (pid, _) in enumerate(SLOT.iter_unpack(self._map)):
+        for i, (pid, _) in enumerate(SLOT.iter_unpack(self._map[:SLOT.size * SLOTS])):
             if pid == 0 or not _alive(pid):
                 return i
         raise RuntimeError(f"all {SLOTS} slots of the core board are held by live processes")
@@ -85,9 +92,16 @@ class CoreBoard:
         """Marks this replica computing; the threads its step may use (at least `own`)."""
         now = time.monotonic()
         struct.pack_into("d", self._map, self._offset + 8, now)
-        others = sum(1 for i, (_, since) in enumerate(SLOT.iter_unpack(self._map))
+        slots = memoryview(self._map)[:SLOT.size * SLOTS]
+        others = sum(1 for i, (_, since) in enumerate(SLOT.iter_unpack(slots))
                      if i != self._slot and since and now - since < STALE_S)
-        return max(own, self.cores - others)
+        slots.release()
+        if others:
+            OVERLAP.pack_into(self._map, SLOT.size * SLOTS, now)
+            return own
+        if now - OVERLAP.unpack_from(self._map, SLOT.size * SLOTS)[0] < CALM_S:
+            return own
+        return max(own, self.cores)
 
     def end(self) -> None:
         struct.pack_into("d", self._map, self._offset + 8, 0.0)

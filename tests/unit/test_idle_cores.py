@@ -1,5 +1,6 @@
-"""The core board between real processes: a step takes the cores that other replicas' steps
-leave, never fewer than its own share, and a dead replica's slot and mark stop counting."""
+"""The core board between real processes: a step alone takes every core, its own share while
+others compute and for a while after steps overlapped, and a dead replica's slot and mark stop
+counting."""
 from __future__ import annotations
 
 import multiprocessing
@@ -31,19 +32,22 @@ def _other(path):
     return child, events
 
 
-def test_a_step_takes_the_cores_that_other_steps_leave(tmp_path):
+def test_a_step_alone_takes_every_core_and_none_after_steps_overlapped(tmp_path, monkeypatch):
     path = tmp_path / "cores"
     board = CoreBoard(path, cores=4)
-    assert board.begin(1) == 4   # alone: every core
+    assert board.begin(1) == 4   # alone, and no overlap yet: every core
     board.end()
     child, (_, release, ended) = _other(path)
     try:
-        assert board.begin(1) == 3          # one other replica computing
-        assert board.begin(4) == 4          # never fewer than its own share
+        assert board.begin(1) == 1          # another replica computing: its own share
+        assert board.begin(2) == 2          # never fewer than its own share
         board.end()
         release.set()
         assert ended.wait(30)
-        assert board.begin(1) == 4          # the other one's step ended
+        assert board.begin(1) == 1          # alone again, but steps overlapped within CALM_S
+        board.end()
+        monkeypatch.setattr(idle_cores, "CALM_S", 0.0)
+        assert board.begin(1) == 4          # once that has passed: every core again
         board.end()
     finally:
         child.kill()
@@ -56,12 +60,13 @@ def test_a_dead_replicas_mark_ages_out_and_its_slot_is_taken_again(tmp_path, mon
     child, _ = _other(path)
     os.kill(child.pid, signal.SIGKILL)       # dies mid-step, its mark left behind
     child.join(30)
+    monkeypatch.setattr(idle_cores, "CALM_S", 0.0)
     assert board.begin(1) == 1               # its mark counts while it is recent
     board.end()
     monkeypatch.setattr(idle_cores, "STALE_S", 0.0)
     assert board.begin(1) == 2               # and not once it is older than STALE_S
     board.end()
-    monkeypatch.undo()
+    monkeypatch.setattr(idle_cores, "STALE_S", 30.0)
     again = CoreBoard(path, cores=2)         # a new replica takes the dead one's slot
     assert again._slot == 1
     assert board.begin(1) == 2
