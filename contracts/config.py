@@ -458,8 +458,8 @@ VARIABLES: tuple[Var, ...] = (
         "background after a replica starts, eager until then; CPU only, not with int8 weights; false: eager"),
     Var("QUART_IDLE_CORES", "compute.idle_cores",
         "a CPU step takes the host's cores that no other replica of the host is computing on (one request in "
-        "flight: every core for the stage computing), never fewer than `QUART_THREADS`; off by default: steps "
-        "that start while another holds the cores oversubscribe them (docs/benchmarks.md)"),
+        "flight: every core for the stage computing) while no two steps have overlapped for a second, else "
+        "`QUART_THREADS`; off by default: no gain measured yet in the generation benchmark (docs/benchmarks.md)"),
     Var("QUART_QUANTIZE", "compute.quantize",
         "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "
         "half bfloat16's bytes; empty: none", lambda v: None if v in ("", "int8") else "must be int8 or empty"),
