@@ -34,7 +34,7 @@ from engine.idle_cores import CoreBoard
 from engine.routes import Routes
 from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
 from models.batched_decoder import BatchedDecoder
-from models.compiled_decode import CompiledDecode, cannot_compile
+from models.compiled_decode import compile_in_background
 from models.emulated import EmulatedRunner
 from models.fetch import ensure_manifest
 from models.profiles import profile as emulation_profile
@@ -132,12 +132,8 @@ class StageReplica:
         from compiled it already."""
         if engine.compiled is not None:
             log.info("decode steps compiled by the zygote (in %.1f s)", engine.compiled.compile_s)
-            return
-        if (why := cannot_compile()) is not None:
-            log.warning("%s: decode steps stay eager", why)
-            return
-        engine.compiled = CompiledDecode(engine)
-        engine.compiled.warm_in_background()
+        else:
+            compile_in_background(engine)
 
     @property
     def replica_id(self) -> str:

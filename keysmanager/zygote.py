@@ -119,9 +119,8 @@ def _exit_when_orphaned(period_s: float = 1.0) -> None:
 def _compile(runner: StageRunner) -> None:
     """The decode step compiled once here, before any fork, on this process's one thread: every
     replica forked afterwards serves compiled steps from its first (models/compiled_decode.py)."""
-    t0 = time.perf_counter()
     compiled = compile_here(runner.batched())
-    outcome = f"in {time.perf_counter() - t0:.1f} s" if compiled else "failed: forks compile their own"
+    outcome = f"in {compiled.compile_s:.1f} s" if compiled else "failed: forks compile their own"
     print(f"decode steps compiled {outcome}; threads now {threading.active_count()}", file=sys.stderr, flush=True)
 
 

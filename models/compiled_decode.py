@@ -145,12 +145,26 @@ def cannot_compile() -> str | None:
     return None
 
 
+def _compiler_found() -> bool:
+    if (why := cannot_compile()) is not None:
+        log.warning("%s: decode steps stay eager", why)
+        return False
+    return True
+
+
+def compile_in_background(engine: BatchedDecoder) -> None:
+    """Attaches a decode step to `engine` that compiles on a thread of its own (eager steps serve
+    meanwhile); none where this host has no compiler."""
+    if _compiler_found():
+        engine.compiled = CompiledDecode(engine)
+        engine.compiled.warm_in_background()
+
+
 def compile_here(engine: BatchedDecoder) -> CompiledDecode | None:
     """Compiles `engine`'s decode step in this thread and attaches it; None, and the reason in the
     log, where the compiler fails. For a process that forks afterwards (a KeysManager zygote):
     inductor's pool of compile workers is not started, so no thread of it outlives the compile."""
-    if (why := cannot_compile()) is not None:
-        log.warning("%s: decode steps stay eager", why)
+    if not _compiler_found():
         return None
     torch._inductor.config.compile_threads = 1
     compiled = CompiledDecode(engine)
