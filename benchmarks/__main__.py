@@ -22,6 +22,7 @@ from benchmarks import (
     freshness,
     generation,
     hop,
+    idle_cores,
     kv_migration,
     live_dag,
     live_policies,
@@ -63,6 +64,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "live_policies": lambda: live_policies.main([]), "live_dag": lambda: live_dag.main([]),
               "data_plane_cpu": lambda: data_plane_cpu.main([]), "bursts": lambda: bursts.main([]),
               "execute_while_load": lambda: execute_while_load.main([]), "token_anatomy": token_anatomy.main,
+              "idle_cores": lambda: idle_cores.main([]),
               **{f"generation_{m}": lambda m=m: generation.main(["--model", m]) for m in generation.FAMILY_SHAPES}}
 # Those that take options of their own: `python -m benchmarks NAME --option ...`.
 WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "coldstart": coldstart.main,
@@ -71,7 +73,7 @@ WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "c
                 "simulator_out_of_sample": simulator_out_of_sample.main,
                 "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main,
                 "bursts": bursts.main, "soak": soak.main, "multicast": multicast.main, "peer_start": peer_start.main,
-                "execute_while_load": execute_while_load.main}
+                "execute_while_load": execute_while_load.main, "idle_cores": idle_cores.main}
 
 
 def main(argv: list[str]) -> int:
