@@ -459,8 +459,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_IDLE_CORES", "compute.idle_cores",
         "a CPU step takes the host's cores that no other replica of the host is computing on (one request in "
         "flight: every core for the stage computing) while no two steps have overlapped for a second, else "
-        "`QUART_THREADS`; off by default: it gains on a quiet host and loses where other work (a compile, other "
-        "processes) shares the cores (`python -m benchmarks idle_cores`, docs/benchmarks.md)"),
+        "`QUART_THREADS`; off by default: it gains on a quiet host, but sees only the replicas' steps, not a "
+        "compile or other processes (`python -m benchmarks idle_cores`, docs/benchmarks.md)"),
     Var("QUART_QUANTIZE", "compute.quantize",
         "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "
         "half bfloat16's bytes; empty: none", lambda v: None if v in ("", "int8") else "must be int8 or empty"),

@@ -16,7 +16,8 @@ left) the generation benchmark's pipeline collapsed so at 4 concurrent requests 
 docs/benchmarks.md); with it that happens at most to the steps that begin a burst. Off by default
 (QUART_IDLE_CORES): measured side by side (`python -m benchmarks idle_cores`) it gains on a quiet
 host, but the board sees only steps, not what else uses the cores (a replica compiling on a thread
-of its own, other processes), and a step that takes them then runs oversubscribed.
+of its own, other processes), and a step that takes them then runs oversubscribed; a loaded host
+is not measured yet.
 
 Written here because nothing in the standard library or torch shares such flags between
 unrelated processes without a lock per step: each slot has one writer, and an aligned 8-byte
