@@ -109,6 +109,7 @@ class StageReplica:
         self._draining = False
         self._handed_over_at = float("-inf")  # when this replica last handed a sequence to a peer
         self._steps_without_new = 0
+        self._next_reclaim = 0.0  # when the work loop next takes over what dead replicas held
         self._peer: tuple[str, str] | None = None
         self._peer_checked = 0.0
         self._fed = False
@@ -230,14 +231,15 @@ class StageReplica:
     # -- the work loop -------------------------------------------------------------------------
 
     def _work_loop(self) -> None:
-        next_reclaim = next_expiry = 0.0
+        next_expiry = 0.0
         while not self._stop.is_set():
             try:
                 if self._wanted_cpus is not None and self._wanted_cpus != self._pinned:
                     self._apply_cpus(self._wanted_cpus)
-                reclaim = time.monotonic() >= next_reclaim
+                # A turn whose items the last commit took reclaims at the next (that commit took none).
+                reclaim = time.monotonic() >= self._next_reclaim and self.transport.taken is None
                 if reclaim:
-                    next_reclaim = time.monotonic() + self.settings.data.reclaim_idle_ms / 2000.0
+                    self._next_reclaim = time.monotonic() + self.settings.data.reclaim_idle_ms / 2000.0
                 if self._draining and self.generation is not None and self.generation.waiting and not self._still_fed():
                     self._give_back_waiting()
                 works = self._gather(reclaim)
@@ -252,7 +254,7 @@ class StageReplica:
                         log.info("%s freed idle sequence %s", self.replica_id, seq)
             except Down as exc:  # Redis down or loading its file: wait for it
                 log.warning("redis unavailable (%s); retrying", exc)
-                self.transport.lost_turn({w.msg_id for w in self.generation.waiting} if self.generation else set())
+                self.transport.lost_turn({(w.stream, w.msg_id) for w in self.generation.waiting} if self.generation else set())
                 self._stop.wait(0.5)
             except Refused as exc:
                 if not stream_gone(exc):
@@ -262,6 +264,17 @@ class StageReplica:
             except Exception:  # the loop must outlive any one bad turn
                 log.exception("%s: work loop error; continuing", self.replica_id)
                 self._stop.wait(0.5)
+        self._give_back_taken()
+
+    def _give_back_taken(self) -> None:
+        """What the last commit took for a turn that will not come goes back to the stage's stream
+        (a decode step there finds no cache and is answered lost: the entry prefills again, as
+        when a replica dies, without waiting for the reclaim)."""
+        taken, self.transport.taken = self.transport.taken, None
+        try:
+            self.transport.give_back(taken or [])
+        except Down as exc:  # what Redis still holds pending is reclaimed from there
+            log.warning("%s could not give back what it took (%s)", self.replica_id, exc)
 
     def alive(self) -> bool:
         """Started, and both its threads still running (the watchdog's health check)."""
@@ -278,21 +291,39 @@ class StageReplica:
                 return again
         if self.generation is None:
             return (t.claim_abandoned() if reclaim else []) or t.read({t.shared: ">"}, 1, self.settings.data.block_ms)
-        max_batch = self.settings.batching.max_batch
-        works = t.read({t.private: ">"}, max_batch, None)
-        take_new = (not self._draining or self._still_fed()) and not self.generation.waiting
-        if take_new:
-            slots = new_item_slots(max_batch, len(works), self._steps_without_new)
-            if slots > 0:
-                new = (t.claim_abandoned() if reclaim else []) or t.read({t.shared: ">"}, slots, None)
-                works += new
+        max_batch, slots = self._take_args()
+        take_new = any(slots)
+        works, t.taken = t.taken, None  # what the last commit took for this turn, if it did
+        if works is None and reclaim and take_new:
+            # Once a reclaim period, an item a dead replica held goes before the stage's new ones.
+            works = t.take(max_batch, [0] * len(slots))
+            if slots[len(works)] > 0:
+                works += t.claim_abandoned() or t.read({t.shared: ">"}, slots[len(works)], None)
+        elif works is None:
+            works = t.take(max_batch, slots)
         if not works:
             # Prefills waiting for room are retried as soon as a free (or anything) arrives.
-            streams = {t.private: ">"} if not take_new else {t.private: ">", t.shared: ">"}
+            streams = {t.private: ">", t.shared: ">"} if take_new else {t.private: ">"}
             works = t.wait_for_work(streams, max_batch,
                                     WAITING_POLL_MS if self.generation.waiting else self.settings.data.block_ms)
         self._steps_without_new = 0 if any(w.stream == t.shared for w in works) else self._steps_without_new + 1
         return works
+
+    def _take_args(self) -> tuple[int, list[int]]:
+        """A turn's take (StageTransport.take): the batch, and the new items that join it beside
+        each number of decode steps (none while prefills wait for room or the replica drains and
+        is not the stage's last reader)."""
+        max_batch = self.settings.batching.max_batch
+        take_new = (not self._draining or self._still_fed()) and not self.generation.waiting
+        return max_batch, [new_item_slots(max_batch, n, self._steps_without_new) if take_new else 0
+                           for n in range(max_batch + 1)]
+
+    def _next_take(self) -> tuple[int, list[int]] | None:
+        """The next turn's take, for this turn's commit to run; None when that turn reclaims or
+        this replica drains (both ask more of Redis than one take)."""
+        if self._draining or time.monotonic() >= self._next_reclaim:
+            return None
+        return self._take_args()
 
     def _first_work(self) -> None:
         """When a new replica took its first work: what scale-up latency is measured to."""
@@ -366,7 +397,7 @@ class StageReplica:
                 commit.reply(o.header, o.tensors)
             else:
                 holders.append((None, o))  # a step for a holder the route does not name
-        results = commit.execute(result.done + expired)
+        results = commit.execute(result.done + expired, then_take=self._next_take())
         lost = [o for index, o in holders if index is None or results[index] is None]
         if lost:
             # The replica holding the next stage's cache (or the peer taking one over) is gone:

@@ -9,7 +9,7 @@ in and a `Commit` out, and the two exceptions below."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import redis
 import torch
@@ -45,6 +45,21 @@ def ensure_group(r: redis.Redis, stream: str) -> None:
             raise
 
 
+# A turn's two non-blocking reads as one script (StageTransport.take). KEYS: the private stream,
+# the shared one; ARGV: the group, the consumer, the private read's count, then the shared read's
+# count for each number of items the private read took (0, 1, ...).
+_TAKE = """
+local function read(stream, count)
+  if count <= 0 then return {} end
+  local answer = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', stream, '>')
+  if answer then return answer[1][2] end
+  return {}
+end
+local private = read(KEYS[1], tonumber(ARGV[3]))
+return {private, read(KEYS[2], tonumber(ARGV[4 + #private]))}
+"""
+
+
 class Commit:
     """One step's writes, in one transaction: hand-offs, records, replies, acknowledgements."""
 
@@ -77,14 +92,28 @@ class Commit:
         self._pipe.lpush(header.reply_to, pack(header, tensors))
         self._pipe.pexpire(header.reply_to, self._t.reply_ttl_ms)
 
-    def execute(self, works: list[Work]) -> list:
-        """Acknowledges `works` with the rest and runs it all; each write's result."""
+    def execute(self, works: list[Work], then_take: tuple[int, Sequence[int]] | None = None) -> list:
+        """Acknowledges `works` with the rest and runs it all; each write's result. With
+        `then_take` (`StageTransport.take`'s arguments), the next turn's items are taken in the
+        same transaction, after its writes, into `StageTransport.taken`: one round trip where
+        there were two."""
         for w in works:
             self._pipe.xack(w.stream, keys.GROUP, w.msg_id)
             self._pipe.xdel(w.stream, w.msg_id)
-        results = self._pipe.execute()
+        if then_take is not None:
+            # EVAL, not the registered script's EVALSHA: redis-py asks SCRIPT EXISTS before every
+            # pipeline that holds one, a round trip of its own.
+            self._pipe.eval(_TAKE, 2, self._t.private, self._t.shared, *self._t.take_args(*then_take))
+        results = self._pipe.execute(raise_on_error=False)
+        if then_take is not None:
+            taken = results.pop()
+            # A stream gone: the next turn's own take raises it.
+            self._t.taken = None if isinstance(taken, Exception) else self._t.taken_works(taken)
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
         for w in works:
-            self._t.holding.pop(w.msg_id, None)
+            self._t.holding.discard((w.stream, w.msg_id))
         return results
 
 
@@ -102,9 +131,13 @@ class StageTransport:
         self.joins = Joins(self.redis, stage.model, reply_ttl_ms)
         self.records_maxlen, self.reply_ttl_ms = records_maxlen, reply_ttl_ms
         self.reclaim_idle_ms, self.stream_ttl_ms = reclaim_idle_ms, stream_ttl_ms
-        self.holding: dict[bytes, str] = {}  # taken and not yet acknowledged: message id -> stream
+        # Taken and not yet acknowledged: (stream, message id), as two streams' ids can be the same.
+        self.holding: set[tuple[str, bytes]] = set()
         self.redeliver = False  # Redis went away mid-turn: take this replica's unacknowledged items again
         self._on_first_work: Callable[[], None] | None = on_first_work
+        self._take = self.redis.register_script(_TAKE)
+        # The next turn's items, taken with the last commit (Commit.execute's `then_take`); None: not taken.
+        self.taken: list[Work] | None = None
 
     def ensure_streams(self, next_stages: list[int]) -> None:
         """The streams this replica reads and writes, with their consumer groups: at start, and
@@ -123,19 +156,40 @@ class StageTransport:
 
     def read(self, streams: dict[str, str], count: int, block: int | None) -> list[Work]:
         answer = self.redis.xreadgroup(keys.GROUP, self.replica_id, streams, count=count, block=block)
-        return [w for stream, entries in answer or [] for msg_id, fields in entries
-                if (w := self._work(stream.decode(), msg_id, fields)) is not None]
+        return self._works(answer)
+
+    def take(self, max_batch: int, slots: Sequence[int]) -> list[Work]:
+        """A turn's items without blocking, in one round trip: up to `max_batch` of the private
+        stream's, then as many of the shared stream's as `slots[n]` says for the n taken from the
+        private one (the caller's rule, batch_policy.new_item_slots, for every n: the rule stays
+        in Python, where the simulator runs it too). A generative replica reads both streams every
+        turn; two reads were two round trips, each a switch to Redis and back on a busy host."""
+        return self.taken_works(self._take([self.private, self.shared], self.take_args(max_batch, slots)))
+
+    def take_args(self, max_batch: int, slots: Sequence[int]) -> list:
+        return [keys.GROUP, self.replica_id, max_batch, *slots]
+
+    def taken_works(self, answer: list) -> list[Work]:
+        """The take script's answer (each stream's entries as id, [field, value, ...]) as work items."""
+        private, shared = answer
+        return [w for stream, entries in ((self.private, private), (self.shared, shared)) for msg_id, flat in entries
+                if (w := self._work(stream, msg_id, dict(zip(flat[::2], flat[1::2])))) is not None]
 
     def wait_for_work(self, streams: dict[str, str], max_batch: int, block_ms: int) -> list[Work]:
         """Blocks up to `block_ms` for an item on `streams`; with it, what the private stream
-        holds besides, up to `max_batch` in all. What wakes an idle replica is mostly the first
-        of a batch that the stage before (or the entry) handed on in one transaction: taken one
-        by one, the batch would split into a step of one and a step of the rest, and stay split
-        through every later stage, each group reading the stage's weights once a token."""
-        works = self.read(streams, 1, block_ms)
-        if works and self.private is not None and max_batch > len(works):
-            works += self.read({self.private: ">"}, max_batch - len(works), None)
-        return works
+        holds besides, up to `max_batch` in all (one more where an item of each stream woke it).
+        What wakes an idle replica is mostly the first of a batch that the stage before (or the
+        entry) handed on in one transaction: taken one by one, the batch would split into a step
+        of one and a step of the rest, and stay split through every later stage, each group
+        reading the stage's weights once a token. Both reads go in one round trip: Redis runs
+        the second as soon as the first returns."""
+        if self.private is None or max_batch <= 1:
+            return self.read(streams, 1, block_ms)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xreadgroup(keys.GROUP, self.replica_id, streams, count=1, block=block_ms)
+        pipe.xreadgroup(keys.GROUP, self.replica_id, {self.private: ">"}, count=max_batch - 1)
+        woken, rest = pipe.execute()
+        return self._works(woken) + self._works(rest)   # what the second read took is taken, woken or not
 
     def pending_again(self, count: int) -> list[Work]:
         """This replica's own unacknowledged items (XREADGROUP from id 0), less those in hand."""
@@ -147,7 +201,7 @@ class StageTransport:
             for msg_id, fields in entries:
                 if not fields:  # deleted meanwhile
                     self.redis.xack(stream, keys.GROUP, msg_id)
-                elif msg_id not in in_hand and (w := self._work(stream.decode(), msg_id, fields)) is not None:
+                elif (stream.decode(), msg_id) not in in_hand and (w := self._work(stream.decode(), msg_id, fields)) is not None:
                     works.append(w)
         self.redeliver = bool(works)  # more may be pending beyond this read
         if works:
@@ -166,11 +220,12 @@ class StageTransport:
             self.redis.xack(self.shared, keys.GROUP, msg_id)  # deleted meanwhile
         return []
 
-    def lost_turn(self, in_hand: set[bytes]) -> None:
+    def lost_turn(self, in_hand: set[tuple[str, bytes]]) -> None:
         """What this turn took was neither handed on nor acknowledged (the transaction did not
         run): it is still pending for this replica in Redis, and is taken again from there once
-        Redis answers; `in_hand`: the items the engine keeps meanwhile."""
-        self.holding = {m: s for m, s in self.holding.items() if m in in_hand}
+        Redis answers; `in_hand`: the items the engine keeps meanwhile (stream, message id)."""
+        self.holding &= in_hand
+        self.taken = None
         self.redeliver = True
 
     def give_back(self, works: list[Work]) -> None:
@@ -181,10 +236,15 @@ class StageTransport:
                 commit.to_stage(self.stage.first, w.header, w.tensors)
             commit.execute(works)
 
+    def _works(self, answer: list | None) -> list[Work]:
+        """XREADGROUP's answer (as redis-py parses it) as work items."""
+        return [w for stream, entries in answer or [] for msg_id, fields in entries
+                if (w := self._work(stream.decode(), msg_id, fields)) is not None]
+
     def _work(self, stream: str, msg_id: bytes, fields: dict) -> Work | None:
         """A message as a work item; None for an unreadable one, dropped loudly (without a
         readable header there is nobody to answer)."""
-        self.holding[msg_id] = stream
+        self.holding.add((stream, msg_id))
         if self._on_first_work is not None:
             first, self._on_first_work = self._on_first_work, None
             first()
@@ -202,7 +262,7 @@ class StageTransport:
         """Resets the idle time of the shared stream's items in hand, so that long work (or a
         prefill waiting for KV room) is not reclaimed from a replica that is alive; keeps the
         private stream from expiring."""
-        held = [m for m, stream in list(self.holding.items()) if stream == self.shared]
+        held = [m for stream, m in list(self.holding) if stream == self.shared]
         if held:
             self.redis.xclaim(self.shared, keys.GROUP, self.replica_id, 0, held, justid=True)
         if self.private is not None:

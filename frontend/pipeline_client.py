@@ -304,12 +304,13 @@ class PipelineClient:
     async def _dispatch(self) -> None:
         """One reader of this entry's reply list hands each answer to the request awaiting it:
         every answer there at once, so that the requests a batch answered send their next steps
-        together (frontend/step_sender.py)."""
+        together (frontend/step_sender.py). Both reads go in one round trip: Redis runs the
+        second as soon as the first returns."""
         r = aioredis.Redis.from_url(self.settings.redis_url)
         while True:
             try:
-                item = await r.blpop([self.reply_key], timeout=1)
-                rest = await r.lpop(self.reply_key, REPLIES_AT_ONCE) if item is not None else None
+                item, rest = await r.pipeline(transaction=False).blpop([self.reply_key], timeout=1).lpop(
+                    self.reply_key, REPLIES_AT_ONCE).execute()
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("reply reader: %s", exc)
                 await asyncio.sleep(0.5)

@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 import torch
@@ -24,7 +25,13 @@ STEPS = 12
 
 
 def _execs(r: redis.Redis) -> int:
-    return int(r.info("commandstats").get("cmdstat_exec", {}).get("calls", 0))
+    return _answered(r, "exec")
+
+
+def _answered(r: redis.Redis, command: str) -> int:
+    """Calls of `command` that Redis ran, less those it failed."""
+    stats = r.info("commandstats").get(f"cmdstat_{command}", {})
+    return int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
 
 
 def _message(i: int) -> bytes:
@@ -90,14 +97,18 @@ def test_a_refused_step_fails_its_sender_alone(redis_port):
     assert isinstance(ok, bytes) and isinstance(also_ok, bytes)
 
 
-def test_an_idle_replica_woken_by_a_batch_takes_all_of_it(redis_port):
+def _transport(redis_port: int) -> tuple[StageTransport, redis.Redis]:
     url = f"redis://127.0.0.1:{redis_port}/0"
-    stage = StageRef("m", 1, 2)
-    transport = StageTransport(url, stage, "m-s1.test.1", True, records_maxlen=100, reply_ttl_ms=10_000,
+    transport = StageTransport(url, StageRef("m", 1, 2), "m-s1.test.1", True, records_maxlen=100, reply_ttl_ms=10_000,
                                reclaim_idle_ms=10_000, stream_ttl_ms=60_000, on_first_work=lambda: None)
     transport.ensure_streams([])
     r = redis.Redis.from_url(url)
     ensure_group(r, transport.private)
+    return transport, r
+
+
+def test_an_idle_replica_woken_by_a_batch_takes_all_of_it(redis_port):
+    transport, r = _transport(redis_port)
     taken: list = []
     waiting = threading.Thread(target=lambda: taken.extend(
         transport.wait_for_work({transport.private: ">", transport.shared: ">"}, 16, 10_000)))
@@ -110,6 +121,58 @@ def test_an_idle_replica_woken_by_a_batch_takes_all_of_it(redis_port):
     waiting.join(timeout=10)
     assert sorted(w.header.seq for w in taken) == sorted(f"r{i}" for i in range(STEPS))
     assert transport.wait_for_work({transport.private: ">"}, 4, 1) == []  # nothing left behind
+
+
+def test_a_turn_takes_its_decode_steps_then_the_slots_they_leave_in_one_round_trip(redis_port):
+    transport, r = _transport(redis_port)
+    for i in range(3):
+        r.xadd(transport.private, {MESSAGE_FIELD: _message(i)})
+    for i in range(3, 8):
+        r.xadd(transport.shared, {MESSAGE_FIELD: _message(i)})
+    calls = _answered(r, "evalsha")
+    # The slots a batch of 4 leaves beside 0, 1, 2, ... decode steps, as new_item_slots says.
+    taken = transport.take(4, [4, 3, 2, 1, 0])
+    assert [w.header.seq for w in taken] == ["r0", "r1", "r2", "r3"]
+    assert [w.stream for w in taken] == [transport.private] * 3 + [transport.shared]
+    assert _answered(r, "evalsha") - calls == 1  # (a first call that Redis did not know the script of fails)
+    assert [w.header.seq for w in transport.take(4, [0] * 5)] == []  # no slots: the shared stream is left alone
+    assert [w.header.seq for w in transport.take(4, [2, 1, 0, 0, 0])] == ["r4", "r5"]
+    # What it took is this replica's until acknowledged: pending in Redis and held.
+    assert r.xpending(transport.private, keys.GROUP)["pending"] == 3
+    assert r.xpending(transport.shared, keys.GROUP)["pending"] == 3
+    assert len(transport.holding) == 6
+
+
+def test_a_commit_takes_the_next_turns_items_in_its_own_transaction(redis_port):
+    transport, r = _transport(redis_port)
+    for i in range(2):
+        r.xadd(transport.private, {MESSAGE_FIELD: _message(i)})
+    done = transport.take(4, [4, 3, 2, 1, 0])
+    for i in range(2, 4):
+        r.xadd(transport.private, {MESSAGE_FIELD: _message(i)})
+    r.xadd(transport.shared, {MESSAGE_FIELD: _message(4)})
+    execs, evals = _execs(r), _answered(r, "eval")
+    commit = transport.commit()
+    commit.reply(done[0].header, {})
+    commit.execute(done, then_take=(4, [4, 3, 2, 1, 0]))
+    assert (_execs(r) - execs, _answered(r, "eval") - evals) == (1, 1)  # the take ran inside the transaction
+    assert [w.header.seq for w in transport.taken] == ["r2", "r3", "r4"]
+    assert r.llen("nobody") == 1  # the commit's writes ran
+    assert r.xpending(transport.private, keys.GROUP)["pending"] == 2  # the acknowledged are gone, the taken pending
+    assert {(w.stream, w.msg_id) for w in transport.taken} == transport.holding
+
+
+def test_a_commit_whose_take_fails_still_writes_and_takes_nothing(redis_port):
+    transport, r = _transport(redis_port)
+    r.xadd(transport.private, {MESSAGE_FIELD: _message(0)})
+    done = transport.take(4, [4, 3, 2, 1, 0])
+    r.delete(transport.private)  # the private stream expired under it
+    commit = transport.commit()
+    commit.reply(done[0].header, {})
+    commit.execute(done, then_take=(4, [4, 3, 2, 1, 0]))
+    assert transport.taken is None and r.llen("nobody") == 1
+    with pytest.raises(redis.ResponseError, match="NOGROUP"):  # the next turn's own take says why
+        transport.take(4, [4, 3, 2, 1, 0])
 
 
 async def _ready(connection: aioredis.Redis) -> aioredis.Redis:
