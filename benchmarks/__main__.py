@@ -5,6 +5,7 @@
     python -m benchmarks generation --model qwen2   one, with its own options (`--help` lists them)
     python -m benchmarks freshness                  which results are older than the code they measure
     python -m benchmarks stale                      every benchmark whose result is stale, in turn
+    python -m benchmarks side_by_side --base REV    this working tree against commit REV, alternately
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from benchmarks import (
     policies_burst,
     scale_to_zero,
     scaleup,
+    side_by_side,
     simulator,
     simulator_coldstart,
     simulator_generation,
@@ -73,7 +75,9 @@ WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "c
                 "simulator_out_of_sample": simulator_out_of_sample.main,
                 "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main,
                 "bursts": bursts.main, "soak": soak.main, "multicast": multicast.main, "peer_start": peer_start.main,
-                "execute_while_load": execute_while_load.main, "idle_cores": idle_cores.main}
+                "execute_while_load": execute_while_load.main, "idle_cores": idle_cores.main,
+                # Not in `make bench`: what it compares against is the caller's to name.
+                "side_by_side": side_by_side.main}
 
 
 def main(argv: list[str]) -> int:
