@@ -248,13 +248,15 @@ def test_consolidation_and_split_back_while_16_generate(client, r, sources, toke
 # -- failures ----------------------------------------------------------------------------------
 
 def _wait_for_a_holder(r: redis.Redis, stage: int, forked: bool | None, since: float) -> dict:
-    """A live, serving replica of a stage that holds at least one sequence's cache, by a count its
-    heartbeat published after `since` (an older count may describe requests already gone)."""
+    """A live, serving replica of a stage that holds the cache of a request sent after `since`:
+    one that ran a decode step since then (a step runs where its sequence's cache is; a count of
+    sequences held may be an earlier test's, left to expire on a replica these requests skip)."""
     found: list[dict] = []
 
     def holds() -> bool:
-        found[:] = [x for x in RedisStore(r).live_replicas("smollm2", stage) if x.sequences > 0
-                    and x.last_seen > since and not x.draining
+        store = RedisStore(r)
+        decoding = {s.replica_id for s in store.samples("smollm2", stage, since) if s.kind == "decode"}
+        found[:] = [x for x in store.live_replicas("smollm2", stage) if x.replica_id in decoding and not x.draining
                     and (forked is None or x.started_by.startswith("fork") == forked)]
         return bool(found)
     wait_until(holds, 60, f"a stage {stage} replica holding a cache")
