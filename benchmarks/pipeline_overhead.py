@@ -47,10 +47,13 @@ def main(count: int = 40, warmup: int = 5) -> dict:
     run_home = tempfile.mkdtemp(prefix="quart-bench-")
     # Own state and ports, so a runtime the user has up is left alone; the user's models. Nothing
     # scales, so nothing is cached: a KeysManager loading zygotes would share the cores with the
-    # requests measured. Both sides in float32, whatever the host's default dtype.
+    # requests measured. Nor do decode steps compile: every request here is a prefill, eager either
+    # way, and the replicas' background compiles would take the cores for the first minutes (at
+    # 47b8aa5 they overlapped the whole run: 1616 ms against 256 unsplit). Both sides in float32,
+    # whatever the host's default dtype.
     settings = base.replace(home=run_home, models=str(base.models_dir),
                             gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-                            policy="none", cache_stages="none", dtype="float32")
+                            policy="none", cache_stages="none", dtype="float32", compile=False)
     torch.set_num_threads(1)
     unsplit = _unsplit(settings)
     if control.up(settings, timeout=600) != 0:
@@ -105,7 +108,7 @@ def main(count: int = 40, warmup: int = 5) -> dict:
     ]
     write("pipeline_overhead", figures, conditions(
         prompts=len(pipe_ms), warmup=warmup, max_new_tokens=1, stages=STAGES, threads_per_side=1,
-        dtype="float32", device="cpu", unsplit_head="logits_to_keep=1 (the last position only, as the last stage)",
+        dtype="float32", device="cpu", compiled_decode_steps=False, unsplit_head="logits_to_keep=1 (the last position only, as the last stage)",
         note="the pipeline path includes the gateway and entry function hops"))
     return {"pipeline": pipe, "unsplit": local, "overhead_per_stage_ms": overhead}
 
