@@ -108,7 +108,8 @@ def main(count: int = 40, warmup: int = 5) -> dict:
     ]
     write("pipeline_overhead", figures, conditions(
         prompts=len(pipe_ms), warmup=warmup, max_new_tokens=1, stages=STAGES, threads_per_side=1,
-        dtype="float32", device="cpu", compiled_decode_steps=False, unsplit_head="logits_to_keep=1 (the last position only, as the last stage)",
+        dtype="float32", device="cpu", compiled_decode_steps=settings.compute.compiles,
+        unsplit_head="logits_to_keep=1 (the last position only, as the last stage)",
         note="the pipeline path includes the gateway and entry function hops"))
     return {"pipeline": pipe, "unsplit": local, "overhead_per_stage_ms": overhead}
 
