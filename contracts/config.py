@@ -104,6 +104,7 @@ class ComputeConfig:
     prepack: bool = True
     quantize: str = ""
     compile: bool = True
+    compile_nice: int = 19
     idle_cores: bool = False
 
     @property
@@ -456,6 +457,10 @@ VARIABLES: tuple[Var, ...] = (
         "decode steps compiled with torch.compile (inductor; needs a C++ compiler, else eager) once per stage "
         "range: in the KeysManager's zygote before it forks (a fork inherits the compiled step), else in the "
         "background after a replica starts, eager until then; CPU only, not with int8 weights; false: eager"),
+    Var("QUART_COMPILE_NICE", "compute.compile_nice",
+        "the nice value (0-19) of a replica's background compile and the compiler processes it starts: at 19 "
+        "a busy host's cores go to serving first; 0: serving's own priority",
+        lambda v: None if 0 <= v <= 19 else "must be in 0..19"),
     Var("QUART_IDLE_CORES", "compute.idle_cores",
         "a CPU step takes the host's cores that no other replica of the host is computing on (one request in "
         "flight: every core for the stage computing) while no two steps have overlapped for a second, else "

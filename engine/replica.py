@@ -102,7 +102,7 @@ class StageReplica:
         self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
                                           settings.batching.kv_wait_s, settings.limits) if generative else None
         if self.generation is not None and settings.compute.compiles:
-            self._compile(self.generation.engine)
+            self._compile(self.generation.engine, settings.compute.compile_nice)
         self._labels = {"model": self.model, "stage": str(first)}
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
@@ -128,13 +128,13 @@ class StageReplica:
                        and isinstance(runner, StageRunner) and settings.compute.device == "cpu" else None)
 
     @staticmethod
-    def _compile(engine: BatchedDecoder) -> None:
-        """Compiles the decode step in the background, unless the zygote this replica was forked
-        from compiled it already."""
+    def _compile(engine: BatchedDecoder, nice: int) -> None:
+        """Compiles the decode step in the background at `nice`, unless the zygote this replica
+        was forked from compiled it already."""
         if engine.compiled is not None:
             log.info("decode steps compiled by the zygote (in %.1f s)", engine.compiled.compile_s)
         else:
-            compile_in_background(engine)
+            compile_in_background(engine, nice)
 
     @property
     def replica_id(self) -> str:

@@ -21,8 +21,10 @@ bucket, and a prompt runs once where its tokens run every step."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch._inductor.config  # noqa: F401 - set before compiling (_configure)
@@ -77,15 +79,17 @@ class CompiledDecode:
         log.info("decode steps compiled in %.1f s", self.compile_s)
         return self.compile_s
 
-    def warm_in_background(self) -> threading.Thread:
-        """Compiles on a thread of its own; eager steps serve until it is done. A failure to
-        compile leaves eager serving, and says why in the log."""
+    def warm_in_background(self, nice: int = 0) -> threading.Thread:
+        """Compiles on a thread of its own at `nice`, which the compiler processes it starts
+        inherit; eager steps serve until it is done. A failure to compile leaves eager serving,
+        and says why in the log."""
         # OpenMP keeps a thread count per thread (a new one sees the host's cores), and inductor
         # sizes the parallel regions of the kernels it generates by the count it sees: the
         # compiling thread takes this one's, the replica's.
         threads = torch.get_num_threads()
 
         def run() -> None:
+            _lower_this_thread(nice)
             torch.set_num_threads(threads)
             try:
                 self.warm()
@@ -152,12 +156,12 @@ def _compiler_found() -> bool:
     return True
 
 
-def compile_in_background(engine: BatchedDecoder) -> None:
-    """Attaches a decode step to `engine` that compiles on a thread of its own (eager steps serve
-    meanwhile); none where this host has no compiler."""
+def compile_in_background(engine: BatchedDecoder, nice: int = 0) -> None:
+    """Attaches a decode step to `engine` that compiles on a thread of its own at `nice` (eager
+    steps serve meanwhile); none where this host has no compiler."""
     if _compiler_found():
         engine.compiled = CompiledDecode(engine)
-        engine.compiled.warm_in_background()
+        engine.compiled.warm_in_background(nice)
 
 
 def compile_here(engine: BatchedDecoder) -> CompiledDecode | None:
@@ -175,6 +179,19 @@ def compile_here(engine: BatchedDecoder) -> CompiledDecode | None:
         return None
     engine.compiled = compiled
     return compiled
+
+
+def _lower_this_thread(nice: int) -> None:
+    """Names the calling thread `quart-compile` where the OS shows threads (top -H, /proc) and
+    raises its nice value to `nice`, never lowering it. Linux keeps a nice value per thread, and a
+    process started from the thread (inductor's compile workers, the C++ compiler) inherits it: on
+    a host whose cores serve, a compile then runs on what serving leaves."""
+    tid = threading.get_native_id()
+    try:
+        Path(f"/proc/self/task/{tid}/comm").write_text("quart-compile")
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError as exc:  # not Linux, or a sandbox that refuses: the compile runs as it is
+        log.warning("the compile thread keeps serving's priority (%s)", exc)
 
 
 def _configure() -> None:

@@ -5,6 +5,12 @@ the lengths where the compiled step reads keys in a new bucket, and in a family 
 windows and soft-capped logits."""
 from __future__ import annotations
 
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import psutil
 import pytest
 import torch
 
@@ -67,3 +73,27 @@ def test_steps_that_are_not_all_decodes_stay_eager(home_settings, tmp_path):
     assert not compiled.serves([decode_a]), "nothing runs compiled before the compile is done"
     compiled.warm()
     assert compiled.serves([decode_a]) and not compiled.serves([decode_a, prefill_b])
+
+
+def _nice(tid: int) -> int:
+    """A thread's nice value, as the kernel holds it (field 19 of its stat line)."""
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+def test_a_background_compile_runs_below_serving_and_so_does_its_compiler(home_settings, tmp_path):
+    manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
+    engine = BatchedDecoder(StageRunner(manifest, 0, 1, dtype="float32", prepack=False).modules)
+    compiled = CompiledDecode(engine)
+    thread = compiled.warm_in_background(nice=19)
+    threads, children = set(), {}
+    while thread.is_alive():
+        with contextlib.suppress(FileNotFoundError, psutil.Error):  # it may end between the check and the read
+            threads.add((Path(f"/proc/self/task/{thread.native_id}/comm").read_text().strip(), _nice(thread.native_id)))
+            for child in psutil.Process().children(recursive=True):
+                children[child.pid] = child.nice()
+        time.sleep(0.05)
+    assert compiled.ready, "the compile failed (see the log)"
+    assert ("quart-compile", 19) in threads, threads
+    assert all(n == 19 for n in children.values()), children
+    assert os.getpriority(os.PRIO_PROCESS, 0) == 0, "the serving thread keeps its priority"
