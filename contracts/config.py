@@ -105,6 +105,7 @@ class ComputeConfig:
     quantize: str = ""
     compile: bool = True
     compile_nice: int = 19
+    compile_defer_s: float = 30.0
     idle_cores: bool = False
 
     @property
@@ -461,6 +462,9 @@ VARIABLES: tuple[Var, ...] = (
         "the nice value (0-19) of a replica's background compile and the compiler processes it starts: at 19 "
         "a busy host's cores go to serving first; 0: serving's own priority",
         lambda v: None if 0 <= v <= 19 else "must be in 0..19"),
+    Var("QUART_COMPILE_DEFER_S", "compute.compile_defer_s",
+        "the longest a replica's background compile waits for the replica to idle (no sequence held, no step "
+        "for a second) before it starts anyway; 0: at once", _not_negative),
     Var("QUART_IDLE_CORES", "compute.idle_cores",
         "a CPU step takes the host's cores that no other replica of the host is computing on (one request in "
         "flight: every core for the stage computing) while no two steps have overlapped for a second, else "

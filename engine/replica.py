@@ -29,6 +29,7 @@ from contracts.stage import StageRef
 from contracts.stage_graph import Edges, chain
 from contracts.wire import BadRequest, Header, StageTiming, decode_tensors, encode_tensors
 from engine.batch_policy import handover_peer, new_item_slots, still_fed
+from engine.compile_policy import compile_may_start
 from engine.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from engine.idle_cores import CoreBoard
 from engine.routes import Routes
@@ -101,11 +102,10 @@ class StageReplica:
         self.store = self.transport.store
         self.generation = GenerationStage(runner, self.replica_id, settings.batching.kv_bytes,
                                           settings.batching.kv_wait_s, settings.limits) if generative else None
-        if self.generation is not None and settings.compute.compiles:
-            self._compile(self.generation.engine, settings.compute.compile_nice)
         self._labels = {"model": self.model, "stage": str(first)}
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
+        self._stepped_at = time.monotonic()  # when the last step ended
         self._draining = False
         self._handed_over_at = float("-inf")  # when this replica last handed a sequence to a peer
         self._steps_without_new = 0
@@ -127,14 +127,18 @@ class StageReplica:
         self._board = (CoreBoard(Path(settings.home) / "run" / "cores") if settings.compute.idle_cores
                        and isinstance(runner, StageRunner) and settings.compute.device == "cpu" else None)
 
-    @staticmethod
-    def _compile(engine: BatchedDecoder, nice: int) -> None:
-        """Compiles the decode step in the background at `nice`, unless the zygote this replica
-        was forked from compiled it already."""
+    def _compile(self, engine: BatchedDecoder) -> None:
+        """Compiles the decode step in the background, below serving and once this replica idles
+        (engine/compile_policy.py), unless the zygote it was forked from compiled it already."""
         if engine.compiled is not None:
             log.info("decode steps compiled by the zygote (in %.1f s)", engine.compiled.compile_s)
-        else:
-            compile_in_background(engine, nice)
+            return
+        compute, since = self.settings.compute, time.monotonic()
+
+        def may_start() -> bool:
+            now = time.monotonic()
+            return compile_may_start(now - since, now - self._stepped_at, self._holding(), compute.compile_defer_s)
+        compile_in_background(engine, compute.compile_nice, may_start)
 
     @property
     def replica_id(self) -> str:
@@ -161,6 +165,8 @@ class StageReplica:
         return runner
 
     def start(self) -> None:
+        if self.generation is not None and self.settings.compute.compiles:
+            self._compile(self.generation.engine)
         self.transport.ensure_streams(self.routes.next_stages)
         self.store.register(self.info, self.settings.data.replica_ttl_s)
         for target in (self._work_loop, self._heartbeat_loop):
@@ -457,16 +463,19 @@ class StageReplica:
         """The compute lock, and the threads of this step: the host's idle cores, at least this
         replica's own, unless the autoscaler pinned it to cores of its own."""
         with self._compute_lock:
-            if self._board is None or self._pinned is not None:
-                yield
-                return
-            threads = self._board.begin(self.cpus)
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
             try:
-                yield
+                if self._board is None or self._pinned is not None:
+                    yield
+                    return
+                threads = self._board.begin(self.cpus)
+                if threads != torch.get_num_threads():
+                    torch.set_num_threads(threads)
+                try:
+                    yield
+                finally:
+                    self._board.end()
             finally:
-                self._board.end()
+                self._stepped_at = time.monotonic()
 
     def _apply_cpus(self, cpus: int) -> None:
         """Changes this replica's CPUs while it runs: the affinity of every thread of the process

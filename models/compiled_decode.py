@@ -14,7 +14,8 @@ and 16 sequences, against 11.2, 13.3 and 20.8 frozen and 15.5, 18.7 and 31.4 eag
 
 A KeysManager zygote compiles before it forks (`compile_here`), so its forks serve compiled steps
 from their first; a replica started otherwise compiles on a thread of its own while eager steps
-serve. Only on the CPU (a GPU's counterpart would be CUDA graphs: not built).
+serve, at a low priority and once the replica idles (`engine/compile_policy.py`). Only on the CPU
+(a GPU's counterpart would be CUDA graphs: not built).
 
 Prefills, and batches that mix them with decodes, stay eager: their lengths vary too much to
 bucket, and a prompt runs once where its tokens run every step."""
@@ -24,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +41,8 @@ log = logging.getLogger("quart.compiled_decode")
 # padded positions at most, and the compiled function sees a handful of lengths per 1,000.
 LENGTH_BUCKET = 64
 INDUCTOR = {"cpp_wrapper": True}
+# How often a compile waiting to start asks whether it may.
+START_POLL_S = 0.25
 
 
 class CompiledDecode:
@@ -79,16 +83,18 @@ class CompiledDecode:
         log.info("decode steps compiled in %.1f s", self.compile_s)
         return self.compile_s
 
-    def warm_in_background(self, nice: int = 0) -> threading.Thread:
+    def warm_in_background(self, nice: int = 0, may_start: Callable[[], bool] = lambda: True) -> threading.Thread:
         """Compiles on a thread of its own at `nice`, which the compiler processes it starts
-        inherit; eager steps serve until it is done. A failure to compile leaves eager serving,
-        and says why in the log."""
+        inherit, once `may_start()` says so (asked every START_POLL_S); eager steps serve until
+        it is done. A failure to compile leaves eager serving, and says why in the log."""
         # OpenMP keeps a thread count per thread (a new one sees the host's cores), and inductor
         # sizes the parallel regions of the kernels it generates by the count it sees: the
         # compiling thread takes this one's, the replica's.
         threads = torch.get_num_threads()
 
         def run() -> None:
+            while not may_start():
+                time.sleep(START_POLL_S)
             _lower_this_thread(nice)
             torch.set_num_threads(threads)
             try:
@@ -156,12 +162,12 @@ def _compiler_found() -> bool:
     return True
 
 
-def compile_in_background(engine: BatchedDecoder, nice: int = 0) -> None:
-    """Attaches a decode step to `engine` that compiles on a thread of its own at `nice` (eager
-    steps serve meanwhile); none where this host has no compiler."""
+def compile_in_background(engine: BatchedDecoder, nice: int = 0, may_start: Callable[[], bool] = lambda: True) -> None:
+    """Attaches a decode step to `engine` that compiles on a thread of its own at `nice` once
+    `may_start()` says so (eager steps serve meanwhile); none where this host has no compiler."""
     if _compiler_found():
         engine.compiled = CompiledDecode(engine)
-        engine.compiled.warm_in_background(nice)
+        engine.compiled.warm_in_background(nice, may_start)
 
 
 def compile_here(engine: BatchedDecoder) -> CompiledDecode | None:

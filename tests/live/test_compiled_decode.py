@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -81,16 +82,25 @@ def _nice(tid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[16])
 
 
-def test_a_background_compile_runs_below_serving_and_so_does_its_compiler(home_settings, tmp_path):
+def test_a_background_compile_waits_its_turn_then_runs_below_serving_and_so_does_its_compiler(home_settings, tmp_path):
     manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
     engine = BatchedDecoder(StageRunner(manifest, 0, 1, dtype="float32", prepack=False).modules)
     compiled = CompiledDecode(engine)
-    thread = compiled.warm_in_background(nice=19)
+    turn = threading.Event()
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}  # the session's redis-server, say
+
+    def new_children() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in ours]
+    thread = compiled.warm_in_background(nice=19, may_start=turn.is_set)
+    time.sleep(1.0)
+    assert thread.is_alive() and not compiled.ready
+    assert _nice(thread.native_id) == 0 and not new_children(), "nothing started before its turn"
+    turn.set()
     threads, children = set(), {}
     while thread.is_alive():
         with contextlib.suppress(FileNotFoundError, psutil.Error):  # it may end between the check and the read
             threads.add((Path(f"/proc/self/task/{thread.native_id}/comm").read_text().strip(), _nice(thread.native_id)))
-            for child in psutil.Process().children(recursive=True):
+            for child in new_children():
                 children[child.pid] = child.nice()
         time.sleep(0.05)
     assert compiled.ready, "the compile failed (see the log)"
