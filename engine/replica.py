@@ -105,7 +105,7 @@ class StageReplica:
         self._labels = {"model": self.model, "stage": str(first)}
         self._stop = threading.Event()
         self._compute_lock = threading.Lock()
-        self._stepped_at = time.monotonic()  # when the last step ended
+        self._stepped_at: float | None = None  # when the last step ended (monotonic)
         self._draining = False
         self._handed_over_at = float("-inf")  # when this replica last handed a sequence to a peer
         self._steps_without_new = 0
@@ -136,8 +136,9 @@ class StageReplica:
         compute, since = self.settings.compute, time.monotonic()
 
         def may_start() -> bool:
-            now = time.monotonic()
-            return compile_may_start(now - since, now - self._stepped_at, self._holding(), compute.compile_defer_s)
+            now, stepped = time.monotonic(), self._stepped_at
+            return compile_may_start(now - since, None if stepped is None else now - stepped, self._holding(),
+                                     compute.compile_defer_s)
         compile_in_background(engine, compute.compile_nice, may_start)
 
     @property
