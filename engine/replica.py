@@ -135,10 +135,10 @@ class StageReplica:
             return
         compute, since = self.settings.compute, time.monotonic()
 
-        def may_start() -> bool:
+        def may_start() -> bool:  # never in a replica being removed: it would compile for nothing
             now, stepped = time.monotonic(), self._stepped_at
-            return compile_may_start(now - since, None if stepped is None else now - stepped, self._holding(),
-                                     compute.compile_defer_s)
+            return not self._draining and compile_may_start(
+                now - since, None if stepped is None else now - stepped, self._holding(), compute.compile_defer_s)
         compile_in_background(engine, compute.compile_nice, may_start)
 
     @property
@@ -467,16 +467,16 @@ class StageReplica:
             try:
                 if self._board is None or self._pinned is not None:
                     yield
-                    return
-                threads = self._board.begin(self.cpus)
-                if threads != torch.get_num_threads():
-                    torch.set_num_threads(threads)
-                try:
-                    yield
-                finally:
-                    self._board.end()
+                else:
+                    threads = self._board.begin(self.cpus)
+                    if threads != torch.get_num_threads():
+                        torch.set_num_threads(threads)
+                    try:
+                        yield
+                    finally:
+                        self._board.end()
             finally:
-                self._stepped_at = time.monotonic()
+                self._stepped_at = time.monotonic()  # the compile's turn waits for a pause (_compile)
 
     def _apply_cpus(self, cpus: int) -> None:
         """Changes this replica's CPUs while it runs: the affinity of every thread of the process

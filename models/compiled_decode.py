@@ -21,6 +21,7 @@ Prefills, and batches that mix them with decodes, stay eager: their lengths vary
 bucket, and a prompt runs once where its tokens run every step."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -193,10 +194,11 @@ def _lower_this_thread(nice: int) -> None:
     process started from the thread (inductor's compile workers, the C++ compiler) inherits it: on
     a host whose cores serve, a compile then runs on what serving leaves."""
     tid = threading.get_native_id()
-    try:
+    with contextlib.suppress(OSError):  # only a name: a host without /proc shows none
         Path(f"/proc/self/task/{tid}/comm").write_text("quart-compile")
+    try:
         os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
-    except OSError as exc:  # not Linux, or a sandbox that refuses: the compile runs as it is
+    except OSError as exc:  # a sandbox that refuses: the compile runs as it is
         log.warning("the compile thread keeps serving's priority (%s)", exc)
 
 
