@@ -18,6 +18,7 @@ import torch
 from models.batched_decoder import BatchedDecoder, Step
 from models.compiled_decode import LENGTH_BUCKET, CompiledDecode
 from models.kv_cache import KVStore
+from models.packed_linear import can_pack
 from models.partition import partition
 from models.sources import resolve
 from models.stage_runner import StageRunner
@@ -27,21 +28,24 @@ PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 12, 31], [8, 9], [400, 3, 77, 12]]
 NEW = LENGTH_BUCKET - 4
 
 
-def decode(chain: list[BatchedDecoder], new: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens of PROMPTS, prefilled one by one and decoded together; each step's logits."""
+def decode(chain: list[BatchedDecoder], new: int, prompts: list[list[int]] = PROMPTS,
+           forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of `prompts`, prefilled one by one and decoded together; each step's logits.
+    With `forced`, each step is given those tokens instead of its own greedy ones."""
     stores = [KVStore(e.kv_shape(), 1 << 26) for e in chain]
-    seqs = [[store.admit(str(i), len(p) + new) for store in stores] for i, p in enumerate(PROMPTS)]
+    seqs = [[store.admit(str(i), len(p) + new) for store in stores] for i, p in enumerate(prompts)]
     tokens: list[list[int]] = []
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         x = torch.tensor(prompt)
         for engine, seq in zip(chain, seqs[i]):
             x = engine.forward([Step(seq, x, 0)])[0]
         tokens.append([int(x.argmax())])
     logits = []
-    for _ in range(new - 1):
-        xs = [torch.tensor([t[-1]]) for t in tokens]
+    for step in range(new - 1):
+        fed = [f[step] for f in forced] if forced else [t[-1] for t in tokens]
+        xs = [torch.tensor([t]) for t in fed]
         for k, engine in enumerate(chain):
-            xs = engine.forward([Step(seqs[i][k], xs[i], seqs[i][k].length) for i in range(len(PROMPTS))])
+            xs = engine.forward([Step(seqs[i][k], xs[i], seqs[i][k].length) for i in range(len(prompts))])
         logits.append(torch.stack(xs))
         for t, x in zip(tokens, xs):
             t.append(int(x.argmax()))
@@ -62,6 +66,31 @@ def test_compiled_decode_steps_generate_what_eager_steps_do(model_type, home_set
     assert got == expected
     gap = max((a - b).abs().max().item() for a, b in zip(logits, expected_logits))
     assert gap <= 1e-3, gap
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="this CPU's oneDNN does not pack bfloat16")
+def test_bfloat16_packed_steps_compiled_one_engine_after_another_compute_what_eager_steps_do(home_settings, tmp_path):
+    """bfloat16 with prepacked linears, as `auto` serves on a CPU with AVX512-BF16 or AMX: one
+    sequence's compiled step reads the plain weights, several sequences' the packed ones. The
+    second stage compiles after the first has served compiled steps (with only the guards that
+    tell graphs apart): its steps must run its own graphs. Each step is given the eager run's
+    tokens, so the logits compare step by step (bfloat16 rounds each layer's output: within 2 %
+    of the logits' range, where a wrong graph or weight is off by the whole range)."""
+    manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 2, tmp_path / "m")
+    chain = [BatchedDecoder(StageRunner(manifest, i, i + 1, dtype="bfloat16").modules) for i in range(2)]
+    runs = {}
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        runs[len(prompts)] = decode(chain, NEW, prompts)
+    chain[0].compiled = CompiledDecode(chain[0])
+    chain[0].compiled.warm()
+    decode(chain[:1], 4, PROMPTS[:1])  # the first stage serves compiled steps, the second is not compiled
+    chain[1].compiled = CompiledDecode(chain[1])
+    chain[1].compiled.warm()
+    for batch, (tokens, expected) in runs.items():
+        _, logits = decode(chain, NEW, PROMPTS[:batch], forced=tokens)
+        scale = max(float(e.abs().max()) for e in expected)
+        gap = max(float((a - b).abs().max()) for a, b in zip(logits, expected))
+        assert gap <= 0.02 * scale, (batch, gap, scale)
 
 
 def test_steps_that_are_not_all_decodes_stay_eager(home_settings, tmp_path):

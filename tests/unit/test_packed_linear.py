@@ -37,3 +37,23 @@ def test_pack_and_unpack_swap_every_linear_and_back():
     assert pack(model) == 2 and not any(type(m) is nn.Linear for m in model.modules())
     assert unpack(model) == 2
     assert all(torch.equal(a, m.weight) for a, m in zip(weights, [m for m in model.modules() if isinstance(m, nn.Linear)]))
+
+
+def test_a_compiled_one_row_step_reads_the_plain_weight_and_computes_what_the_layer_does():
+    """In bfloat16, a graph compiled for one row computes the layer as inductor's own reduction over
+    the plain weight (no call of the packed kernel in the code it generates); a graph for several
+    rows calls the packed kernel."""
+    if torch.bfloat16 not in dtypes():
+        pytest.skip("this CPU's oneDNN does not pack bfloat16")
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    plain = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(plain)
+    assert packed.plain is not None and torch.equal(packed.unpacked().weight, plain.weight)
+    with torch.inference_mode():
+        for rows, packed_call in ((1, False), (3, True)):
+            torch._dynamo.reset()
+            x = torch.randn(rows, 1, 96, dtype=torch.bfloat16)
+            out, code = run_and_get_code(torch.compile(packed, fullgraph=True), x)
+            torch.testing.assert_close(out, plain(x), rtol=3e-2, atol=3e-2)
+            assert ("packed_linear" in "".join(code)) == packed_call
