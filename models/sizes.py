@@ -37,9 +37,10 @@ ENTRY_CPU = {"requests": "500m", "limits": "1"}
 
 
 def resident_weight_bytes(shard_bytes: int, checkpoint_dtype: str, compute: ComputeConfig) -> int:
-    """A stage's weights in memory at most: where it may serve in float32 with prepacked linears
-    (models/precision.py's choice on a host without native bfloat16), its shards widened to float32
-    and held twice, once per packing (models/packed_linear.py); else as stored."""
+    """A stage's weights in memory at most: served with prepacked linears on the CPU, held twice
+    (models/packed_linear.py: float32 packed for oneDNN and for MKL, bfloat16 packed and plain),
+    and widened to float32 where models/precision.py would choose it on a host without native
+    bfloat16; else as stored."""
     # Imported here: the runtime server and the autoscaler read stage_bytes without loading torch.
     import torch
 
@@ -48,7 +49,7 @@ def resident_weight_bytes(shard_bytes: int, checkpoint_dtype: str, compute: Comp
     twice = 2 * shard_bytes * served.itemsize // DTYPES.get(checkpoint_dtype, torch.float32).itemsize
     if compute.device != "cpu" or compute.quantize:
         return shard_bytes
-    return twice if served == torch.float32 and compute.prepack else shard_bytes
+    return twice if served in (torch.float32, torch.bfloat16) and compute.prepack else shard_bytes
 
 
 @dataclass(frozen=True)

@@ -135,15 +135,18 @@ def test_a_stage_asks_for_its_shard_and_the_runtime_and_may_reach_its_kv_budget_
     assert (mebibytes(1 << 20), mebibytes((1 << 20) + 1)) == ("1Mi", "2Mi")
 
 
-def test_float32_weights_count_twice_where_both_packings_hold_them() -> None:
-    """A float32 stage on the CPU keeps its linears packed for oneDNN and for MKL's one-row sgemm
-    (models/packed_linear.py); a stage in 16 bits, quantized, unpacked or on a GPU holds its shard once."""
+def test_packed_weights_count_twice_where_two_layouts_hold_them() -> None:
+    """A float32 stage on the CPU keeps its linears packed for oneDNN and for MKL's one-row sgemm,
+    a bfloat16 one packed and plain (models/packed_linear.py); a stage in float16, quantized,
+    unpacked or on a GPU holds its shard once."""
     from contracts.config import ComputeConfig
     from models.sizes import resident_weight_bytes
     shard = 100 << 20
     assert resident_weight_bytes(shard, "float32", ComputeConfig()) == 2 * shard
     assert resident_weight_bytes(shard, "bfloat16", ComputeConfig(dtype="float32")) == 4 * shard   # widened, then twice
-    assert resident_weight_bytes(shard, "bfloat16", ComputeConfig()) == shard    # auto keeps a 16-bit checkpoint's dtype
+    assert resident_weight_bytes(shard, "bfloat16", ComputeConfig()) == 2 * shard    # auto keeps a 16-bit checkpoint's dtype
+    assert resident_weight_bytes(shard, "float16", ComputeConfig()) == shard
+    assert resident_weight_bytes(shard, "bfloat16", ComputeConfig(prepack=False)) == shard
     assert resident_weight_bytes(shard, "float32", ComputeConfig(prepack=False)) == shard
     assert resident_weight_bytes(shard, "float32", ComputeConfig(quantize="int8")) == shard
     assert resident_weight_bytes(shard, "float32", ComputeConfig(device="cuda")) == shard
