@@ -118,13 +118,18 @@ class CompiledDecode:
         # all that varies, and torch's skip_guard_eval_unsafe runs only the guards that have told
         # this code's graphs apart (every one that has failed), engines of this process included.
         # It is global, so not while a compile runs: a graph being traced would go unguarded.
-        if not _COMPILING.acquire(blocking=False):
-            return self._run(steps, store)
-        try:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self._run(steps, store)
-        finally:
-            _COMPILING.release()
+        # What no graph fits yet (a step on more threads, `QUART_IDLE_CORES`) torch refuses
+        # under that stance before the step runs: it runs again with every guard, compiling.
+        if _COMPILING.acquire(blocking=False):
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return self._run(steps, store)
+            except RuntimeError as exc:
+                if "skip_guard_eval_unsafe" not in str(exc):
+                    raise
+            finally:
+                _COMPILING.release()
+        return self._run(steps, store)
 
     @torch.inference_mode()
     def _run(self, steps: list[Step], store: KVStore) -> list[torch.Tensor]:

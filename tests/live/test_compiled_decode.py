@@ -93,6 +93,27 @@ def test_bfloat16_packed_steps_compiled_one_engine_after_another_compute_what_ea
         assert gap <= 0.02 * scale, (batch, gap, scale)
 
 
+def test_a_compiled_step_on_more_threads_than_it_was_compiled_on_compiles_for_them(home_settings, tmp_path):
+    """Compiled steps run with only the guards that told graphs apart; a thread count no graph
+    was compiled for (a step on the host's idle cores) must still get a graph of its own."""
+    manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
+    engine = BatchedDecoder(StageRunner(manifest, 0, 1, dtype="float32", prepack=False).modules)
+    store = KVStore(engine.kv_shape(), 1 << 26)
+    seq = store.admit("a", 20)
+    engine.forward([Step(seq, torch.tensor([1, 2, 3]), 0)])
+    expected = engine.forward([Step(seq, torch.tensor([4]), 3)])[0]
+    threads = torch.get_num_threads()
+    engine.compiled = CompiledDecode(engine)
+    engine.compiled.warm()
+    try:
+        for n in (threads, threads + 1, threads):
+            torch.set_num_threads(n)
+            got = engine.forward([Step(seq, torch.tensor([4]), 3)])[0]
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_steps_that_are_not_all_decodes_stay_eager(home_settings, tmp_path):
     manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
     engine = BatchedDecoder(StageRunner(manifest, 0, 1, dtype="float32", prepack=False).modules)
