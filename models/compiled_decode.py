@@ -1,8 +1,10 @@
 """A stage's decode steps (every sequence in the batch one new token) through one function
 compiled with torch.compile's inductor: the family's own decoder layers (`BatchedDecoder`), with
 attention reading the paged KV pools by slot (`PagedCall`), the linear layers as the replica holds
-them (prepacked for oneDNN, `models/packed_linear.py`, each one opaque kernel in the graph), and
-the C++ wrapper, which calls the kernels without Python between them. The shapes are dynamic: one
+them (prepacked for oneDNN, `models/packed_linear.py`, each one opaque kernel in the graph; in
+bfloat16 a single sequence's linears are inductor's own reductions over the plain weights), and
+the C++ wrapper, which calls the kernels without Python between them. Once compiled, a step checks
+only the guards that have told its graphs apart (`CompiledDecode.forward`). The shapes are dynamic: one
 compile serves every batch size from 2 up and every length, and a second the single sequence
 (torch specialises a dimension of size one).
 
