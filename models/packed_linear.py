@@ -39,10 +39,13 @@ from functools import cache
 import torch
 from torch import nn
 
+# The dtypes a layer is packed in: each holds its weight twice, at most (the module's docstring).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and dtype in (torch.float32, torch.bfloat16) and _packs(dtype))
+            and dtype in PACKED_DTYPES and _packs(dtype))
 
 
 @cache

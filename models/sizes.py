@@ -44,12 +44,13 @@ def resident_weight_bytes(shard_bytes: int, checkpoint_dtype: str, compute: Comp
     # Imported here: the runtime server and the autoscaler read stage_bytes without loading torch.
     import torch
 
+    from models.packed_linear import PACKED_DTYPES
     from models.precision import DTYPES, choose_dtype
     served = choose_dtype(compute.dtype, checkpoint_dtype, compute.device, bf16_native=False)
     twice = 2 * shard_bytes * served.itemsize // DTYPES.get(checkpoint_dtype, torch.float32).itemsize
     if compute.device != "cpu" or compute.quantize:
         return shard_bytes
-    return twice if served in (torch.float32, torch.bfloat16) and compute.prepack else shard_bytes
+    return twice if served in PACKED_DTYPES and compute.prepack else shard_bytes
 
 
 @dataclass(frozen=True)
