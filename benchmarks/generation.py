@@ -553,8 +553,8 @@ def _layout(device: str, served: torch.dtype, quantize: str | None, prepack: boo
     """The layout the stages' eager linear layers got (the setting alone does not say: oneDNN may
     not pack the served dtype on this CPU)."""
     layout = layout_for(torch.device(device), served, prepack, quantize or "")
-    if layout == "packed" and served == torch.float32 and torch.device(device).type == "cpu":
-        return "packed (oneDNN; one-row steps on MKL's packing where torch has it)"
+    if layout == "packed":
+        return "packed (oneDNN) and plain (one-row steps)"
     return layout or "plain nn.Linear"
 
 

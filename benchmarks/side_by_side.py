@@ -3,7 +3,7 @@ commits of this repository alternately, in rounds (base then new in odd rounds, 
 even ones), so that a VM whose speed drifts within the hour weighs on both arms alike; each round
 compares the two arms it ran back to back.
 
-    python -m benchmarks side_by_side --base REV [--rounds 4] [--eager]
+    python -m benchmarks side_by_side --base REV [--rounds 4] [--eager] [--dtype float32]
 
 "new" is this working tree as it is (committed or not), "base" the commit REV, checked out in a
 worktree of its own (removed afterwards) and run with this tree's virtual environment and
@@ -12,8 +12,9 @@ the time per output token of single requests (ShareGPT prompts, 96 new tokens, e
 ignored, one at a time), then the tokens per second of 4 and 16 concurrent requests (each client
 sends two of 32 tokens). Reported: each figure per arm, and per round the ratio new/base, with the
 mean ratio's 95 % interval over the rounds; "gain" only where the whole interval is on the better
-side of 1. The base must have `benchmarks.generation.running` (the serving harness this measures
-with) and read the partitions this tree wrote.
+side of 1. With --dtype both arms serve that dtype (QUART_DTYPE), and the result is named
+`side_by_side_<dtype>`. The base must have `benchmarks.generation.running` (the serving harness
+this measures with) and read the partitions this tree wrote.
 
 An arm runs this file as a script in the arm's tree, so every import but the standard library's
 is that tree's."""
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--base", required=True, help="the commit to measure this working tree against")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--eager", action="store_true", help="decode steps eager in both arms (else as configured)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="the dtype both arms serve (else as configured)")
     args = parser.parse_args(argv)
     from benchmarks.report import git
     from contracts.config import load_settings
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = git(REPO_ROOT, "rev-parse", "--verify", f"{args.base}^{{commit}}")
     if not base:
         raise SystemExit(f"no commit {args.base!r} in this repository")
-    changes = {"compile": False} if args.eager else {}
+    changes = {**({"compile": False} if args.eager else {}), **({"dtype": args.dtype} if args.dtype else {})}
     worktree = Path(tempfile.mkdtemp(prefix="quart-base-"))
     subprocess.run(["git", "worktree", "add", "--detach", "--force", str(worktree), base], cwd=REPO_ROOT, check=True,
                    capture_output=True)
@@ -104,8 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
         subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO_ROOT, capture_output=True)
         shutil.rmtree(worktree, ignore_errors=True)
     changed = git(REPO_ROOT, "log", "--oneline", f"{base}..HEAD")
-    return report("side_by_side", rounds, ARMS, f"this tree against {base[:9]}, side by side",
-                  base=base, commits_since_base=changed.splitlines(), eager=args.eager)
+    name = f"side_by_side_{args.dtype}" if args.dtype else "side_by_side"
+    return report(name, rounds, ARMS, f"this tree against {base[:9]}, side by side",
+                  base=base, commits_since_base=changed.splitlines(), eager=args.eager,
+                  dtype=args.dtype or load_settings().compute.dtype)
 
 
 def _run_arm(tree: Path, models: str, changes: dict, title: str) -> dict[str, float]:

@@ -451,8 +451,8 @@ VARIABLES: tuple[Var, ...] = (
         _one_of("auto", "float32", "bfloat16", "float16")),
     Var("QUART_THREADS", "compute.threads", "torch threads per replica", _positive),
     Var("QUART_PREPACK", "compute.prepack",
-        "linear weights reordered once into oneDNN's layout on the CPU (what torch.compile's freezing does), and "
-        "in float32 also packed for MKL's sgemm, through which one-token steps run (twice the float32 weights' "
+        "linear weights reordered once into oneDNN's layout on the CPU (what torch.compile's freezing does), for "
+        "steps of several tokens; one-token steps read the plain weight, kept beside it (twice the weights' "
         "memory); false: plain `F.linear`"),
     Var("QUART_COMPILE", "compute.compile",
         "decode steps compiled with torch.compile (inductor; needs a C++ compiler, else eager) once per stage "

@@ -6,23 +6,20 @@ about half the memory bandwidth (measured: 106 MB of bfloat16 weights at one tok
 through `F.linear` and 6.0 ms prepacked, two threads). Compiled decode steps call these layers as
 they are (`packed_linear` below): freezing would take minutes per replica and a second copy.
 
-In float32 no one layout wins at every batch size (measured on an AVX2 EPYC, one thread,
-2048×5632): at one token oneDNN's kernel on the packed weight is slower than the BLAS on the plain
-one (4.7 ms against 3.3), and costs ~45 µs a call more whatever the size; from four tokens on it is
-much faster (4: 6.6 ms against 18.0; 16: 14.6 against 25.9; a 70-token prefill: 47 against 64).
-With plain float32 weights the llama1b pipeline decoded one request about 1.2× faster but made
-half the tokens at 16 concurrent requests (docs/benchmarks.md). So a float32 layer, where torch
-has MKL, also keeps its weight packed for MKL's sgemm at one row (`_mkl_reorder_linear_weight`,
-what inductor's freezing uses for float32 linears) and multiplies one-token steps through it
-(2048×5632: 3.4 ms; 576×1536: 0.16 ms against 0.38 through oneDNN and 0.22 plain): the weights
-take twice their memory, and a single request's step is the fastest of the three.
-
-In bfloat16 a layer keeps its plain weight too, for compiled one-row steps (a single sequence's
-decode, `models/compiled_decode.py`): there oneDNN's kernel costs ~20 µs a call whatever the size
-and read 576×1536 at 6.8 GB/s on one thread of an AVX512-BF16 EPYC, where inductor's own reduction
-over the plain weight, generated into the step, read it at 13.0 (136 µs against 260; 1536×576 122
-against 222; one SmolLM2 stage's step 7.5 ms against 17.1). Eager steps, and compiled steps of
-several sequences, use the packed weight. The weights take twice their memory, as in float32.
+Every layer also keeps its plain weight, for one-row steps (a single sequence's decode). There
+oneDNN's kernel costs ~20 µs a call whatever the size, and a custom op around it (what a compiled
+step calls) more. In a compiled step of one sequence (`models/compiled_decode.py`) a layer is
+inductor's own reduction over the plain weight, generated into the step. In bfloat16 (an AVX512-BF16
+EPYC, one thread) it read 576×1536 at 13.0 GB/s where oneDNN's kernel read 6.8 (136 µs against
+260; one SmolLM2 stage's step 7.5 ms against 17.1). In float32 it replaced MKL's sgemm on a
+weight packed for one row (`_mkl_reorder_linear_weight`, what inductor's freezing uses), whose
+call through the custom op read 1536×576 at 6.5-7.2 GB/s against the reduction's 14.7-17.2; one
+SmolLM2 stage's compiled step of 11 layers took 10.3 ms against 21.0 (the same EPYC). An eager
+one-row step in float32 multiplies the plain weight through the BLAS; in bfloat16, through oneDNN's
+packed kernel. Steps of several rows, compiled or eager, use the packed weight: in float32 from
+four tokens on it is much faster than the plain one (an AVX2 EPYC, one thread, 2048×5632: 4 tokens
+6.6 ms against 18.0; 16: 14.6 against 25.9; a 70-token prefill: 47 against 64). Either way a layer
+holds its weight twice.
 
 Only on the CPU, and only where torch was built with oneDNN; everywhere else layers stay
 `nn.Linear`. `unpack` restores them (a replica moving to another device or dtype).
@@ -37,6 +34,7 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # The dtypes a layer is packed in: each holds its weight twice, at most (the module's docstring).
@@ -46,18 +44,6 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and dtype in PACKED_DTYPES and _packs(dtype))
-
-
-@cache
-def _packs_rows() -> bool:
-    """Whether this torch has MKL's packed sgemm (x86 builds with MKL)."""
-    if not torch.backends.mkl.is_available():
-        return False
-    try:
-        torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(16, 16), 1)
-    except (RuntimeError, AttributeError):
-        return False
-    return True
 
 
 @cache
@@ -89,10 +75,7 @@ def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return (y + bias.float() if bias is not None else y).to(x.dtype)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, row_packed: torch.Tensor | None,
-                   plain_shape: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if row_packed is not None and x.numel() == plain_shape.shape[1]:
-        return torch.ops.mkl._mkl_linear(x, row_packed, plain_shape, bias, 1)
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -100,20 +83,18 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, row_packed: torch.Tens
 # inductor has no lowering for `_linear_pointwise` on a weight packed outside its own freezing pass
 # (it fails at lowering), and its freezing pass would pack a second copy of every weight.
 @torch.library.custom_op("quart::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, row_packed: torch.Tensor | None, plain_shape: torch.Tensor,
-                  bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return _packed_linear(x, packed, row_packed, plain_shape, bias)
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return _packed_linear(x, packed, bias)
 
 
 @packed_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, row_packed: torch.Tensor | None, plain_shape: torch.Tensor,
-      bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear`'s computation on a prepacked weight (a buffer: no gradient, no dtype moves);
-    in float32, one-row steps on a second packing for MKL's sgemm (see the module's docstring)."""
+    """`nn.Linear`'s computation on a prepacked weight (a buffer: no gradient, no dtype moves),
+    and one-row steps on the plain weight where that is faster (the module's docstring)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -121,28 +102,23 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         # Packed for no particular batch size: continuous batching runs every size from 1 up.
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
-        rows = weight.dtype == torch.float32 and _packs_rows()
-        self.register_buffer("row_packed", torch.ops.mkl._mkl_reorder_linear_weight(weight, 1) if rows else None,
-                             persistent=False)
-        # `_mkl_linear` takes the output's shape from the plain weight, which it reads only for a
-        # batch size other than the packing's; a one-row step never is, so a view without storage.
-        self.plain_shape = torch.zeros((), dtype=weight.dtype).expand(self.out_features, self.in_features)
-        # In bfloat16, compiled one-row steps read the weight as it was (the module's docstring).
-        self.register_buffer("plain", weight if weight.dtype == torch.bfloat16 else None, persistent=False)
+        self.register_buffer("plain", weight, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one_row = x.numel() == self.in_features
         if torch.compiler.is_compiling():
             # Decided as the graph is traced: a compiled step of one sequence has one row.
-            if self.plain is not None and x.numel() == self.in_features:
+            if one_row:
                 return _one_row(x, self.plain, self.bias)
-            return packed_linear(x, self.packed, self.row_packed, self.plain_shape, self.bias, self.out_features)
-        return _packed_linear(x, self.packed, self.row_packed, self.plain_shape, self.bias)
+            return packed_linear(x, self.packed, self.bias, self.out_features)
+        if one_row and x.dtype == torch.float32:
+            return F.linear(x, self.plain, self.bias)
+        return _packed_linear(x, self.packed, self.bias)
 
     def unpacked(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        weight = self.plain if self.plain is not None else self.packed.to_dense()
-        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.weight = nn.Parameter(self.plain, requires_grad=False)
         linear.bias = self.bias
         return linear
 

@@ -38,7 +38,7 @@ ENTRY_CPU = {"requests": "500m", "limits": "1"}
 
 def resident_weight_bytes(shard_bytes: int, checkpoint_dtype: str, compute: ComputeConfig) -> int:
     """A stage's weights in memory at most: served with prepacked linears on the CPU, held twice
-    (models/packed_linear.py: float32 packed for oneDNN and for MKL, bfloat16 packed and plain),
+    (models/packed_linear.py: packed for oneDNN and plain),
     and widened to float32 where models/precision.py would choose it on a host without native
     bfloat16; else as stored."""
     # Imported here: the runtime server and the autoscaler read stage_bytes without loading torch.

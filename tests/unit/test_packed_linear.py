@@ -1,6 +1,5 @@
 """A prepacked linear computes what `nn.Linear` does and gives its weights back on unpacking, in
-float32 (which oneDNN packs on every x86 CPU; one-row steps go through MKL's packing where torch
-has MKL) and in bfloat16 where this CPU's oneDNN packs it."""
+float32 (which oneDNN packs on every x86 CPU) and in bfloat16 where this CPU's oneDNN packs it."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +25,6 @@ def test_a_packed_linear_computes_what_the_plain_one_does(dtype, bias):
             tolerance = 1e-5 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(packed(x), plain(x), rtol=tolerance, atol=tolerance)
     assert torch.equal(packed.unpacked().weight, plain.weight)
-    assert (packed.row_packed is not None) == (dtype == torch.float32 and torch.backends.mkl.is_available())
 
 
 def test_pack_and_unpack_swap_every_linear_and_back():
@@ -39,21 +37,21 @@ def test_pack_and_unpack_swap_every_linear_and_back():
     assert all(torch.equal(a, m.weight) for a, m in zip(weights, [m for m in model.modules() if isinstance(m, nn.Linear)]))
 
 
-def test_a_compiled_one_row_step_reads_the_plain_weight_and_computes_what_the_layer_does():
-    """In bfloat16, a graph compiled for one row computes the layer as inductor's own reduction over
-    the plain weight (no call of the packed kernel in the code it generates); a graph for several
-    rows calls the packed kernel."""
-    if torch.bfloat16 not in dtypes():
-        pytest.skip("this CPU's oneDNN does not pack bfloat16")
+@pytest.mark.parametrize("dtype", dtypes())
+def test_a_compiled_one_row_step_reads_the_plain_weight_and_computes_what_the_layer_does(dtype):
+    """A graph compiled for one row computes the layer as inductor's own reduction over the plain
+    weight (no call of a library kernel in the code it generates); a graph for several rows calls
+    the packed kernel."""
     from torch._inductor.utils import run_and_get_code
     torch.manual_seed(0)
-    plain = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    plain = nn.Linear(96, 160, bias=True).to(dtype)
     packed = PackedLinear(plain)
-    assert packed.plain is not None and torch.equal(packed.unpacked().weight, plain.weight)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     with torch.inference_mode():
         for rows, packed_call in ((1, False), (3, True)):
             torch._dynamo.reset()
-            x = torch.randn(rows, 1, 96, dtype=torch.bfloat16)
+            x = torch.randn(rows, 1, 96, dtype=dtype)
             out, code = run_and_get_code(torch.compile(packed, fullgraph=True), x)
-            torch.testing.assert_close(out, plain(x), rtol=3e-2, atol=3e-2)
-            assert ("packed_linear" in "".join(code)) == packed_call
+            torch.testing.assert_close(out, plain(x), rtol=tolerance, atol=tolerance)
+            code = "".join(code)
+            assert ("packed_linear" in code) == packed_call and "mkl" not in code

@@ -136,9 +136,9 @@ def test_a_stage_asks_for_its_shard_and_the_runtime_and_may_reach_its_kv_budget_
 
 
 def test_packed_weights_count_twice_where_two_layouts_hold_them() -> None:
-    """A float32 stage on the CPU keeps its linears packed for oneDNN and for MKL's one-row sgemm,
-    a bfloat16 one packed and plain (models/packed_linear.py); a stage in float16, quantized,
-    unpacked or on a GPU holds its shard once."""
+    """A float32 or bfloat16 stage on the CPU keeps its linears packed for oneDNN and plain
+    (models/packed_linear.py); a stage in float16, quantized, unpacked or on a GPU holds its shard
+    once."""
     from contracts.config import ComputeConfig
     from models.sizes import resident_weight_bytes
     shard = 100 << 20
