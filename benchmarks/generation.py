@@ -9,6 +9,7 @@ transformers model in this process, on the same ShareGPT prompts, in one run.
     python -m benchmarks generation --quantize int8  # the pipeline on int8 weights (generation_int8.json)
     python -m benchmarks generation --eager          # decode steps eager, QUART_COMPILE=false (generation_eager.json)
     QUART_IDLE_CORES=true python -m benchmarks generation   # steps on idle cores (generation_idle_cores.json)
+    QUART_DTYPE=float32 python -m benchmarks generation     # another dtype than auto's (generation_float32.json)
 
 The pipeline serves the default dtype (`QUART_DTYPE=auto`: bfloat16 where the CPU has it). One at a
 time, interleaved, repeated `--reps` times: the pipeline's time to first token (TTFT) and time
@@ -523,6 +524,7 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
             ]
     name = ("generation" if model == "smollm2" else f"generation_{model}") + (f"_{quantize}" if quantize else "")
     name += ("_eager" if not compute.compile else "") + ("_idle_cores" if compute.idle_cores else "")
+    name += f"_{compute.dtype}" if compute.dtype != "auto" else ""
     name += "_cuda" if gpu else ""
     source, config = SOURCES[model]
     write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,
