@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     subprocess.run(["git", "worktree", "add", "--detach", "--force", str(worktree), base], cwd=REPO_ROOT, check=True,
                    capture_output=True)
     trees = {"base": worktree, "new": REPO_ROOT}
-    models = str(load_settings().models_dir)
+    settings = load_settings()
+    models = str(settings.models_dir)
     try:
         rounds = []
         for r in range(args.rounds):
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = f"side_by_side_{args.dtype}" if args.dtype else "side_by_side"
     return report(name, rounds, ARMS, f"this tree against {base[:9]}, side by side",
                   base=base, commits_since_base=changed.splitlines(), eager=args.eager,
-                  dtype=args.dtype or load_settings().compute.dtype)
+                  dtype=args.dtype or settings.compute.dtype)
 
 
 def _run_arm(tree: Path, models: str, changes: dict, title: str) -> dict[str, float]:
