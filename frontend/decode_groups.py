@@ -41,6 +41,7 @@ class DecodeGroups:
         self._clock = itertools.count()
         self._out: dict[str, tuple[Route | None, int, str]] = {}  # step id -> (its route, when sent, its sequence)
         self._came_back: dict[str, int] = {}                      # sequence -> when its latest step came back
+        self._route_of: dict[str, Route] = {}                     # sequence -> the route of its latest decode step
         self._held: dict[Route, list[_Held]] = {}
 
     def sent(self, step_id: str, seq: str, route: dict[str, str] | None) -> None:
@@ -59,24 +60,32 @@ class DecodeGroups:
         key, _, seq = out
         self._came_back[seq] = next(self._clock)
         if key is not None:
+            self._route_of[seq] = key
             self._release(key)
 
     def forget(self, seq: str) -> None:
         """The sequence sends no more steps."""
         self._came_back.pop(seq, None)
+        self._route_of.pop(seq, None)
 
     async def wait_for_group(self, seq: str, route: dict[str, str], limit_s: float) -> None:
         """Before `seq` sends its next decode step on `route`: waits while steps sent before its
         previous one came back are still out on the same replicas (at most `limit_s`), unless the
-        group would then be more than the stages run as one batch."""
+        group would then be more than the stages run as one batch, or those steps are fewer than
+        the sequences back and waiting to send (the smaller group waits for the larger, not the
+        larger for the smaller)."""
         came_back = self._came_back.get(seq)
         key = route_key(route)
-        if came_back is None or limit_s <= 0 or not self._blocking(key, came_back):
+        blocking = [] if came_back is None else self._blocking(key, came_back)
+        if not blocking or limit_s <= 0:
+            return
+        # Its own group: the sequences on these replicas that came back since the first of those it
+        # would wait for set out, whether or not they have gone again.
+        group = sum(1 for s, k in self._route_of.items() if k == key and self._came_back.get(s, -1) > min(blocking))
+        out = sum(1 for k, _, _ in self._out.values() if k == key)
+        if out + group > self.max_batch or len(blocking) < group:
             return
         held = self._held.setdefault(key, [])
-        out = sum(1 for k, _, _ in self._out.values() if k == key)
-        if out + len(held) + 1 > self.max_batch:
-            return  # more than one batch anyway: the stages would split it, so waiting only delays
         entry = _Held(came_back)
         held.append(entry)
         try:
@@ -88,8 +97,9 @@ class DecodeGroups:
             if not held:
                 self._held.pop(key, None)
 
-    def _blocking(self, key: Route, came_back: int) -> bool:
-        return any(k == key and sent < came_back for k, sent, _ in self._out.values())
+    def _blocking(self, key: Route, came_back: int) -> list[int]:
+        """When the steps out on `key` that were sent before `came_back` were sent."""
+        return [sent for k, sent, _ in self._out.values() if k == key and sent < came_back]
 
     def _release(self, key: Route) -> None:
         for entry in self._held.get(key, []):

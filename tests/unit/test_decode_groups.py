@@ -23,16 +23,37 @@ async def _waited(groups: DecodeGroups, seq: str, route: dict, limit_s: float = 
 def test_a_group_that_came_back_first_waits_for_the_other_and_they_set_out_together():
     async def scenario():
         groups = DecodeGroups(max_batch=16)
+        for seq in ("a1", "b1", "b2"):
+            groups.sent(f"{seq}.0", seq, ROUTE)
+        groups.answered("a1.0")
+        wait = asyncio.create_task(_waited(groups, "a1", ROUTE))
+        await asyncio.sleep(0.05)
+        assert not wait.done(), "a1 went while b1 and b2 were still out"
+        groups.answered("b1.0")
+        groups.answered("b2.0")
+        for seq in ("b1", "b2"):  # the last to come back do not wait
+            assert await _waited(groups, seq, ROUTE) < 0.01
+        assert await wait < 1.0   # released by their answers, not by the limit
+    run(scenario())
+
+
+def test_the_larger_group_does_not_wait_for_the_smaller_one_the_smaller_waits_for_it():
+    async def scenario():
+        groups = DecodeGroups(max_batch=16)
         for seq in ("a1", "a2", "b1"):
             groups.sent(f"{seq}.0", seq, ROUTE)
         groups.answered("a1.0")
         groups.answered("a2.0")
-        waits = [asyncio.create_task(_waited(groups, s, ROUTE)) for s in ("a1", "a2")]
-        await asyncio.sleep(0.05)
-        assert not any(w.done() for w in waits), "a1 and a2 went while b1 was still out"
+        for seq in ("a1", "a2"):
+            assert await _waited(groups, seq, ROUTE) < 0.01, "two waited for one"
+            groups.sent(f"{seq}.1", seq, ROUTE)
         groups.answered("b1.0")
-        assert await _waited(groups, "b1", ROUTE) < 0.01  # the last to come back does not wait
-        assert max(await asyncio.gather(*waits)) < 1.0   # released by b1's answer, not by the limit
+        wait = asyncio.create_task(_waited(groups, "b1", ROUTE))
+        await asyncio.sleep(0.05)
+        assert not wait.done(), "b1 went while a1 and a2, sent before it came back, were out"
+        groups.answered("a1.1")
+        groups.answered("a2.1")
+        assert await wait < 1.0
     run(scenario())
 
 
