@@ -93,7 +93,6 @@ class Batching:
     kv_bytes: int = 1 << 30
     kv_wait_s: float = 5.0
     drain: str = "migrate"
-    merge_decodes: bool = True
 
 
 @dataclass(frozen=True)
@@ -441,10 +440,6 @@ VARIABLES: tuple[Var, ...] = (
         "each stage replica's KV-cache budget; a request that does not fit waits, then gets 429", _positive),
     Var("QUART_KV_WAIT_S", "batching.kv_wait_s", "how long a prefill waits for KV room before its request gets 429",
         _not_negative),
-    Var("QUART_MERGE_DECODES", "batching.merge_decodes",
-        "an entry holds a sequence's decode step (at most one round) while steps sent before it came back are "
-        "still out on the same replicas, so that requests started apart cross the stages as one batch; false: "
-        "each sends as soon as its token comes"),
     Var("QUART_DRAIN", "batching.drain",
         "what a replica being removed does with the KV caches it holds: `migrate` them to a peer, or `finish` their requests",
         _one_of("migrate", "finish")),

@@ -22,7 +22,6 @@ import torch
 from contracts.config import Settings
 from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
 from frontend.admission import Admission
-from frontend.decode_groups import DecodeGroups
 from frontend.step_sender import StepSender
 from models.sampling import Sampling, TokenLogprob, answers
 from state import keys
@@ -85,7 +84,6 @@ class PipelineClient:
         self.admission = Admission(settings.data.admit_wait_s)
         self._sync_redis: redis.Redis | None = None
         self._sender = StepSender(self._connection)
-        self._groups = DecodeGroups(settings.batching.max_batch, settings.batching.merge_decodes)
 
     def admit(self) -> None:
         """StageFailed(429) when the stages are too far behind to take a new request in time."""
@@ -140,23 +138,19 @@ class PipelineClient:
                 if len(new) < max_new:
                     seq = f"{request_id}.{progress.recomputes}"
                     route = await self._fork(seq, shared, len(prompt), len(prompt) + max_new, deadline)
-            round_s = 0.0  # how long the latest step took there and back: the most a step waits for its group
             while len(new) < max_new:
                 if not route:
                     seq = f"{request_id}.{progress.recomputes}"
                     choices = share.choices if lead and not new else 1
                     header = self._header(seq, len(new), deadline, kind="prefill", capacity=len(prompt) + max_new,
                                           sampling={**sampling.to_dict(), "choices": choices})
-                    stream, tensors = self.first_stream, {"input_ids": torch.tensor([prompt + new])}
+                    reply = await self._send_and_wait(header, {"input_ids": torch.tensor([prompt + new])},
+                                                      self.first_stream, {}, deadline)
                 else:
-                    await self._groups.wait_for_group(seq, route, min(round_s, deadline - time.time()))
                     header = self._header(seq, len(new), deadline, kind="decode", start=len(prompt) + len(new) - 1,
                                           route=route, sampling=sampling.to_dict())
-                    stream, tensors = keys.replica_stream(route["0"]), {"input_ids": torch.tensor([[new[-1]]])}
-                started = time.monotonic()
-                self._groups.sent(header.request_id, seq, route)
-                reply = await self._send_and_wait(header, tensors, stream, route, deadline)
-                round_s = time.monotonic() - started
+                    reply = await self._send_and_wait(header, {"input_ids": torch.tensor([[new[-1]]])},
+                                                      keys.replica_stream(route["0"]), route, deadline)
                 if reply is None:
                     if lead and not share.done.done():
                         share.done.set_result(None)  # the others prefill for themselves
@@ -184,7 +178,6 @@ class PipelineClient:
         finally:
             if lead and not share.done.done():
                 share.done.set_result(None)
-            self._groups.forget(seq)
             if route:
                 self._free_later(seq, route)
 
@@ -234,7 +227,6 @@ class PipelineClient:
                 return None if reply[0].kind == "lost" else reply
         finally:
             self._pending.pop(header.request_id, None)
-            self._groups.answered(header.request_id)  # given up on: it holds no one back
             if first_pass:
                 service_s = sum(t.service_ms for t in reply[0].timings) / 1000.0 if reply else None
                 self.admission.answered(header.request_id, service_s, time.time())
@@ -270,7 +262,6 @@ class PipelineClient:
     def _free_later(self, seq: str, route: dict[str, str]) -> None:
         """Tells every holder to drop a sequence, without making the caller wait (or be
         cancelled on the way): a holder that misses it frees the sequence when it idles out."""
-        self._groups.forget(seq)
         task = asyncio.get_running_loop().create_task(self._free(seq, route))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -333,7 +324,6 @@ class PipelineClient:
         except BadRequest as exc:
             log.error("unreadable reply dropped: %s", exc)
             return
-        self._groups.answered(header.request_id)
         future = self._pending.get(header.request_id)
         # No one waiting: the request timed out, or this is a duplicate of reclaimed work.
         if future is not None and not future.done():

@@ -2,8 +2,7 @@
 redis-server: the steps that the entry's requests send together leave in one transaction
 (frontend/step_sender.py), and a stage replica woken by the first of a batch handed on in one
 transaction takes the whole batch, not that first item alone (engine/transport.py). Broken,
-either one splits a batch into groups that each read the stage's weights once a token; and the
-entry merges groups that requests started apart formed (frontend/decode_groups.py)."""
+either one splits a batch into groups that each read the stage's weights once a token."""
 from __future__ import annotations
 
 import asyncio
@@ -15,13 +14,10 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
-from contracts.config import load_settings
 from contracts.stage import StageRef
-from contracts.wire import MESSAGE_FIELD, Header, pack, unpack
+from contracts.wire import MESSAGE_FIELD, Header, pack
 from engine.transport import StageTransport, ensure_group
-from frontend.pipeline_client import PipelineClient, Progress
 from frontend.step_sender import StepSender
-from models.sampling import Sampling
 from runtime.ports import free_port
 from state import keys
 
@@ -181,63 +177,3 @@ def test_a_commit_whose_take_fails_still_writes_and_takes_nothing(redis_port):
 
 async def _ready(connection: aioredis.Redis) -> aioredis.Redis:
     return connection
-
-
-def test_requests_started_apart_end_up_in_one_batch(redis_port, tmp_path):
-    """Two generations through a stand-in pipeline of two stages, each running what it holds as
-    one batch, one batch at a time (as a replica does), the second generation started while the
-    first's step is out: the entry holds the one that comes back first until the other does
-    (frontend/decode_groups.py), so that from then on both cross the stages together. Without
-    it each stays a group of its own, one at the first stage while the other is at the second."""
-    settings = load_settings().replace(home=str(tmp_path), redis_port=redis_port, merge_decodes=True)
-    client = PipelineClient(settings, "m", "entry-test")
-    r = redis.Redis(port=redis_port)
-    r.set(keys.replica("r0"), "1")  # the holder is alive (the entry checks on a step slow to answer)
-    r.xgroup_create(keys.replica_stream("r0"), "unused", mkstream=True)
-    batches: list[int] = []  # decode steps in each batch of the first stage
-    handed: asyncio.Queue = asyncio.Queue()
-
-    async def first_stage() -> None:
-        conn = aioredis.Redis(port=redis_port)
-        cursors = {client.first_stream: "0-0", keys.replica_stream("r0"): "0-0"}
-        while True:
-            items = []
-            for stream, entries in await conn.xread(cursors, block=1000):
-                cursors[stream.decode()] = entries[-1][0]
-                items += [unpack(fields[MESSAGE_FIELD])[0] for _, fields in entries]
-            batches.append(sum(h.kind == "decode" for h in items))
-            await asyncio.sleep(0.03)
-            for header in items:
-                handed.put_nowait(header)
-
-    async def last_stage() -> None:
-        conn = aioredis.Redis(port=redis_port)
-        while True:
-            items = [await handed.get()]
-            while not handed.empty():
-                items.append(handed.get_nowait())
-            await asyncio.sleep(0.03)
-            pipe = conn.pipeline(transaction=False)
-            for header in items:
-                header.route = {"0": "r0"}
-                pipe.lpush(header.reply_to, pack(header, {"token": torch.tensor([7])}))
-            await pipe.execute()
-
-    async def generation(name: str, after_s: float) -> list[int]:
-        await asyncio.sleep(after_s)
-        tokens = client.generate(name, [1, 2, 3], 24, Sampling(), time.time() + 60, Progress())
-        return [t async for t in tokens]
-
-    async def scenario() -> list[list[int]]:
-        stages = [asyncio.create_task(first_stage()), asyncio.create_task(last_stage())]
-        both = asyncio.gather(generation("a", 0.0), generation("b", 0.04))
-        try:
-            done, _ = await asyncio.wait([*stages, both], return_when=asyncio.FIRST_COMPLETED)
-            return done.pop().result()  # a stage ends only by failing
-        finally:
-            for task in [*stages, both]:
-                task.cancel()
-            await client.aclose()
-
-    assert asyncio.run(scenario()) == [[7] * 24, [7] * 24]
-    assert sum(b == 2 for b in batches) >= 15, f"decode steps in each of the first stage's batches: {batches}"
