@@ -2,8 +2,10 @@
 
     python -m benchmarks freshness
 
-A result is stale when a commit after the one it measured touched the code its benchmark declares
-(`MEASURES` in the benchmark's module, and the module itself). Each result records the commit it
+A result is stale when the code its benchmark declares (`MEASURES` in the benchmark's module, and
+the module itself) differs at HEAD from the commit it measured; the commits that changed it are
+listed. Commits that touched that code and were undone later (a change tried and reverted) leave
+the result fresh. Each result records the commit it
 measured (`conditions.commit`, `-dirty` when the tree had changes); one written before results
 were stamped is taken to have measured the last commit before its date, and says so."""
 from __future__ import annotations
@@ -49,7 +51,10 @@ def measured_commit(conditions: dict, repo: Path) -> tuple[str | None, str]:
 
 
 def touching(repo: Path, since: str, paths: tuple[str, ...]) -> tuple[str, ...]:
-    """Commits after `since` up to HEAD that change any of `paths`, newest first."""
+    """Commits after `since` up to HEAD that change any of `paths`, newest first; none where the
+    paths are the same at both ends."""
+    if not git(repo, "diff", "--name-only", since, "HEAD", "--", *paths):
+        return ()
     out = git(repo, "log", "--format=%h %s", f"{since}..HEAD", "--", *paths)
     return tuple(line[:100] for line in out.splitlines())
 

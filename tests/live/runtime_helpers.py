@@ -1,10 +1,7 @@
 """What the runtime's live tests share: the unsplit reference, waiting, and scaling through the gateway."""
 from __future__ import annotations
 
-import random
-import socket
 import time
-from pathlib import Path
 
 import redis
 import torch
@@ -65,20 +62,3 @@ def scale_and_wait(client: GatewayClient, r: redis.Redis, name: str, replicas: i
         model = name.rsplit("-s", 1)[0]
         wait_until(lambda: len(RedisStore(r).live_replicas(model, stage)) == replicas, 30, f"{name} registry at {replicas}")
 
-
-def free_port_block(count: int) -> int:
-    """A port that is free with its `count - 1` successors, below the kernel's ephemeral range:
-    the runtime puts virtual server i's KeysManager on keysmanager_port + i, and a successor of a
-    port from that range (what `free_port` binds) may be a client connection's local port by the
-    time the runtime binds it (a clean-clone run failed so: "address already in use", 600 s)."""
-    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(1000):
-        base = random.randrange(10000, ephemeral_low - count)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports below {ephemeral_low}")

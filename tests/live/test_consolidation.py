@@ -27,7 +27,7 @@ from models.sources import bundled_dir
 from runtime import __main__ as control
 from runtime.ports import free_port
 from state.store import RedisStore
-from tests.live.runtime_helpers import STACK_HEAD, free_port_block, greedy_reference, wait_until
+from tests.live.runtime_helpers import STACK_HEAD, greedy_reference, wait_until
 from tools import stack as stack_tool
 
 PROMPT = "The capital of France is"
@@ -70,7 +70,7 @@ def layout_runtime(home_settings, home: Path, source: Path, model: str, idle: st
         stack.write_text(yaml.safe_dump(spec, sort_keys=False))
     settings = home_settings.replace(
         home=str(home), models=str(home_settings.models_dir), stack_file=str(stack),
-        gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port_block(8), cache_stages="none",
+        gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(), cache_stages="none",
         request_timeout_s=120.0, admit_wait_s=0.0, r_min=1, max_batch=4, layout_window_s=2.0, layout_windows=3,
         **changes)
     try:

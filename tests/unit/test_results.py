@@ -66,6 +66,10 @@ def test_a_result_goes_stale_only_when_its_code_changes(tmp_path):
     assert check() == {"fast": ("stamped", 0), "fast_other": ("stamped, dirty tree", 0)}
     _commit(tmp_path, "engine/step.py", "v2")
     assert check() == {"fast": ("stamped", 1), "fast_other": ("stamped, dirty tree", 1)}
+    _commit(tmp_path, "engine/step.py", "v1")  # tried and reverted: the code measured is HEAD's again
+    assert check() == {"fast": ("stamped", 0), "fast_other": ("stamped, dirty tree", 0)}
+    _commit(tmp_path, "engine/step.py", "v2")
+    assert check() == {"fast": ("stamped", 3), "fast_other": ("stamped, dirty tree", 3)}
     assert stale(freshness(results, tmp_path, paths), {"fast", "slow"}) == ["fast"]  # fast_other: no such benchmark
     (results / "fast.json").write_text(json.dumps({"conditions": {"commit": "0" * 40}, "figures": []}))
     [unknown] = [f for f in freshness(results, tmp_path, paths) if f.result == "fast"]
