@@ -5,9 +5,9 @@
 A result is stale when the code its benchmark declares (`MEASURES` in the benchmark's module, and
 the module itself) differs at HEAD from the commit it measured; the commits that changed it are
 listed. Commits that touched that code and were undone later (a change tried and reverted) leave
-the result fresh. Each result records the commit it
-measured (`conditions.commit`, `-dirty` when the tree had changes); one written before results
-were stamped is taken to have measured the last commit before its date, and says so."""
+the result fresh. Each result records the commit it measured (`conditions.commit`, `-dirty` when
+the tree had changes); one written before results were stamped is taken to have measured the last
+commit before its date, and says so."""
 from __future__ import annotations
 
 import importlib
