@@ -61,4 +61,3 @@ def scale_and_wait(client: GatewayClient, r: redis.Redis, name: str, replicas: i
     if stage is not None:
         model = name.rsplit("-s", 1)[0]
         wait_until(lambda: len(RedisStore(r).live_replicas(model, stage)) == replicas, 30, f"{name} registry at {replicas}")
-
