@@ -1,15 +1,24 @@
 """The places in flight of a model's entry (the mechanism of frontend/objectives.py): a request
 takes a ticket when it arrives (or is refused), waits for its place in earliest-deadline order,
-reports each token it gets, and gives its place back when it ends."""
+reports each token it gets, and gives its place back when it ends.
+
+An entry that would refuse a request while idle has measurements it cannot test any more: only
+what it admits is measured, so steps once slow (replicas still compiling, a neighbour busy) would
+refuse a workload of longer requests for good. Idle for a refusal's Retry-After, it admits the
+next request whose deadline has not passed anyway and measures afresh, as a redeployed entry
+does: at most one such request at a time, on capacity that was idle."""
 from __future__ import annotations
 
 import asyncio
 import heapq
 import itertools
+import logging
 import time
 from collections.abc import Callable
 
-from frontend.objectives import HOPEFUL, Decision, Objectives, StepTimes, batch_bound, decide
+from frontend.objectives import HOPEFUL, RETRY_AFTER_S, Decision, Objectives, StepTimes, batch_bound, decide
+
+log = logging.getLogger(__name__)
 
 
 class Refused(Exception):
@@ -26,6 +35,7 @@ class GenerationGate:
         self._running: set[Ticket] = set()
         self._queue: list[tuple[float, int, Ticket]] = []  # (deadline, arrival order, ticket)
         self._order = itertools.count()
+        self._idle_since: float | None = clock()
 
     @property
     def in_flight(self) -> int:
@@ -46,7 +56,15 @@ class GenerationGate:
         now = self._clock()
         deadline = self.objectives.deadline(arrived, tokens)
         if self.objectives.ttft_s > 0 and not force:
-            self._check(now, deadline, tokens)
+            try:
+                self._check(now, deadline, tokens)
+            except Refused as refused:
+                if self._idle_since is None or now - self._idle_since < RETRY_AFTER_S or now >= deadline:
+                    raise
+                log.info("idle for %.1f s, yet this request is %s: measuring the steps afresh",
+                         now - self._idle_since, refused)
+                self.steps = StepTimes()
+        self._idle_since = None
         ticket = Ticket(self, tokens, weight, now)
         heapq.heappush(self._queue, (deadline, next(self._order), ticket))
         self._grant()
@@ -85,6 +103,8 @@ class GenerationGate:
         ticket.gone = True
         self._running.discard(ticket)
         self._grant()
+        if not self._running and not self.waiting:
+            self._idle_since = self._clock()
 
 
 class Ticket:

@@ -31,6 +31,7 @@ PREFILLS = 32       # recent prefills whose median is "a prefill"
 ERRORS = 64         # recent sequences whose TPOT is compared with what was predicted for them
 HOPEFUL = 0.1       # the quantile of those a refusal is predicted at
 MAX_BOUND = 256     # sequences in flight at most, with a TPOT objective
+RETRY_AFTER_S = 1.0  # the least Retry-After of a refusal: an idle entry's
 
 
 @dataclass(frozen=True)
@@ -178,4 +179,4 @@ def decide(now: float, deadline: float, tokens: int, bound: int, steps: StepTime
     completion = start + steps.prefill_s + max(0, tokens - 1) * tpot
     if completion <= deadline:
         return Decision(True, start, completion)
-    return Decision(False, start, completion, max(1.0, start - now))
+    return Decision(False, start, completion, max(RETRY_AFTER_S, start - now))

@@ -148,3 +148,44 @@ def test_tokens_time_the_steps_and_the_prefill():
         timed.close()
         assert list(gate.steps._errors) == [pytest.approx(0.05 / 0.1)]
     asyncio.run(scenario())
+
+
+def test_an_idle_entry_measures_afresh_what_it_would_refuse_for_good():
+    """Steps measured slow (replicas still compiling) would refuse every request of 8 tokens even
+    on an idle entry, and only what it admits is measured: idle for a refusal's Retry-After, it
+    admits the next one and starts measuring again; not sooner, and not while busy."""
+    async def scenario():
+        clock = Clock()
+        gate = GenerationGate(Objectives(2.0, 0.2, 120), clock)
+        for _ in range(8):
+            gate.steps.step(1, 0.5)
+        with pytest.raises(Refused) as refused:
+            gate.enter(0.0, 8)                          # idle since 0 s, for no time yet
+        assert refused.value.decision.retry_after_s == 1.0
+        clock.now = 0.9
+        with pytest.raises(Refused):
+            gate.enter(0.9, 8)                          # still within the Retry-After
+        clock.now = 1.0
+        probe = gate.enter(1.0, 8)                      # idle for 1 s: let in, measured afresh
+        await probe.wait(1)
+        assert gate.steps.tpot(1) is None
+        probe.token()
+        clock.now = 1.5
+        probe.token()                                   # still 0.5 s a step
+        with pytest.raises(Refused):
+            gate.enter(1.5, 8)                          # busy: refused on what the probe measured
+        probe.close()
+        clock.now = 2.0
+        with pytest.raises(Refused):
+            gate.enter(2.0, 8)                          # idle again, for 0.5 s only
+        clock.now = 2.5
+        fast = gate.enter(2.5, 8)
+        await fast.wait(1)
+        for now in (2.6, 2.65, 2.7, 2.75):
+            clock.now = now
+            fast.token()
+        fast.close()
+        admitted = gate.enter(2.75, 8)                  # 0.05 s a step now: admitted on its merits
+        assert gate.steps.tpot(1) == pytest.approx(0.05)
+        admitted.close()
+    asyncio.run(scenario())
