@@ -72,7 +72,9 @@ def ready(client: GatewayClient) -> dict[str, int]:
 
 
 def keys(settings: Settings, server: str) -> KeysClient:
-    return KeysClient.for_settings(settings.virtual_server(server), timeout=120)
+    """Its default timeout: longer than a zygote's start (KeysManager's own deadline), which for
+    the whole model includes compiling its decode steps."""
+    return KeysClient.for_settings(settings.virtual_server(server))
 
 
 def prepare(settings: Settings) -> tuple[list[str], list[str]]:
