@@ -179,7 +179,7 @@ def test_an_idle_entry_measures_afresh_what_it_would_refuse_for_good():
         with pytest.raises(Refused):
             gate.enter(2.0, 8)                          # idle again, for 0.5 s only
         clock.now = 2.5
-        fast = gate.enter(2.5, 8)
+        fast = gate.enter(2.5, 8)                       # idle for 1 s again: let in, measured afresh
         await fast.wait(1)
         for now in (2.6, 2.65, 2.7, 2.75):
             clock.now = now
