@@ -33,7 +33,6 @@ from state.records import CacheEvent, ZygoteRecord
 from state.store import Store
 
 log = logging.getLogger("quart.keysmanager")
-ZYGOTE_START_TIMEOUT_S = 300.0
 ARRIVAL_POLL_S = 0.1  # how often a cache waiting for a shard still arriving here looks again
 
 
@@ -169,7 +168,7 @@ class KeysManager:
                     self._make_room_locked(size)
                     self._starting[stage] = threading.Event()
                     break
-            waiting.wait(ZYGOTE_START_TIMEOUT_S)
+            waiting.wait(self.settings.cache.zygote_start_s)
         try:
             z = self._start(stage, shas, size)
             with self._lock:
@@ -229,7 +228,7 @@ class KeysManager:
             proc = subprocess.Popen([sys.executable, "-m", "keysmanager.zygote", "--socket", str(path), *what],
                                     env=child_environment(self.settings), cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + ZYGOTE_START_TIMEOUT_S
+        deadline = time.monotonic() + self.settings.cache.zygote_start_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"zygote {name} exited with {proc.returncode}; see zygote-{name}.log")
@@ -242,7 +241,7 @@ class KeysManager:
                     pass
             time.sleep(0.05)
         proc.kill()
-        raise TimeoutError(f"zygote {name} not ready in {ZYGOTE_START_TIMEOUT_S} s")
+        raise TimeoutError(f"zygote {name} not ready in {self.settings.cache.zygote_start_s:g} s (QUART_ZYGOTE_START_S)")
 
     def _make_room_locked(self, size: int) -> None:
         """Within a byte budget, evicts what `cache_policy.evictions` picks (idle zygotes that are

@@ -18,6 +18,7 @@ from contracts.config import Settings
 from contracts.stage import StageRef
 from keysmanager.pacing import Link
 from models.fetch import FetchError, download, ensure_manifest, shard_url
+from models.manifest import StageInfo
 from models.shard_reader import ERROR, PART, record_prefetch_error
 
 log = logging.getLogger("quart.prefetch")
@@ -54,6 +55,8 @@ class Prefetcher:
         self.received = received
         self.root = settings.prefetch_dir(settings.server)
         self._jobs: dict[str, Prefetch] = {}
+        # shard path -> set once its download ends: a shard of two overlapping ranges is fetched once
+        self._fetching: dict[Path, threading.Event] = {}
         self._lock = threading.Lock()
 
     def start(self, stage: StageRef) -> dict:
@@ -79,13 +82,8 @@ class Prefetcher:
         folder = self.root / job.stage.model
         for info in infos:
             target = folder / info.shard
-            if target.is_file() or self.received(job.stage.model, info.shard):
-                continue
-            target.with_name(target.name + ERROR).unlink(missing_ok=True)
             try:
-                # `<shard>.part`, the name the replicas following it look for
-                download(shard_url(self.settings, job.stage.model, info.shard), token, target, info.sha256,
-                         job.cancelled.is_set, target.with_name(target.name + PART), self.downlink.take)
+                self._fetch_once(job, info, target, token)
             except (FetchError, OSError) as exc:
                 job.error = str(exc)
                 if not job.cancelled.is_set():
@@ -94,6 +92,31 @@ class Prefetcher:
                 return
         job.finished = time.time()
         log.info("prefetched %s (%d bytes) in %.2f s", job.stage, job.bytes, job.finished - job.started)
+
+    def _fetch_once(self, job: Prefetch, info: StageInfo, target: Path, token: str) -> None:
+        """`target` downloaded unless it is here, received from peers, or being downloaded by
+        another prefetch (one whose range overlaps): then that download is waited for, and made
+        again here only where it failed."""
+        while not (target.is_file() or self.received(job.stage.model, info.shard)):
+            with self._lock:
+                other = self._fetching.get(target)
+                if other is None:
+                    mine = self._fetching[target] = threading.Event()
+            if other is not None:
+                while not other.wait(0.1):
+                    if job.cancelled.is_set():
+                        raise FetchError(f"{info.shard}: cancelled")
+                continue
+            try:
+                target.with_name(target.name + ERROR).unlink(missing_ok=True)
+                # `<shard>.part`, the name the replicas following it look for
+                download(shard_url(self.settings, job.stage.model, info.shard), token, target, info.sha256,
+                         job.cancelled.is_set, target.with_name(target.name + PART), self.downlink.take)
+                return
+            finally:
+                with self._lock:
+                    del self._fetching[target]
+                mine.set()
 
     def list(self) -> list[dict]:
         with self._lock:

@@ -21,6 +21,8 @@ from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from contracts.stage import StageRef
 from frontend.pipeline_client import PipelineClient, Progress, StageFailed
 from keysmanager.client import KeysClient, KeysManagerError
+from keysmanager.pacing import Link
+from keysmanager.prefetch import Prefetcher
 from models.fetch import FetchError
 from models.manifest import Manifest
 from models.sampling import Sampling
@@ -173,6 +175,41 @@ def test_prefetched_shards_stream_the_same_parameters_and_a_cancel_frees_them(st
     assert sorted(p.name for p in folder.iterdir()) == sorted(source.stages[i].shard for i in (1, 2))
     assert client.cancel_prefetch("smollm2")["cancelled"]
     assert not folder.exists() and client.prefetches() == []
+
+
+class CountingLink(Link):
+    """A real paced link that counts the bytes read through it."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        super().__init__(bytes_per_s)
+        self.taken = 0
+        self._count = threading.Lock()
+
+    def take(self, size: int) -> None:
+        with self._count:
+            self.taken += size
+        super().take(size)
+
+
+def test_prefetches_of_overlapping_ranges_fetch_a_shard_once(store, tmp_path):
+    """Two prefetches that begin on the same shard at once (ranges 1-2 and 1-3): both finish,
+    and each shard crosses the link once, checked whole."""
+    settings, url = store
+    mine = settings.replace(home=str(tmp_path), models=str(tmp_path / "models"), models_url=url, server="pf-twice",
+                            internal_token=settings.internal_api_token())
+    link = CountingLink(2e8)  # slow enough that the second starts while the first still reads shard 1
+    prefetcher = Prefetcher(mine, link)
+    prefetcher.start(StageRef("smollm2", 1, 2))
+    prefetcher.start(StageRef("smollm2", 1, 3))
+    wait_until(lambda: all(p["state"] != "fetching" for p in prefetcher.list()), 120, "both prefetches")
+    assert [p["state"] for p in prefetcher.list()] == ["done", "done"], prefetcher.list()
+    source = Manifest.load(settings.model_dir("smollm2"))
+    once = sum(source.stages[i].bytes for i in (1, 2))
+    assert once <= link.taken < once + source.stages[1].bytes  # a chunk a read asked for at most over
+    folder = mine.prefetch_dir(mine.server) / "smollm2"
+    for i in (1, 2):
+        assert digests(load_file(str(folder / source.stages[i].shard)).items()) == file_digests(source, i)
+    prefetcher.shutdown()
 
 
 def test_bad_prefetch_requests_get_a_4xx(km, prefetcher):
