@@ -56,7 +56,7 @@ import yaml
 from benchmarks import vllm_cpu
 from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, verdict, write
 from contracts.config import ComputeConfig, Settings, load_settings
-from contracts.http_client import GatewayClient
+from contracts.http_client import GatewayClient, Reply
 from contracts.paths import REPO_ROOT
 from loadgen.sharegpt import first_prompts
 from models.decoder_attention import kernels
@@ -233,8 +233,13 @@ def _stack(home: Path, model: str) -> str:
     return str(path)
 
 
+def ask(client: GatewayClient, model: str, text: str, new: int) -> Reply:
+    """One completion of exactly `new` tokens, answered or refused."""
+    return client.invoke(model, {"prompt": text, "max_new_tokens": new, "ignore_eos": True})
+
+
 def pipeline_request(client: GatewayClient, model: str, text: str, new: int) -> dict:
-    reply = client.invoke(model, {"prompt": text, "max_new_tokens": new, "ignore_eos": True})
+    reply = ask(client, model, text, new)
     assert reply.status == 200, reply.body
     return reply.json()
 
@@ -278,7 +283,7 @@ def wait_compiled(settings: Settings, model: str, timeout_s: float = 1200.0) -> 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         since = time.time() - 1.0
-        reply = client.invoke(model, {"prompt": "compiled yet?", "max_new_tokens": 8, "ignore_eos": True})
+        reply = ask(client, model, "compiled yet?", 8)
         if reply.status == 429:  # an entry with objectives refused it (steps measured while compiling): as asked
             time.sleep(float(reply.headers.get("Retry-After", 1)))
             continue
