@@ -24,16 +24,21 @@ from contracts.paths import REPO_ROOT
 from contracts.stack import scale_to_zero_stack
 from runtime import __main__ as control
 from runtime.ports import free_port
+from state.store import RedisStore
 
 MEASURES = SERVING  # the code measured (benchmarks/freshness.py)
 
-MODEL, IDLE = "smollm2", "3s"
+MODEL, IDLE, STAGES = "smollm2", "3s", 4
 BODY = {"prompt": "The capital of France is", "max_new_tokens": 8}
 
 
-def at_zero(client: GatewayClient) -> bool:
+def at_zero(client: GatewayClient, store: RedisStore) -> bool:
+    """Every stage function at zero and none of their replicas left: a draining stage replica
+    still takes what reaches it before it exits (`engine/replica.py stop`), and a request it
+    served would not be one from zero."""
     stages = [f for f in client.functions() if f["name"].startswith(f"{MODEL}-s")]
-    return bool(stages) and all(f["replicas"] == 0 and f["availableReplicas"] == 0 for f in stages)
+    return (bool(stages) and all(f["replicas"] == 0 and f["availableReplicas"] == 0 for f in stages)
+            and not any(store.live_replicas(MODEL, stage) for stage in range(STAGES)))
 
 
 def timed(client: GatewayClient) -> tuple[float, dict]:
@@ -53,15 +58,15 @@ def one_runtime(base: Settings, warm_runtime: bool, reps: int) -> dict:
     try:
         if control.up(settings, timeout=600) != 0:
             raise RuntimeError("the runtime did not come up")
-        client = GatewayClient.for_settings(settings)
+        client, store = GatewayClient.for_settings(settings), RedisStore.from_url(settings.redis_url)
         cold, warm, texts = [], [], set()
         for rep in range(reps):
             deadline = time.monotonic() + 120
-            while not at_zero(client):
+            while not at_zero(client, store):
                 if time.monotonic() > deadline:
                     raise TimeoutError("the stages did not go to zero")
                 time.sleep(0.2)
-            time.sleep(1.0)  # the drained replicas' exits settle
+            time.sleep(1.0)  # the deregistered replicas' processes exit
             seconds, answer = timed(client)
             cold.append(seconds)
             texts.add(answer["text"])
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                 ["cold replicas", "from zero", "warm", "same text"], rows))
     # With QUART_COMPILE=false: what the background compiles that follow every start cost (kept apart).
     name = "scale_to_zero" if base.compute.compiles else "scale_to_zero_eager"
-    path = write(name, figures, conditions(model=MODEL, stages=4, idle=IDLE, body=BODY, reps=args.reps,
+    path = write(name, figures, conditions(model=MODEL, stages=STAGES, idle=IDLE, body=BODY, reps=args.reps,
                                            cache_stages="none", page_cache="left as it was"))
     print(f"wrote {path}")
 
