@@ -243,13 +243,15 @@ class ProcessManager:
             replica.draining_since = time.time()
             _signal(replica, signal.SIGTERM)
 
-    def refresh(self, fn: FunctionState) -> None:
+    def refresh(self, fn: FunctionState) -> list[ReplicaProcess]:
         """Reaps exited replicas (a dead one is replaced by the next placement round), notices
-        ready ones, and kills those that overran their drain time."""
+        ready ones, and kills those that overran their drain time; the replicas reaped."""
+        reaped = []
         for replica in list(fn.replicas):
             code = replica.proc.poll()
             if code is not None:
                 fn.replicas.remove(replica)
+                reaped.append(replica)
                 replica.port_file.unlink(missing_ok=True)
                 if replica.draining_since is None and not replica.ready:
                     fn.failed_starts += 1
@@ -266,6 +268,7 @@ class ProcessManager:
                 replica.port = int(replica.port_file.read_text())
             elif replica.ready:
                 fn.failed_starts = 0
+        return reaped
 
     def stop_all(self, functions: list[FunctionState], timeout: float) -> None:
         for fn in functions:

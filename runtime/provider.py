@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 import aiohttp
+import redis
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -25,13 +26,14 @@ from contracts.loops import every
 from contracts.openai_errors import error_body
 from contracts.requests import BadRequest, load_json
 from contracts.stack import NAME_RE, SOURCE_VAR, StackFunction, ZeroScaling, identity, ttft_slo_s
+from contracts.stage import StageRef
 from keysmanager.client import KeysClient
 from models.families import Unsupported, check_folder
 from models.manifest import Manifest
 from models.sizes import stage_bytes
 from runtime.activator import Activator
 from runtime.function_logs import LogQuery, stream_logs
-from runtime.functions import FunctionState, ProcessManager
+from runtime.functions import FunctionState, ProcessManager, ReplicaProcess
 from runtime.placer import Placer
 from runtime.state_file import save as save_state
 from runtime.state_file import state_path
@@ -250,7 +252,9 @@ class LocalProvider:
 
     async def _reconcile(self) -> None:
         for fn in list(self.functions.values()) + self._draining:
-            self.processes.refresh(fn)
+            reaped = self.processes.refresh(fn)
+            if reaped and fn.stage is not None:
+                await asyncio.to_thread(self._deregister, fn.stage, reaped)
             await self._probe(fn)
         self._draining = [fn for fn in self._draining if fn.replicas]
         await asyncio.to_thread(self.activator.publish)
@@ -259,6 +263,22 @@ class LocalProvider:
         if self.settings.containers.run and time.monotonic() >= self._cpus_checked + CPUS_CHECK_S:
             self._cpus_checked = time.monotonic()
             await asyncio.to_thread(self._apply_cpus)
+
+    def _deregister(self, stage: StageRef, reaped: list[ReplicaProcess]) -> None:
+        """Takes replicas that exited out of the registry, as Kubernetes takes a dead pod out of
+        its endpoints once the kubelet reports it: an entry waiting on a step such a replica held
+        prefills again at its next liveness check, not once the registration expires
+        (QUART_REPLICA_TTL_S, which stays for replicas whose server is gone). A replica that
+        drained has deregistered itself; one in a container registers the pid it has there, and
+        is left to expire."""
+        gone = {(r.server, r.pid) for r in reaped}
+        try:
+            for record in self.placer.store.live_replicas(stage.model, stage.first):
+                if (record.server, record.pid) in gone:
+                    self.placer.store.deregister(record)
+                    log.info("%s exited: taken out of the registry", record.replica_id)
+        except redis.RedisError as exc:  # Redis down: the registrations expire on their own
+            log.info("could not deregister the replicas that exited (%s); they expire", exc)
 
     def _apply_cpus(self) -> None:
         """Replicas in containers get the CPU quota the compensator set for their stage."""

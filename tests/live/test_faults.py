@@ -2,8 +2,10 @@
 LLaMA-7B): Redis refuses clients without the password; Redis killed -9 during load comes back
 (supervised, from its append-only file) and the data plane recovers by itself, every request
 answered once with its content or a clear 503/504; a KeysManager killed -9 comes back and its
-orphaned zygotes exit; so does a killed autoscaler; a provider killed -9 is started again and adopts what runs; with the
-guardian itself killed, `down` still stops everything."""
+orphaned zygotes exit; so does a killed autoscaler; a stage replica killed -9 is taken out of the
+registry by the provider that reaped it, and the requests it held prefill again; a provider
+killed -9 is started again and adopts what runs; with the guardian itself killed, `down` still
+stops everything."""
 from __future__ import annotations
 
 import os
@@ -118,6 +120,24 @@ def test_a_killed_autoscaler_comes_back_and_decides_again(faulty):
     # The one started again makes decisions (the static policy's, every tick) as the first did.
     wait_until(lambda: RedisStore(r).decisions(MODEL, count=1)[0].t > restarted, 30,
                "a decision by the restarted autoscaler")
+
+
+def test_a_killed_stage_replica_is_taken_out_of_the_registry_and_its_requests_recover(faulty):
+    store = RedisStore.from_url(faulty.redis_url)
+    (victim,) = store.live_replicas(MODEL, 5)
+    with ClosedLoop(faulty.gateway.url, MODEL, {"tokens": 16}) as load:
+        wait_until(lambda: sum(o.status == 200 for o in load.outcomes) >= 5, 60, "answers before the fault")
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: store.replica(victim.replica_id) is None, 60, "the dead replica gone from the registry")
+        wait_until(lambda: load.ok_after(killed) is not None, 90, "an answer to a request sent after the fault")
+    # Taken out by the provider that reaped it, not left to expire (QUART_REPLICA_TTL_S).
+    log = (Path(faulty.home) / "logs" / "runtime.log").read_text(errors="replace")
+    assert f"{victim.replica_id} exited: taken out of the registry" in log
+    assert [r.replica_id for r in store.live_replicas(MODEL, 5)] != [victim.replica_id]
+    # Every request answered with its content: those the dead replica held prefilled again.
+    assert load.outcomes and all(o.status == 200 and o.body["tokens"] == 16 for o in load.outcomes), \
+        [o for o in load.outcomes if o.status != 200]
 
 
 def test_a_killed_provider_is_started_again_and_adopts_what_runs(faulty):
