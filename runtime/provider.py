@@ -15,7 +15,6 @@ from datetime import datetime
 from pathlib import Path
 
 import aiohttp
-import redis
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -39,7 +38,7 @@ from runtime.state_file import save as save_state
 from runtime.state_file import state_path
 from runtime.supervisor import Supervisor
 from runtime.wake_planner import WakePlanner
-from state.store import Store
+from state.store import Store, Unavailable
 
 log = logging.getLogger("quart.provider")
 VERSION = "0.1.0"
@@ -277,7 +276,7 @@ class LocalProvider:
                 if (record.server, record.pid) in gone:
                     self.placer.store.deregister(record)
                     log.info("%s exited: taken out of the registry", record.replica_id)
-        except redis.RedisError as exc:  # Redis down: the registrations expire on their own
+        except Unavailable as exc:  # Redis down: the registrations expire on their own
             log.info("could not deregister the replicas that exited (%s); they expire", exc)
 
     def _apply_cpus(self) -> None:
