@@ -7,7 +7,9 @@ the module itself) differs at HEAD from the commit it measured; the commits that
 listed. Commits that touched that code and were undone later (a change tried and reverted) leave
 the result fresh. Each result records the commit it measured (`conditions.commit`, `-dirty` when
 the tree had changes); one written before results were stamped is taken to have measured the last
-commit before its date, and says so."""
+commit before its date, and says so. A comparison (side_by_side: its commit against the base it
+names) measured the effect of the change between the two, which later commits do not alter: it is
+listed as a comparison, never stale."""
 from __future__ import annotations
 
 import importlib
@@ -30,6 +32,7 @@ class Freshness:
     commit: str | None          # the commit measured; None where git does not know it
     how: str                    # "stamped", "stamped, dirty tree", "from its date", "unknown commit"
     since: tuple[str, ...]      # commits after it that touch its code, newest first ("sha subject")
+    base: str | None = None     # a comparison's other arm: the change measured is base..commit
 
     @property
     def stale(self) -> bool:
@@ -82,8 +85,9 @@ def freshness(results: Path = RESULTS, repo: Path = REPO_ROOT,
             continue  # a benchmark's side file (its runs), not a result
         conditions = record["conditions"]
         commit, how = measured_commit(conditions, repo)
-        since = touching(repo, commit, paths_of(benchmark)) if commit else ()
-        out.append(Freshness(path.stem, conditions.get("when", "?"), commit, how, since))
+        base = conditions.get("base")
+        since = touching(repo, commit, paths_of(benchmark)) if commit and not base else ()
+        out.append(Freshness(path.stem, conditions.get("when", "?"), commit, how, since, base))
     return out
 
 
@@ -104,7 +108,8 @@ def main(argv: list[str]) -> int:
     rows = []
     for f in freshness():
         status = (f"stale: {len(f.since)} commit(s) since, latest {f.since[0].split()[0]}" if f.since
-                  else "stale: its commit is unknown here" if f.commit is None else "fresh")
+                  else "stale: its commit is unknown here" if f.commit is None
+                  else f"a comparison against {f.base[:9]}" if f.base else "fresh")
         rows.append([f.result, (f.commit or "-")[:9], f.how, f.when, status])
     print(table("results and the code they measured", ["result", "commit", "how known", "measured", "status"], rows))
     return 0

@@ -71,6 +71,11 @@ def test_a_result_goes_stale_only_when_its_code_changes(tmp_path):
     _commit(tmp_path, "engine/step.py", "v2")
     assert check() == {"fast": ("stamped", 3), "fast_other": ("stamped, dirty tree", 3)}
     assert stale(freshness(results, tmp_path, paths), {"fast", "slow"}) == ["fast"]  # fast_other: no such benchmark
+    # A side-by-side comparison measured the change base..commit, which later commits do not alter.
+    (results / "fast_compared.json").write_text(
+        json.dumps({"conditions": {"commit": measured, "base": measured, "when": "x"}, "figures": []}))
+    [compared] = [f for f in freshness(results, tmp_path, paths) if f.result == "fast_compared"]
+    assert compared.base == measured and not compared.since and not compared.stale
     (results / "fast.json").write_text(json.dumps({"conditions": {"commit": "0" * 40}, "figures": []}))
     [unknown] = [f for f in freshness(results, tmp_path, paths) if f.result == "fast"]
     assert unknown.how == "unknown commit" and unknown.stale
