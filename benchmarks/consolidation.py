@@ -119,8 +119,16 @@ class Bench:
         """The phase's requests and its events (times of the changes it made)."""
         events: dict[str, float] = {}
         done: list = []
+        failed: list[BaseException] = []
         since = time.time()
-        sender = threading.Thread(target=lambda: done.extend(self.send(batch)))
+
+        def send() -> None:
+            try:
+                done.extend(self.send(batch))
+            except BaseException as exc:  # raised below, in the benchmark's thread
+                failed.append(exc)
+
+        sender = threading.Thread(target=send)
         sender.start()
         if name in ("consolidation", "split"):
             whole = name == "consolidation"  # starting on the stages, or on the whole replica
@@ -128,6 +136,8 @@ class Bench:
             time.sleep(BEFORE_S)  # some tokens before the change
             self.change(whole, events)
         sender.join()
+        if failed:
+            raise RuntimeError(f"{name}, {batch} request(s): a request failed") from failed[0]
         if events:
             self.gone_all(whole)
         return {"requests": done, "events": events}
@@ -208,10 +218,14 @@ def one_runtime(base: Settings, reps: int, tokens: int, batches: list[int]) -> d
                           + (f", before {run['before'] * 1000:.1f}, while loading {run['loading'] * 1000:.1f}, "
                              f"after {run['after'] * 1000:.1f} ms, handed over {run['handed']} in {run['handover_s']:.2f} s"
                              if "after" in run else ""), flush=True)
-        return runs
-    finally:
+    except BaseException:
+        # The runtime's logs say what went wrong: kept, and said where.
         control.down(settings)
-        shutil.rmtree(home, ignore_errors=True)
+        print(f"the run failed; the runtime's home, its logs included, is kept at {home}", file=sys.stderr)
+        raise
+    control.down(settings)
+    shutil.rmtree(home, ignore_errors=True)
+    return runs
 
 
 def plot(runs: dict, batch: int, path: Path) -> None:
