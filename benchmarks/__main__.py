@@ -15,6 +15,7 @@ from benchmarks import (
     autoscaler_tick,
     bursts,
     coldstart,
+    compile_beside_serving,
     consolidation,
     containers,
     data_plane_cpu,
@@ -67,6 +68,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "data_plane_cpu": lambda: data_plane_cpu.main([]), "bursts": lambda: bursts.main([]),
               "execute_while_load": lambda: execute_while_load.main([]), "token_anatomy": token_anatomy.main,
               "idle_cores": lambda: idle_cores.main([]),
+              "compile_beside_serving": lambda: compile_beside_serving.main([]),
               **{f"generation_{m}": lambda m=m: generation.main(["--model", m]) for m in generation.FAMILY_SHAPES}}
 # Those that take options of their own: `python -m benchmarks NAME --option ...`.
 WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "coldstart": coldstart.main,
@@ -76,6 +78,7 @@ WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "c
                 "live_policies": live_policies.main, "live_dag": live_dag.main, "data_plane_cpu": data_plane_cpu.main,
                 "bursts": bursts.main, "soak": soak.main, "multicast": multicast.main, "peer_start": peer_start.main,
                 "execute_while_load": execute_while_load.main, "idle_cores": idle_cores.main,
+                "compile_beside_serving": compile_beside_serving.main,
                 # Not in `make bench`: what it compares against is the caller's to name.
                 "side_by_side": side_by_side.main}
 

@@ -39,6 +39,7 @@ from models.compiled_decode import compile_in_background
 from models.emulated import EmulatedRunner
 from models.fetch import ensure_manifest
 from models.profiles import profile as emulation_profile
+from models.serving_first import SERVING_FIRST
 from models.shard_reader import ShardReader, start_readers
 from models.shard_stream import stream_tensors
 from models.stage_runner import StageRunner
@@ -250,11 +251,12 @@ class StageReplica:
                 if self._draining and self.generation is not None and self.generation.waiting and not self._still_fed():
                     self._give_back_waiting()
                 works = self._gather(reclaim)
-                if self.generation is None:
-                    for work in works:
-                        self._process(work)
-                elif works or self.generation.waiting:
-                    self._run_generation(works)
+                with SERVING_FIRST.turn():  # a background compile waits (models/serving_first.py)
+                    if self.generation is None:
+                        for work in works:
+                            self._process(work)
+                    elif works or self.generation.waiting:
+                        self._run_generation(works)
                 if self.generation is not None and time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + 1.0
                     for seq in self.generation.evict_idle(self.settings.data.request_timeout_s):

@@ -16,7 +16,8 @@ and 16 sequences, against 11.2, 13.3 and 20.8 frozen and 15.5, 18.7 and 31.4 eag
 
 A KeysManager zygote compiles before it forks (`compile_here`), so its forks serve compiled steps
 from their first; a replica started otherwise compiles on a thread of its own while eager steps
-serve, at a low priority and once the replica idles (`engine/compile_policy.py`). Only on the CPU
+serve, at a low priority, once the replica idles (`engine/compile_policy.py`) and only between
+its serving turns (`models/serving_first.py`). Only on the CPU
 (a GPU's counterpart would be CUDA graphs: not built).
 
 Prefills, and batches that mix them with decodes, stay eager: their lengths vary too much to
@@ -37,6 +38,7 @@ import torch._inductor.config  # noqa: F401 - set before compiling (_configure)
 from models.batched_decoder import BatchedDecoder, Step
 from models.decoder_attention import PagedCall
 from models.kv_cache import KVStore
+from models.serving_first import SERVING_FIRST
 
 log = logging.getLogger("quart.compiled_decode")
 
@@ -93,7 +95,8 @@ class CompiledDecode:
     def warm_in_background(self, nice: int = 0, may_start: Callable[[], bool] = lambda: True) -> threading.Thread:
         """Compiles on a thread of its own at `nice`, which the compiler processes it starts
         inherit, once `may_start()` says so (asked every START_POLL_S); eager steps serve until
-        it is done. A failure to compile leaves eager serving, and says why in the log."""
+        it is done, and the thread parks while they do (`models/serving_first.py`). A failure to
+        compile leaves eager serving, and says why in the log."""
         # OpenMP keeps a thread count per thread (a new one sees the host's cores), and inductor
         # sizes the parallel regions of the kernels it generates by the count it sees: the
         # compiling thread takes this one's, the replica's.
@@ -104,10 +107,13 @@ class CompiledDecode:
                 time.sleep(START_POLL_S)
             _lower_this_thread(nice)
             torch.set_num_threads(threads)
+            SERVING_FIRST.yield_to_serving()
             try:
                 self.warm()
             except Exception:  # noqa: BLE001 - any compiler failure must leave eager serving
                 log.exception("compiling the decode step failed; steps stay eager")
+            finally:
+                SERVING_FIRST.stop_yielding()
         thread = threading.Thread(target=run, name="compile-decode", daemon=True)
         thread.start()
         return thread
