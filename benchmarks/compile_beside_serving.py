@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         with tempfile.TemporaryDirectory(prefix="quart-compile-") as tmp:
             out = os.path.join(tmp, "arm.json")
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
-            subprocess.run([sys.executable, "-m", "benchmarks.compile_beside_serving", "--arm", name, "--out", out,
+            subprocess.run([sys.executable, "-m", "benchmarks", "compile_beside_serving", "--arm", name, "--out", out,
                             "--gap-ms", str(args.gap_ms), "--limit-s", str(args.limit_s)], env=env, check=True)
             with open(out) as f:
                 runs[name] = json.load(f)
