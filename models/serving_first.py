@@ -24,15 +24,19 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-# torch.fx's own flag for "a symbolic trace is patching the process" (private: torch exports no
-# other way to ask; transformers reads the same flag).
-from torch.fx._symbolic_trace import is_fx_tracing
+import torch.fx._symbolic_trace as fx_trace
 
 UNSAFE_POLL_S = 0.001
 
 
+def fx_patching() -> bool:
+    """Whether torch.fx's symbolic tracer has patched the process: its own flag, read directly
+    (private; torch's `is_fx_tracing()` reads the same and logs a deprecation warning)."""
+    return fx_trace._is_fx_tracing_flag
+
+
 class ServingFirst:
-    def __init__(self, unsafe_to_interleave: Callable[[], bool] = is_fx_tracing) -> None:
+    def __init__(self, unsafe_to_interleave: Callable[[], bool] = fx_patching) -> None:
         """`unsafe_to_interleave()`: whether a thread is changing state every thread runs on."""
         self._unsafe = unsafe_to_interleave
         self._lock = threading.Lock()
