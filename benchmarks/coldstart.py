@@ -40,7 +40,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ import psutil
 import redis
 import torch
 
-from benchmarks.report import RESULTS, SERVING, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, scratch, table, write
 from contracts.config import Settings, child_environment, load_settings
 from contracts.paths import REPO_ROOT, STAGE_HANDLER
 from contracts.proc_stat import started_at
@@ -326,23 +325,18 @@ def plot(summary: list[dict], path: Path) -> None:
 
 def run(settings: Settings, bandwidth: float, variants: list[Variant], reps: int, dropped: bool) -> list[dict]:
     """`reps` trials of each variant over links of `bandwidth` bytes/s."""
-    work = Path(tempfile.mkdtemp(prefix="quart-coldstart-"))
-    bench = Bench(settings, bandwidth, work)
-    trials = []
-    try:
-        for rep in range(reps):
-            for v in variants:
-                t = bench.trial(v, dropped) | {"variant": v.name, "rep": rep}
-                print(f"  {bandwidth * 8 / 1e9:g} Gbps rep {rep} {v.name:15s} first token after {t['ttft_s']:.2f} s",
-                      flush=True)
-                trials.append(t)
-    except BaseException:
-        print(f"logs kept in {work / 'logs'}", file=sys.stderr)
-        raise
-    else:
-        shutil.rmtree(work, ignore_errors=True)
-    finally:
-        bench.close()
+    with scratch("quart-coldstart-") as work:
+        bench = Bench(settings, bandwidth, work)
+        trials = []
+        try:
+            for rep in range(reps):
+                for v in variants:
+                    t = bench.trial(v, dropped) | {"variant": v.name, "rep": rep}
+                    print(f"  {bandwidth * 8 / 1e9:g} Gbps rep {rep} {v.name:15s} first token after {t['ttft_s']:.2f} s",
+                          flush=True)
+                    trials.append(t)
+        finally:
+            bench.close()
     return trials
 
 

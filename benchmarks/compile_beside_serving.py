@@ -6,7 +6,8 @@ quiet. Two arms, each in a process of its own with an empty inductor cache (a no
 compiled this model):
 
   turns      each step is a serving turn (`models/serving_first.py`): the compile parks during it
-  no turns   the compile's thread takes Python's lock whenever it can (before serving_first.py)
+  no turns   the compile's thread takes Python's lock whenever it can, with no profile hook
+             (the code before serving_first.py)
 
     python -m benchmarks compile_beside_serving [--gap-ms 20] [--limit-s 600]
 
@@ -17,17 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
-import numpy as np
 import torch
 
-from benchmarks.report import SERVING, conditions, table, write
+from benchmarks.report import SERVING, conditions, percentiles, table, write
 from contracts.config import load_settings
 
 MEASURES = SERVING  # the code measured (benchmarks/freshness.py)
@@ -62,10 +62,7 @@ def _stepper(gated: bool, gap_s: float) -> tuple[Callable[[], float], object]:
             admit()
         seqs, tokens = state["seqs"], state["tokens"]
         t0 = time.perf_counter()
-        if gated:
-            with SERVING_FIRST.turn():
-                out = engine.forward([Step(s, torch.tensor([t]), s.length) for s, t in zip(seqs, tokens)])
-        else:
+        with SERVING_FIRST.turn() if gated else nullcontext():
             out = engine.forward([Step(s, torch.tensor([t]), s.length) for s, t in zip(seqs, tokens)])
         took = (time.perf_counter() - t0) * 1000.0
         state["tokens"] = [int(x.argmax()) for x in out]
@@ -77,7 +74,10 @@ def _stepper(gated: bool, gap_s: float) -> tuple[Callable[[], float], object]:
 def arm(gated: bool, gap_ms: float, limit_s: float) -> dict:
     """This process's run of one arm: steps before and while the compile runs."""
     from models.compiled_decode import compile_in_background
+    from models.serving_first import SERVING_FIRST
 
+    if not gated:  # the code before serving_first.py: no profile hook on the compiling thread either
+        SERVING_FIRST.yield_to_serving = lambda: None
     torch.set_num_threads(1)
     step, engine = _stepper(gated, gap_ms / 1000.0)
     before, t0 = [], time.monotonic()
@@ -96,7 +96,8 @@ def arm(gated: bool, gap_ms: float, limit_s: float) -> dict:
 
 
 def _summary(ms: list[float]) -> dict:
-    return {"median": statistics.median(ms), "p99": float(np.percentile(ms, 99)), "max": max(ms), "steps": len(ms)}
+    p = percentiles(ms)
+    return {"median": p["p50"], "p99": p["p99"], "max": max(ms), "steps": p["n"]}
 
 
 def main(argv: list[str] | None = None) -> dict:

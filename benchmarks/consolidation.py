@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.report import RESULTS, SERVING, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, scratch, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -195,36 +193,31 @@ def summarise(bench: Bench, name: str, run: dict) -> dict:
 
 
 def one_runtime(base: Settings, reps: int, tokens: int, batches: list[int]) -> dict:
-    home = Path(tempfile.mkdtemp(prefix="quart-consolidation-"))
-    settings = base.replace(home=str(home), models=str(base.models_dir), gateway_port=free_port(),
-                            redis_port=free_port(), keysmanager_port=free_port(), cache_stages="none", policy="none",
-                            request_timeout_s=300.0, max_new_tokens=tokens, drain_timeout_s=60.0,
-                            stack_file=str(consolidating_stack(REPO_ROOT / "stack.yml", home / "stack.yml", MODEL,
-                                                               environment={"QUART_THREADS": str(CORES)})))
-    try:
-        if control.up(settings, timeout=600) != 0:
-            raise RuntimeError("the runtime did not come up")
-        bench = Bench(settings, tokens)
-        bench.layout(whole=False)
-        runs: dict = {}
-        for rep in range(reps):
-            for batch in batches:
-                for name in PHASES:
-                    if name == "never split":
-                        bench.layout(whole=True)
-                    run = summarise(bench, name, bench.phase(name, batch))
-                    runs.setdefault((batch, name), []).append(run)
-                    print(f"  rep {rep}, {batch} request(s), {name}: TPOT {run['tpot'] * 1000:.1f} ms"
-                          + (f", before {run['before'] * 1000:.1f}, while loading {run['loading'] * 1000:.1f}, "
-                             f"after {run['after'] * 1000:.1f} ms, handed over {run['handed']} in {run['handover_s']:.2f} s"
-                             if "after" in run else ""), flush=True)
-    except BaseException:
-        # The runtime's logs say what went wrong: kept, and said where.
-        control.down(settings)
-        print(f"the run failed; the runtime's home, its logs included, is kept at {home}", file=sys.stderr)
-        raise
-    control.down(settings)
-    shutil.rmtree(home, ignore_errors=True)
+    with scratch("quart-consolidation-") as home:
+        settings = base.replace(home=str(home), models=str(base.models_dir), gateway_port=free_port(),
+                                redis_port=free_port(), keysmanager_port=free_port(), cache_stages="none", policy="none",
+                                request_timeout_s=300.0, max_new_tokens=tokens, drain_timeout_s=60.0,
+                                stack_file=str(consolidating_stack(REPO_ROOT / "stack.yml", home / "stack.yml", MODEL,
+                                                                   environment={"QUART_THREADS": str(CORES)})))
+        try:
+            if control.up(settings, timeout=600) != 0:
+                raise RuntimeError("the runtime did not come up")
+            bench = Bench(settings, tokens)
+            bench.layout(whole=False)
+            runs: dict = {}
+            for rep in range(reps):
+                for batch in batches:
+                    for name in PHASES:
+                        if name == "never split":
+                            bench.layout(whole=True)
+                        run = summarise(bench, name, bench.phase(name, batch))
+                        runs.setdefault((batch, name), []).append(run)
+                        print(f"  rep {rep}, {batch} request(s), {name}: TPOT {run['tpot'] * 1000:.1f} ms"
+                              + (f", before {run['before'] * 1000:.1f}, while loading {run['loading'] * 1000:.1f}, "
+                                 f"after {run['after'] * 1000:.1f} ms, handed over {run['handed']} in {run['handover_s']:.2f} s"
+                                 if "after" in run else ""), flush=True)
+        finally:
+            control.down(settings)
     return runs
 
 

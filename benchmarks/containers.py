@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import redis
 import torch
 
-from benchmarks.report import SERVING, conditions, table, write
+from benchmarks.report import SERVING, conditions, scratch, table, write
 from benchmarks.scaleup import enqueue_work, first_work_latency, start_cold, stop
 from containers import runtime as in_containers
 from containers.images import build_images
@@ -127,35 +125,34 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     ensure_partitioned(base.models_dir, "smollm2", 4)
     builds = [] if args.no_build else build_cold(base)
-    home = Path(tempfile.mkdtemp(prefix="quart-containers-"))
-    settings = base.replace(home=str(home), models=str(base.models_dir), redis_port=free_port(),
-                            keysmanager_port=free_port(), server="bench", threads=1)
-    (home / "logs").mkdir()
-    redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
-    out = open(home / "logs" / "containers.log", "ab")
-    km_proc = in_containers.keysmanager(settings, out, IMAGE)
-    km, r = KeysClient.for_settings(settings), redis.Redis.from_url(settings.redis_url)
-    manifest = Manifest.load(settings.model_dir(STAGE.model))
-    samples: dict[str, list[float]] = {m: [] for m in MODES}
-    try:
-        while not km.healthy():
-            if km_proc.poll() is not None:
-                raise RuntimeError(f"the KeysManager's container exited; see {home / 'logs'}")
-            time.sleep(0.1)
-        km.cache(STAGE)
-        for i in range(args.repeats):
-            for j, mode in enumerate(MODES):
-                samples[mode].append(one_start(settings, km, r, manifest, mode, i * len(MODES) + j, out))
-            print(f"scale-up: repetition {i + 1}/{args.repeats} done", flush=True)
-        quotas = quota_changes(settings, manifest, out, args.passes)
-    finally:
-        km_proc.send_signal(signal.SIGTERM)
-        km_proc.wait(timeout=60)
-        remove_stack(settings, in_containers.label(settings))
-        redis_proc.terminate()
-        redis_proc.wait()
-        out.close()
-        shutil.rmtree(home, ignore_errors=True)
+    with scratch("quart-containers-") as home:
+        settings = base.replace(home=str(home), models=str(base.models_dir), redis_port=free_port(),
+                                keysmanager_port=free_port(), server="bench", threads=1)
+        (home / "logs").mkdir()
+        redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
+        out = open(home / "logs" / "containers.log", "ab")
+        km_proc = in_containers.keysmanager(settings, out, IMAGE)
+        km, r = KeysClient.for_settings(settings), redis.Redis.from_url(settings.redis_url)
+        manifest = Manifest.load(settings.model_dir(STAGE.model))
+        samples: dict[str, list[float]] = {m: [] for m in MODES}
+        try:
+            while not km.healthy():
+                if km_proc.poll() is not None:
+                    raise RuntimeError(f"the KeysManager's container exited; see {home / 'logs'}")
+                time.sleep(0.1)
+            km.cache(STAGE)
+            for i in range(args.repeats):
+                for j, mode in enumerate(MODES):
+                    samples[mode].append(one_start(settings, km, r, manifest, mode, i * len(MODES) + j, out))
+                print(f"scale-up: repetition {i + 1}/{args.repeats} done", flush=True)
+            quotas = quota_changes(settings, manifest, out, args.passes)
+        finally:
+            km_proc.send_signal(signal.SIGTERM)
+            km_proc.wait(timeout=60)
+            remove_stack(settings, in_containers.label(settings))
+            redis_proc.terminate()
+            redis_proc.wait()
+            out.close()
     return report(builds, samples, quotas, args)
 
 

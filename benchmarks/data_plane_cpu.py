@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
-from benchmarks.report import SERVING, conditions, table, write
+from benchmarks.report import SERVING, conditions, scratch, table, write
 from contracts.config import load_settings
 from loadgen.arrivals import poisson_arrivals
 from loadgen.client import replay
@@ -94,22 +91,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seconds", type=float, default=15.0)
     a = parser.parse_args(argv or [])
     base = load_settings()
-    home = Path(tempfile.mkdtemp(prefix="quart-plane-cpu-"))
-    settings = base.replace(home=str(home), models=str(base.models_dir), stack_file=str(write_stack(MODEL, home / "stack.yml")),
-                            gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-                            policy="static", cache_stages="none", admit_wait_s=0.0)
-    try:
-        if control.up(settings, timeout=600) != 0:
-            raise SystemExit(f"the runtime did not come up; see {home}/logs")
-        root = int((home / control.PID_FILE).read_text())
-        first = cpu_by_kind(root)
-        time.sleep(10.0)
-        idle = {k: (v - first.get(k, 0.0)) / 10.0 for k, v in cpu_by_kind(root).items()}
-        runs = {float(r): measure(root, settings.gateway.url, float(r), a.seconds, idle)
-                for r in a.rates.split(",")}
-    finally:
-        control.down(settings)
-        shutil.rmtree(home, ignore_errors=True)
+    with scratch("quart-plane-cpu-") as home:
+        settings = base.replace(home=str(home), models=str(base.models_dir), stack_file=str(write_stack(MODEL, home / "stack.yml")),
+                                gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
+                                policy="static", cache_stages="none", admit_wait_s=0.0)
+        try:
+            if control.up(settings, timeout=600) != 0:
+                raise SystemExit(f"the runtime did not come up; see {home}/logs")
+            root = int((home / control.PID_FILE).read_text())
+            first = cpu_by_kind(root)
+            time.sleep(10.0)
+            idle = {k: (v - first.get(k, 0.0)) / 10.0 for k, v in cpu_by_kind(root).items()}
+            runs = {float(r): measure(root, settings.gateway.url, float(r), a.seconds, idle)
+                    for r in a.rates.split(",")}
+        finally:
+            control.down(settings)
     kinds = sorted({k for per in runs.values() for k in per})
     rows = [[k] + [round(runs[r][k], 2) for r in runs] for k in kinds]
     rows.append(["total"] + [round(sum(per.values()), 2) for per in runs.values()])

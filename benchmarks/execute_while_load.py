@@ -20,7 +20,6 @@ import argparse
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.peer_start import wait
-from benchmarks.report import RESULTS, SERVING, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, scratch, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -198,15 +197,14 @@ def plot(runs: dict[bool, dict], path: Path) -> None:
 
 
 def one(base: Settings, bandwidth: float, senders: int, execute_while_load: bool) -> dict:
-    home = Path(tempfile.mkdtemp(prefix="quart-ewl-"))
-    settings = settings_for(base, home, bandwidth, execute_while_load)
-    try:
-        if control.up(settings, timeout=900) != 0:
-            raise RuntimeError("the runtime did not come up")
-        return scale_out(settings, senders)
-    finally:
-        control.down(settings)
-        shutil.rmtree(home, ignore_errors=True)
+    with scratch("quart-ewl-") as home:
+        settings = settings_for(base, home, bandwidth, execute_while_load)
+        try:
+            if control.up(settings, timeout=900) != 0:
+                raise RuntimeError("the runtime did not come up")
+            return scale_out(settings, senders)
+        finally:
+            control.down(settings)
 
 
 def main(argv: list[str] | None = None) -> None:

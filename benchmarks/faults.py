@@ -11,15 +11,12 @@ an error (503/504, which the issue allows for the Redis outage only), or not ans
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report import SERVING, conditions, table, write
+from benchmarks.report import SERVING, conditions, scratch, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -36,25 +33,21 @@ FAULTS = ("stage replica", "entry replica", "redis", "keysmanager", "autoscaler"
 
 def main() -> dict:
     base = load_settings()
-    home = Path(tempfile.mkdtemp(prefix="quart-faults-"))
-    settings = base.replace(home=str(home), models=str(base.models_dir), stack_file=str(REPO_ROOT / "stack-emulated.yml"),
-                            gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-                            policy="static", cache_stages="none", request_timeout_s=30.0, reclaim_idle_ms=2000)
-    try:
-        if control.up(settings, timeout=900) != 0:
-            raise SystemExit(f"the runtime did not come up; see {home}/logs")
-        rows = {fault: [] for fault in FAULTS}
-        with ClosedLoop(settings.gateway.url, MODEL, {"tokens": 16}) as load:
-            for i in range(REPEATS):
-                for fault in FAULTS:
-                    print(f"  {fault}, {i + 1}/{REPEATS}", flush=True)
-                    rows[fault].append(_one(settings, load, fault))
-    except BaseException:
-        control.down(settings)
-        print(f"the logs are kept in {home}/logs", flush=True)
-        raise
-    control.down(settings)
-    shutil.rmtree(home, ignore_errors=True)
+    with scratch("quart-faults-") as home:
+        settings = base.replace(home=str(home), models=str(base.models_dir), stack_file=str(REPO_ROOT / "stack-emulated.yml"),
+                                gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
+                                policy="static", cache_stages="none", request_timeout_s=30.0, reclaim_idle_ms=2000)
+        try:
+            if control.up(settings, timeout=900) != 0:
+                raise SystemExit(f"the runtime did not come up; see {home}/logs")
+            rows = {fault: [] for fault in FAULTS}
+            with ClosedLoop(settings.gateway.url, MODEL, {"tokens": 16}) as load:
+                for i in range(REPEATS):
+                    for fault in FAULTS:
+                        print(f"  {fault}, {i + 1}/{REPEATS}", flush=True)
+                        rows[fault].append(_one(settings, load, fault))
+        finally:
+            control.down(settings)
     return _report(rows)
 
 

@@ -39,8 +39,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shutil
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -54,7 +52,7 @@ import torch
 import yaml
 
 from benchmarks import vllm_cpu
-from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, table, verdict, write
+from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, scratch, table, verdict, write
 from contracts.config import ComputeConfig, Settings, load_settings
 from contracts.http_client import GatewayClient, Reply
 from contracts.paths import REPO_ROOT
@@ -249,31 +247,25 @@ def running(model: str, new: int, quantize: str = "", **changes: object) -> Iter
     """The embedded runtime serving `model` in 4 stages, one replica each and no autoscaler, on
     ports of its own, with settings `changes`; stopped and its home removed afterwards."""
     base = load_settings()
-    run_home = Path(tempfile.mkdtemp(prefix="quart-bench-"))
-    settings = base.replace(home=str(run_home), models=str(base.models_dir), gateway_port=free_port(),
-                            redis_port=free_port(), keysmanager_port=free_port(), policy="none",
-                            stack_file=_stack(run_home, model), max_new_tokens=max(new, base.limits.max_new_tokens),
-                            request_timeout_s=600.0, cache_stages="none", admit_wait_s=0.0,
-                            quantize=quantize or base.compute.quantize, **changes)
-    if model != "smollm2":
-        from models.partition import ensure_partitioned
-        source, config = SOURCES[model]
-        ensure_partitioned(settings.models_dir, model, STAGES, source, random_config=config)
-    finished = False
-    try:
-        if control.up(settings, timeout=900) != 0:
-            raise SystemExit(f"the embedded runtime did not come up; see {run_home}/logs")
-        pipeline_request(GatewayClient(settings.gateway.url, timeout=900), model, "warm up", 4)
-        if settings.compute.compiles:
-            wait_compiled(settings, model)
-        yield settings
-        finished = True
-    finally:
-        control.down(settings)
-        if finished:
-            shutil.rmtree(run_home, ignore_errors=True)
-        else:  # what went wrong is in the replicas' logs
-            print(f"the runtime's logs are kept in {run_home}/logs", flush=True)
+    with scratch("quart-bench-") as run_home:
+        settings = base.replace(home=str(run_home), models=str(base.models_dir), gateway_port=free_port(),
+                                redis_port=free_port(), keysmanager_port=free_port(), policy="none",
+                                stack_file=_stack(run_home, model), max_new_tokens=max(new, base.limits.max_new_tokens),
+                                request_timeout_s=600.0, cache_stages="none", admit_wait_s=0.0,
+                                quantize=quantize or base.compute.quantize, **changes)
+        if model != "smollm2":
+            from models.partition import ensure_partitioned
+            source, config = SOURCES[model]
+            ensure_partitioned(settings.models_dir, model, STAGES, source, random_config=config)
+        try:
+            if control.up(settings, timeout=900) != 0:
+                raise SystemExit(f"the embedded runtime did not come up; see {run_home}/logs")
+            pipeline_request(GatewayClient(settings.gateway.url, timeout=900), model, "warm up", 4)
+            if settings.compute.compiles:
+                wait_compiled(settings, model)
+            yield settings
+        finally:
+            control.down(settings)
 
 
 def wait_compiled(settings: Settings, model: str, timeout_s: float = 1200.0) -> float:

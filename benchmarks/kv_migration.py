@@ -8,15 +8,13 @@ cache is lost): a prefill of the whole sequence (prompt plus the tokens generate
 every stage. Both in this process, one thread, at several sequence lengths."""
 from __future__ import annotations
 
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import redis
 import torch
 
-from benchmarks.report import SERVING, conditions, table, write
+from benchmarks.report import SERVING, conditions, scratch, table, write
 from contracts.config import load_settings
 from contracts.wire import MESSAGE_FIELD, Header, pack, unpack
 from models.batched_decoder import BatchedDecoder, Step
@@ -40,17 +38,17 @@ def main() -> dict:
     settings = load_settings()
     manifest = ensure_partitioned(settings.models_dir, "smollm2", STAGES)
     engines = [BatchedDecoder(StageRunner(manifest, i, i + 1).modules) for i in range(STAGES)]
-    workdir = Path(tempfile.mkdtemp(prefix="quart-migrate-"))
-    port = free_port()
-    proc = start_redis("127.0.0.1", port, workdir, workdir / "redis.log")
-    try:
-        wait_for_redis("127.0.0.1", port, proc)
-        r = redis.Redis(port=port)
-        r.xgroup_create(STREAM, keys.GROUP, id="0", mkstream=True)
-        rows = [_measure(engines, r, length) for length in LENGTHS]
-    finally:
-        proc.terminate()
-        proc.wait()
+    with scratch("quart-migrate-") as workdir:
+        port = free_port()
+        proc = start_redis("127.0.0.1", port, workdir, workdir / "redis.log")
+        try:
+            wait_for_redis("127.0.0.1", port, proc)
+            r = redis.Redis(port=port)
+            r.xgroup_create(STREAM, keys.GROUP, id="0", mkstream=True)
+            rows = [_measure(engines, r, length) for length in LENGTHS]
+        finally:
+            proc.terminate()
+            proc.wait()
     print(table("one request's KV cache: migrated (all 4 stages, one after another) vs recomputed",
                 ["positions", "bytes moved", "migrate ms", "recompute ms", "recompute / migrate"],
                 [[x["positions"], x["bytes"], x["migrate_ms"], x["recompute_ms"], x["recompute_ms"] / x["migrate_ms"]]

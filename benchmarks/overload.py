@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import sys
-import tempfile
 import time
-from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
-from benchmarks.report import RESULTS, SERVING, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, scratch, table, write
 from contracts.config import Settings, load_settings
 from loadgen.arrivals import poisson_arrivals
 from loadgen.client import replay
@@ -54,25 +53,20 @@ def main(argv: list[str] | None = None) -> dict:
     return _report(runs, sustainable, base.data.admit_wait_s, args.seconds)
 
 
-class _runtime:
+@contextmanager
+def _runtime(base: Settings, admit_wait_s: float) -> Iterator[Settings]:
     """A runtime of its own for one admission setting, removed afterwards."""
-
-    def __init__(self, base: Settings, admit_wait_s: float) -> None:
-        self.home = Path(tempfile.mkdtemp(prefix="quart-overload-"))
-        self.settings = base.replace(
-            home=str(self.home), models=str(base.models_dir),
-            stack_file=str(write_stack(MODEL, self.home / "stack.yml")), gateway_port=free_port(),
-            redis_port=free_port(), keysmanager_port=free_port(), policy="static", cache_stages="none",
-            request_timeout_s=TIMEOUT_S, admit_wait_s=admit_wait_s)
-
-    def __enter__(self) -> Settings:
-        if control.up(self.settings, timeout=900) != 0:
-            raise SystemExit(f"the runtime did not come up; see {self.home}/logs")
-        return self.settings
-
-    def __exit__(self, *_: object) -> None:
-        control.down(self.settings)
-        shutil.rmtree(self.home, ignore_errors=True)
+    with scratch("quart-overload-") as home:
+        settings = base.replace(
+            home=str(home), models=str(base.models_dir), stack_file=str(write_stack(MODEL, home / "stack.yml")),
+            gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(), policy="static",
+            cache_stages="none", request_timeout_s=TIMEOUT_S, admit_wait_s=admit_wait_s)
+        try:
+            if control.up(settings, timeout=900) != 0:
+                raise SystemExit(f"the runtime did not come up; see {home}/logs")
+            yield settings
+        finally:
+            control.down(settings)
 
 
 def _sustainable_rate(settings: Settings, seconds: float = 20.0) -> float:

@@ -13,14 +13,11 @@ replica's own start, about a second here).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.report import SERVING, conditions, table, write
+from benchmarks.report import SERVING, conditions, scratch, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -50,45 +47,44 @@ def wait(predicate, timeout_s: float, what: str) -> None:
 
 def scale_out(base: Settings, n: int, peers: bool, bandwidth: float, store_bandwidth: float) -> dict:
     """One runtime of n + 1 servers; the stage scaled from 1 to n + 1 replicas."""
-    home = Path(tempfile.mkdtemp(prefix="quart-peer-"))
-    settings = base.replace(
-        home=str(home), models=str(base.models_dir),
-        stack_file=str(one_model_stack(REPO_ROOT / "stack.yml", home / "stack.yml", MODEL)),
-        gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(), policy="none",
-        server="bench", virtual_servers=n + 1, server_slots=8, virtual_disks=True, server_bandwidth=bandwidth,
-        store_bandwidth=store_bandwidth, cold_deadline_s=600.0, cache_stages=f"{MODEL}:{STAGE}",
-        ablate="" if peers else "peer-start", request_timeout_s=300.0, admit_wait_s=0.0)
-    first = settings.virtual_server_names()[0]
-    try:
-        if control.up(settings, timeout=600) != 0:
-            raise RuntimeError("the runtime did not come up")
-        client, store = GatewayClient.for_settings(settings), RedisStore.from_url(settings.redis_url)
-        keys = KeysClient.for_settings(settings.virtual_server(first), timeout=60)
-        wait(lambda: any(z["stages"] == STAGE for z in keys.zygotes()), 600, f"stage {STAGE} cached on {first}")
-        wait(lambda: all(f["availableReplicas"] >= 1 for f in client.functions()), 600, "every function ready")
-        store.publish_key_stages(MODEL, (StageRef.parse(MODEL, STAGE),))
-        before = len(store.placements())
-        started = time.monotonic()
-        if client.scale(f"{MODEL}-s{STAGE}", n + 1).status != 202:
-            raise RuntimeError("the scale call was refused")
+    with scratch("quart-peer-") as home:
+        settings = base.replace(
+            home=str(home), models=str(base.models_dir),
+            stack_file=str(one_model_stack(REPO_ROOT / "stack.yml", home / "stack.yml", MODEL)),
+            gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(), policy="none",
+            server="bench", virtual_servers=n + 1, server_slots=8, virtual_disks=True, server_bandwidth=bandwidth,
+            store_bandwidth=store_bandwidth, cold_deadline_s=600.0, cache_stages=f"{MODEL}:{STAGE}",
+            ablate="" if peers else "peer-start", request_timeout_s=300.0, admit_wait_s=0.0)
+        first = settings.virtual_server_names()[0]
+        try:
+            if control.up(settings, timeout=600) != 0:
+                raise RuntimeError("the runtime did not come up")
+            client, store = GatewayClient.for_settings(settings), RedisStore.from_url(settings.redis_url)
+            keys = KeysClient.for_settings(settings.virtual_server(first), timeout=60)
+            wait(lambda: any(z["stages"] == STAGE for z in keys.zygotes()), 600, f"stage {STAGE} cached on {first}")
+            wait(lambda: all(f["availableReplicas"] >= 1 for f in client.functions()), 600, "every function ready")
+            store.publish_key_stages(MODEL, (StageRef.parse(MODEL, STAGE),))
+            before = len(store.placements())
+            started = time.monotonic()
+            if client.scale(f"{MODEL}-s{STAGE}", n + 1).status != 202:
+                raise RuntimeError("the scale call was refused")
 
-        def ready() -> list[Placement]:
-            return [p for p in store.placements()[before:] if p.op == "ready"]
-        wait(lambda: len(ready()) >= n, 900, f"{n} ready replicas")
-        wall = time.monotonic() - started
-        added = [p for p in store.placements()[before:] if p.op == "add"]
-        reply = client.invoke(MODEL, BODY)
-        if reply.status != 200:
-            raise RuntimeError(f"{reply.status}: {reply.body[:200]!r}")
-        done = ready()
-        print(f"  N = {n}, {'peers' if peers else 'store'}: {[p.path for p in added]} on {[p.server for p in added]}, "
-              f"ready after {[round(p.took_s, 2) for p in done]} s (predicted {done[0].predicted_s:.2f} s)", flush=True)
-        return {"paths": sorted({p.path for p in added}), "servers": sorted(p.server for p in added),
-                "took_s": [round(p.took_s, 3) for p in done], "predicted_s": round(done[0].predicted_s, 3),
-                "all_ready_s": round(wall, 3), "text": reply.json()["text"]}
-    finally:
-        control.down(settings)
-        shutil.rmtree(home, ignore_errors=True)
+            def ready() -> list[Placement]:
+                return [p for p in store.placements()[before:] if p.op == "ready"]
+            wait(lambda: len(ready()) >= n, 900, f"{n} ready replicas")
+            wall = time.monotonic() - started
+            added = [p for p in store.placements()[before:] if p.op == "add"]
+            reply = client.invoke(MODEL, BODY)
+            if reply.status != 200:
+                raise RuntimeError(f"{reply.status}: {reply.body[:200]!r}")
+            done = ready()
+            print(f"  N = {n}, {'peers' if peers else 'store'}: {[p.path for p in added]} on {[p.server for p in added]}, "
+                  f"ready after {[round(p.took_s, 2) for p in done]} s (predicted {done[0].predicted_s:.2f} s)", flush=True)
+            return {"paths": sorted({p.path for p in added}), "servers": sorted(p.server for p in added),
+                    "took_s": [round(p.took_s, 3) for p in done], "predicted_s": round(done[0].predicted_s, 3),
+                    "all_ready_s": round(wall, 3), "text": reply.json()["text"]}
+        finally:
+            control.down(settings)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,15 +8,13 @@ only the last position through its 49,152-wide head (`logits_to_keep=1`), as the
 stage does: both sides do the same work."""
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 
 import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.report import SERVING, conditions, mean_ci95, percentiles, table, verdict, write
+from benchmarks.report import SERVING, conditions, mean_ci95, percentiles, scratch, table, verdict, write
 from contracts.config import load_settings
 from contracts.http_client import GatewayClient
 from loadgen.sharegpt import first_prompts
@@ -44,41 +42,40 @@ def _unsplit(settings):
 
 def main(count: int = 40, warmup: int = 5) -> dict:
     base = load_settings()
-    run_home = tempfile.mkdtemp(prefix="quart-bench-")
-    # Own state and ports, so a runtime the user has up is left alone; the user's models. Nothing
-    # scales, so nothing is cached: a KeysManager loading zygotes would share the cores with the
-    # requests measured. Nor do decode steps compile: every request here is a prefill, eager either
-    # way, and the replicas' background compiles would take the cores for the first minutes (at
-    # 47b8aa5 they overlapped the whole run: 1616 ms against 256 unsplit). Both sides in float32,
-    # whatever the host's default dtype.
-    settings = base.replace(home=run_home, models=str(base.models_dir),
-                            gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-                            policy="none", cache_stages="none", dtype="float32", compile=False)
-    torch.set_num_threads(1)
-    unsplit = _unsplit(settings)
-    if control.up(settings, timeout=600) != 0:
-        raise SystemExit("the embedded runtime did not come up")
-    try:
-        client = GatewayClient.for_settings(settings)
-        prompts = first_prompts(count + warmup, seed=7)
-        pipe_ms, local_ms, service_ms, queue_ms, mismatches = [], [], [], [], 0
-        for i, prompt in enumerate(prompts):
-            t0 = time.perf_counter()
-            reply = client.invoke("smollm2", {"prompt": prompt, "max_new_tokens": 1})
-            elapsed = (time.perf_counter() - t0) * 1000.0
-            assert reply.status == 200, reply.body
-            token, local = unsplit(prompt)
-            answer = reply.json()
-            if i < warmup:
-                continue
-            mismatches += answer["token_ids"] != [token]
-            pipe_ms.append(elapsed)
-            local_ms.append(local)
-            service_ms.append(sum(s["service_ms"] for s in answer["stages"]))
-            queue_ms.append(sum(s["queue_ms"] for s in answer["stages"]))
-    finally:
-        control.down(settings)
-        shutil.rmtree(run_home, ignore_errors=True)
+    with scratch("quart-bench-") as run_home:
+        # Own state and ports, so a runtime the user has up is left alone; the user's models. Nothing
+        # scales, so nothing is cached: a KeysManager loading zygotes would share the cores with the
+        # requests measured. Nor do decode steps compile: every request here is a prefill, eager either
+        # way, and the replicas' background compiles would take the cores for the first minutes (at
+        # 47b8aa5 they overlapped the whole run: 1616 ms against 256 unsplit). Both sides in float32,
+        # whatever the host's default dtype.
+        settings = base.replace(home=str(run_home), models=str(base.models_dir),
+                                gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
+                                policy="none", cache_stages="none", dtype="float32", compile=False)
+        torch.set_num_threads(1)
+        unsplit = _unsplit(settings)
+        if control.up(settings, timeout=600) != 0:
+            raise SystemExit("the embedded runtime did not come up")
+        try:
+            client = GatewayClient.for_settings(settings)
+            prompts = first_prompts(count + warmup, seed=7)
+            pipe_ms, local_ms, service_ms, queue_ms, mismatches = [], [], [], [], 0
+            for i, prompt in enumerate(prompts):
+                t0 = time.perf_counter()
+                reply = client.invoke("smollm2", {"prompt": prompt, "max_new_tokens": 1})
+                elapsed = (time.perf_counter() - t0) * 1000.0
+                assert reply.status == 200, reply.body
+                token, local = unsplit(prompt)
+                answer = reply.json()
+                if i < warmup:
+                    continue
+                mismatches += answer["token_ids"] != [token]
+                pipe_ms.append(elapsed)
+                local_ms.append(local)
+                service_ms.append(sum(s["service_ms"] for s in answer["stages"]))
+                queue_ms.append(sum(s["queue_ms"] for s in answer["stages"]))
+        finally:
+            control.down(settings)
     pipe, local = percentiles(pipe_ms), percentiles(local_ms)
     overhead = (pipe["p50"] - local["p50"]) / STAGES
     # Each prompt ran both ways back to back: the mean of the paired differences, with its interval,

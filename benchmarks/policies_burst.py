@@ -6,8 +6,6 @@ runtime, queues, forks and scaling are real. Every policy gets the same arrival 
 and a freshly started runtime; its built-in defaults are used as published."""
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
 import urllib.error
@@ -18,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from autoscaler.policy.controller import POLICIES
-from benchmarks.report import SERVING, conditions, table, write
+from benchmarks.report import SERVING, conditions, scratch, table, write
 from contracts.config import load_settings
 from loadgen.arrivals import gamma_gaps
 from runtime import __main__ as control
@@ -58,30 +56,29 @@ def replay(url: str, send_at: np.ndarray) -> list[tuple[int, float]]:
 
 def one_policy(policy: str, send_at: np.ndarray, tail_s: float) -> dict:
     base = load_settings()
-    home = tempfile.mkdtemp(prefix=f"quart-{policy}-")
-    settings = base.replace(home=home, models=str(base.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
-                            gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-                            policy=policy, slo_s=1.0, window_s=5.0,
-                            admit_wait_s=0.0)  # the policies alone: every request waits to be served
-    if control.up(settings, timeout=600) != 0:
-        raise SystemExit(f"the runtime did not come up for {policy}")
-    store = RedisStore.from_url(settings.redis_url)
-    samples: list[tuple[float, int]] = []
-    stop = threading.Event()
+    with scratch(f"quart-{policy}-") as home:
+        settings = base.replace(home=str(home), models=str(base.models_dir), stack_file=str(REPO / "stack-emulated.yml"),
+                                gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
+                                policy=policy, slo_s=1.0, window_s=5.0,
+                                admit_wait_s=0.0)  # the policies alone: every request waits to be served
+        if control.up(settings, timeout=600) != 0:
+            raise SystemExit(f"the runtime did not come up for {policy}")
+        store = RedisStore.from_url(settings.redis_url)
+        samples: list[tuple[float, int]] = []
+        stop = threading.Event()
 
-    def sample() -> None:
-        while not stop.wait(0.5):
-            samples.append((time.time(), sum(len(store.live_replicas(MODEL, i)) for i in range(STAGES))))
-    sampler = threading.Thread(target=sample, daemon=True)
-    try:
-        sampler.start()
-        results = replay(f"{settings.gateway.url}/function/{MODEL}", send_at)
-        time.sleep(tail_s)
-    finally:
-        stop.set()
-        sampler.join()
-        control.down(settings)
-        shutil.rmtree(home, ignore_errors=True)
+        def sample() -> None:
+            while not stop.wait(0.5):
+                samples.append((time.time(), sum(len(store.live_replicas(MODEL, i)) for i in range(STAGES))))
+        sampler = threading.Thread(target=sample, daemon=True)
+        try:
+            sampler.start()
+            results = replay(f"{settings.gateway.url}/function/{MODEL}", send_at)
+            time.sleep(tail_s)
+        finally:
+            stop.set()
+            sampler.join()
+            control.down(settings)
     latencies = np.array([lat for status, lat in results if status == 200]) * 1000.0
     replica_seconds = sum(n * 0.5 for _, n in samples)
     return {"ok": int(sum(1 for s, _ in results if s == 200)), "sent": len(results),

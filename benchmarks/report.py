@@ -1,12 +1,18 @@
-"""What every benchmark shares: percentiles, a printed table, and the JSON result file."""
+"""What every benchmark shares: percentiles, a printed table, the JSON result file, and a scratch
+directory for a run."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import platform
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +29,19 @@ SERVING = ("autoscaler", "contracts", "engine", "frontend", "functions", "keysma
            "scheduler", "state", "stack.yml", ":(exclude)runtime/ports.py")
 # The stage-level simulator: sim/ without the model-level one (git pathspecs).
 SIMULATOR = ("sim", ":(exclude)sim/serverless.py", ":(exclude)sim/scaleout.py")
+
+
+@contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A directory for one run (a runtime's home, its logs included): removed when the run ends
+    well, kept and named when it fails, so that its logs can say why."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    except BaseException:
+        print(f"the run failed; its files, logs included, are kept in {path}", file=sys.stderr, flush=True)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def percentiles(samples_ms: list[float]) -> dict[str, float]:

@@ -10,14 +10,11 @@ and started as new processes. Shards on this machine's disk (the page cache left
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.report import SERVING, conditions, table, write
+from benchmarks.report import SERVING, conditions, scratch, table, write
 from contracts.config import Settings, load_settings
 from contracts.http_client import GatewayClient
 from contracts.paths import REPO_ROOT
@@ -50,35 +47,34 @@ def timed(client: GatewayClient) -> tuple[float, dict]:
 
 
 def one_runtime(base: Settings, warm_runtime: bool, reps: int) -> dict:
-    home = Path(tempfile.mkdtemp(prefix="quart-zero-"))
-    settings = base.replace(home=str(home), models=str(base.models_dir), gateway_port=free_port(),
-                            redis_port=free_port(), keysmanager_port=free_port(), cache_stages="none",
-                            warm_runtime=warm_runtime, request_timeout_s=120.0,
-                            stack_file=str(scale_to_zero_stack(REPO_ROOT / "stack.yml", home / "stack.yml", MODEL, IDLE)))
-    try:
-        if control.up(settings, timeout=600) != 0:
-            raise RuntimeError("the runtime did not come up")
-        client, store = GatewayClient.for_settings(settings), RedisStore.from_url(settings.redis_url)
-        cold, warm, texts = [], [], set()
-        for rep in range(reps):
-            deadline = time.monotonic() + 120
-            while not at_zero(client, store):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the stages did not go to zero")
-                time.sleep(0.2)
-            time.sleep(1.0)  # the deregistered replicas' processes exit
-            seconds, answer = timed(client)
-            cold.append(seconds)
-            texts.add(answer["text"])
-            seconds, answer = timed(client)  # right after: every stage is up
-            warm.append(seconds)
-            texts.add(answer["text"])
-            print(f"  warm runtime {warm_runtime}, rep {rep}: from zero {cold[-1]:.2f} s, warm {warm[-1]:.2f} s",
-                  flush=True)
-        return {"cold": cold, "warm": warm, "same_text": len(texts) == 1}
-    finally:
-        control.down(settings)
-        shutil.rmtree(home, ignore_errors=True)
+    with scratch("quart-zero-") as home:
+        settings = base.replace(home=str(home), models=str(base.models_dir), gateway_port=free_port(),
+                                redis_port=free_port(), keysmanager_port=free_port(), cache_stages="none",
+                                warm_runtime=warm_runtime, request_timeout_s=120.0,
+                                stack_file=str(scale_to_zero_stack(REPO_ROOT / "stack.yml", home / "stack.yml", MODEL, IDLE)))
+        try:
+            if control.up(settings, timeout=600) != 0:
+                raise RuntimeError("the runtime did not come up")
+            client, store = GatewayClient.for_settings(settings), RedisStore.from_url(settings.redis_url)
+            cold, warm, texts = [], [], set()
+            for rep in range(reps):
+                deadline = time.monotonic() + 120
+                while not at_zero(client, store):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the stages did not go to zero")
+                    time.sleep(0.2)
+                time.sleep(1.0)  # the deregistered replicas' processes exit
+                seconds, answer = timed(client)
+                cold.append(seconds)
+                texts.add(answer["text"])
+                seconds, answer = timed(client)  # right after: every stage is up
+                warm.append(seconds)
+                texts.add(answer["text"])
+                print(f"  warm runtime {warm_runtime}, rep {rep}: from zero {cold[-1]:.2f} s, warm {warm[-1]:.2f} s",
+                      flush=True)
+            return {"cold": cold, "warm": warm, "same_text": len(texts) == 1}
+        finally:
+            control.down(settings)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,11 +9,9 @@ XREADGROUP that returns it; the replica records that moment in its registration.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import numpy as np
 import redis
 import torch
 
-from benchmarks.report import SERVING, conditions, mean_ci95, table, verdict, write
+from benchmarks.report import SERVING, conditions, mean_ci95, scratch, table, verdict, write
 from contracts.config import Settings, child_environment, load_settings
 from contracts.paths import STAGE_HANDLER
 from contracts.stage import StageRef
@@ -138,36 +136,35 @@ def wait_registered(r: redis.Redis, model: str, stage: int, n: int) -> None:
 def main(repeats: int = 5) -> dict:
     base = load_settings()
     ensure_models(base)
-    home = Path(tempfile.mkdtemp(prefix="quart-scaleup-"))
-    settings = base.replace(home=str(home), models=str(base.models_dir), redis_port=free_port(),
-                            keysmanager_port=free_port(), server="bench", threads=1)
-    (home / "logs").mkdir()
-    log = home / "logs" / "replicas.log"
-    redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
-    env = child_environment(settings)
-    km = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
-                          stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
-    client = KeysClient.for_settings(settings)
-    r = redis.Redis.from_url(settings.redis_url)
-    try:
-        while not client.healthy():
-            time.sleep(0.1)
-        samples: dict[tuple[str, str], list[float]] = {}
-        for model, stages in CASES:
-            manifest = Manifest.load(settings.model_dir(model))
-            client.cache(StageRef.parse(model, stages))
-            for i in range(repeats):
-                for mode in MODES:
-                    samples.setdefault((model, mode), []).append(
-                        one_start(settings, client, r, manifest, stages, mode, log))
-                print(f"{model}: repetition {i + 1}/{repeats} done", flush=True)
-        memory = measure_pss(settings, client, r, "smollm2", "1", log)
-    finally:
-        km.terminate()
-        km.wait(timeout=60)
-        redis_proc.terminate()
-        redis_proc.wait()
-        shutil.rmtree(home, ignore_errors=True)
+    with scratch("quart-scaleup-") as home:
+        settings = base.replace(home=str(home), models=str(base.models_dir), redis_port=free_port(),
+                                keysmanager_port=free_port(), server="bench", threads=1)
+        (home / "logs").mkdir()
+        log = home / "logs" / "replicas.log"
+        redis_proc = start_redis("127.0.0.1", settings.redis.port, home / "redis", home / "logs" / "redis.log")
+        env = child_environment(settings)
+        km = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
+                              stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
+        client = KeysClient.for_settings(settings)
+        r = redis.Redis.from_url(settings.redis_url)
+        try:
+            while not client.healthy():
+                time.sleep(0.1)
+            samples: dict[tuple[str, str], list[float]] = {}
+            for model, stages in CASES:
+                manifest = Manifest.load(settings.model_dir(model))
+                client.cache(StageRef.parse(model, stages))
+                for i in range(repeats):
+                    for mode in MODES:
+                        samples.setdefault((model, mode), []).append(
+                            one_start(settings, client, r, manifest, stages, mode, log))
+                    print(f"{model}: repetition {i + 1}/{repeats} done", flush=True)
+            memory = measure_pss(settings, client, r, "smollm2", "1", log)
+        finally:
+            km.terminate()
+            km.wait(timeout=60)
+            redis_proc.terminate()
+            redis_proc.wait()
     return report(settings, samples, memory, repeats)
 
 

@@ -16,13 +16,11 @@ in the JSON."""
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.report import RESULTS, SERVING, conditions, table, write
+from benchmarks.report import RESULTS, SERVING, conditions, scratch, table, write
 from contracts.config import Settings, load_settings
 from contracts.paths import REPO_ROOT
 from loadgen.closed_loop import ClosedLoop
@@ -41,31 +39,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--minutes", type=float, default=30.0)
     args = parser.parse_args(argv or [])
     base = load_settings()
-    home = Path(tempfile.mkdtemp(prefix="quart-soak-"))
-    settings = base.replace(home=str(home), models=str(base.models_dir), stack_file=str(REPO_ROOT / "stack.yml"),
-                            gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port())
-    samples: list[tuple[float, dict[str, int]]] = []
-    held: list[tuple[float, dict]] = []
-    try:
-        if control.up(settings, timeout=900) != 0:
-            raise SystemExit(f"the runtime did not come up; see {home}/logs")
-        generate = {"prompt": PROMPT, "max_new_tokens": 16, "ignore_eos": True}
-        embed = {"inputs": ["a cat sits on the mat", "pipelines", "serverless stages", "soak"]}
-        started = time.monotonic()
-        with ClosedLoop(settings.gateway.url, "smollm2", generate, clients=2) as gen, \
-                ClosedLoop(settings.gateway.url, "minilm", embed, clients=1) as emb:
-            while (elapsed := time.monotonic() - started) < args.minutes * 60:
-                samples.append((elapsed, _rss_by_role(settings)))
-                held.append((elapsed, RedisStore.from_url(settings.redis_url).holdings()))
-                print(f"  {elapsed / 60:5.1f} min: {sum(o.status == 200 for o in gen.outcomes + emb.outcomes)} "
-                      f"answered, {sum(samples[-1][1].values()) / 2 ** 20:.0f} MiB in all", flush=True)
-                time.sleep(SAMPLE_S)
-            samples.append((time.monotonic() - started, _rss_by_role(settings)))
-            held.append((samples[-1][0], RedisStore.from_url(settings.redis_url).holdings()))
-        outcomes = gen.outcomes + emb.outcomes
-    finally:
-        control.down(settings)
-        shutil.rmtree(home, ignore_errors=True)
+    with scratch("quart-soak-") as home:
+        settings = base.replace(home=str(home), models=str(base.models_dir), stack_file=str(REPO_ROOT / "stack.yml"),
+                                gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port())
+        samples: list[tuple[float, dict[str, int]]] = []
+        held: list[tuple[float, dict]] = []
+        try:
+            if control.up(settings, timeout=900) != 0:
+                raise SystemExit(f"the runtime did not come up; see {home}/logs")
+            generate = {"prompt": PROMPT, "max_new_tokens": 16, "ignore_eos": True}
+            embed = {"inputs": ["a cat sits on the mat", "pipelines", "serverless stages", "soak"]}
+            started = time.monotonic()
+            with ClosedLoop(settings.gateway.url, "smollm2", generate, clients=2) as gen, \
+                    ClosedLoop(settings.gateway.url, "minilm", embed, clients=1) as emb:
+                while (elapsed := time.monotonic() - started) < args.minutes * 60:
+                    samples.append((elapsed, _rss_by_role(settings)))
+                    held.append((elapsed, RedisStore.from_url(settings.redis_url).holdings()))
+                    print(f"  {elapsed / 60:5.1f} min: {sum(o.status == 200 for o in gen.outcomes + emb.outcomes)} "
+                          f"answered, {sum(samples[-1][1].values()) / 2 ** 20:.0f} MiB in all", flush=True)
+                    time.sleep(SAMPLE_S)
+                samples.append((time.monotonic() - started, _rss_by_role(settings)))
+                held.append((samples[-1][0], RedisStore.from_url(settings.redis_url).holdings()))
+            outcomes = gen.outcomes + emb.outcomes
+        finally:
+            control.down(settings)
     return _report(samples, held, outcomes, args.minutes)
 
 

@@ -4,6 +4,7 @@ the JSON holds, and the 95 % intervals use Student's t for any number of runs.""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from benchmarks import __main__ as bench
 from benchmarks.freshness import benchmark_of, declared_paths, freshness, stale
-from benchmarks.report import CPU_FEATURES, commit, conditions, mean_ci95, t975, verdict
+from benchmarks.report import CPU_FEATURES, commit, conditions, mean_ci95, scratch, t975, verdict
 from contracts.paths import REPO_ROOT
 from tools.results_page import results_page
 
@@ -122,3 +123,15 @@ def test_a_target_is_met_only_when_the_whole_interval_clears_it():
     assert verdict(1.15, 0.1, 1.2) == "not separable from the target"
     assert verdict(1.8, 0.2, 1.5, at_least=True) == "met" and verdict(1.2, 0.2, 1.5, at_least=True) == "missed"
     assert verdict(1.55, 0.1, 1.5, at_least=True) == "not separable from the target"
+
+
+def test_a_run_keeps_its_files_only_when_it_fails(capsys):
+    with scratch("quart-test-") as kept_for:
+        (kept_for / "logs").mkdir()
+    assert not kept_for.exists()
+    with pytest.raises(RuntimeError), scratch("quart-test-") as failed:
+        (failed / "logs").mkdir()
+        raise RuntimeError("a replica died")
+    assert (failed / "logs").is_dir()
+    assert str(failed) in capsys.readouterr().err
+    shutil.rmtree(failed)
