@@ -12,6 +12,7 @@ QUART_DRAIN, either hands each cache it holds to a peer of its stage with the re
 (`migrate`) or finishes the requests (`finish`), then exits."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -35,6 +36,7 @@ from engine.idle_cores import CoreBoard
 from engine.routes import Routes
 from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
 from models.batched_decoder import BatchedDecoder
+from models.compile_worker import fill_cache
 from models.compiled_decode import compile_in_background
 from models.emulated import EmulatedRunner
 from models.fetch import ensure_manifest
@@ -130,7 +132,8 @@ class StageReplica:
 
     def _compile(self, engine: BatchedDecoder) -> None:
         """Compiles the decode step in the background, below serving and once this replica idles
-        (engine/compile_policy.py), unless the zygote it was forked from compiled it already."""
+        (engine/compile_policy.py), from caches a worker process fills first (models/compile_worker.py),
+        unless the zygote it was forked from compiled it already."""
         if engine.compiled is not None:
             log.info("decode steps compiled by the zygote (in %.1f s)", engine.compiled.compile_s)
             return
@@ -140,7 +143,9 @@ class StageReplica:
             now, stepped = time.monotonic(), self._stepped_at
             return not self._draining and compile_may_start(
                 now - since, None if stepped is None else now - stepped, self._holding(), compute.compile_defer_s)
-        compile_in_background(engine, compute.compile_nice, may_start)
+        prepare = functools.partial(fill_cache, str(self.manifest.directory), self.first, self.last, compute.dtype,
+                                    max(1, compute.threads), compute.prepack)
+        compile_in_background(engine, compute.compile_nice, may_start, prepare)
 
     @property
     def replica_id(self) -> str:

@@ -17,8 +17,9 @@ and 16 sequences, against 11.2, 13.3 and 20.8 frozen and 15.5, 18.7 and 31.4 eag
 A KeysManager zygote compiles before it forks (`compile_here`), so its forks serve compiled steps
 from their first; a replica started otherwise compiles on a thread of its own while eager steps
 serve, at a low priority, once the replica idles (`engine/compile_policy.py`) and only between
-its serving turns (`models/serving_first.py`). Only on the CPU
-(a GPU's counterpart would be CUDA graphs: not built).
+its serving turns (`models/serving_first.py`), from inductor's caches, which a process of its own
+filled first (`models/compile_worker.py`). Only on the CPU (a GPU's counterpart would be CUDA
+graphs: not built).
 
 Prefills, and batches that mix them with decodes, stay eager: their lengths vary too much to
 bucket, and a prompt runs once where its tokens run every step."""
@@ -92,9 +93,11 @@ class CompiledDecode:
         log.info("decode steps compiled in %.1f s", self.compile_s)
         return self.compile_s
 
-    def warm_in_background(self, nice: int = 0, may_start: Callable[[], bool] = lambda: True) -> threading.Thread:
-        """Compiles on a thread of its own at `nice`, which the compiler processes it starts
-        inherit, once `may_start()` says so (asked every START_POLL_S); eager steps serve until
+    def warm_in_background(self, nice: int = 0, may_start: Callable[[], bool] = lambda: True,
+                           prepare: Callable[[], object] = lambda: None) -> threading.Thread:
+        """Compiles on a thread of its own at `nice`, which the processes it starts inherit, once
+        `may_start()` says so (asked every START_POLL_S), after `prepare()` (a compile in another
+        process that fills inductor's caches: `models/compile_worker.py`); eager steps serve until
         it is done, and the thread parks while they do (`models/serving_first.py`). A failure to
         compile leaves eager serving, and says why in the log."""
         # OpenMP keeps a thread count per thread (a new one sees the host's cores), and inductor
@@ -107,6 +110,7 @@ class CompiledDecode:
                 time.sleep(START_POLL_S)
             _lower_this_thread(nice)
             torch.set_num_threads(threads)
+            prepare()  # waits on another process: Python's lock stays free for serving
             SERVING_FIRST.yield_to_serving()
             try:
                 self.warm()
@@ -192,12 +196,14 @@ def _compiler_found() -> bool:
     return True
 
 
-def compile_in_background(engine: BatchedDecoder, nice: int = 0, may_start: Callable[[], bool] = lambda: True) -> None:
+def compile_in_background(engine: BatchedDecoder, nice: int = 0, may_start: Callable[[], bool] = lambda: True,
+                          prepare: Callable[[], object] = lambda: None) -> None:
     """Attaches a decode step to `engine` that compiles on a thread of its own at `nice` once
-    `may_start()` says so (eager steps serve meanwhile); none where this host has no compiler."""
+    `may_start()` says so, after `prepare()` (eager steps serve meanwhile); none where this host
+    has no compiler."""
     if _compiler_found():
         engine.compiled = CompiledDecode(engine)
-        engine.compiled.warm_in_background(nice, may_start)
+        engine.compiled.warm_in_background(nice, may_start, prepare)
 
 
 def compile_here(engine: BatchedDecoder) -> CompiledDecode | None:

@@ -6,7 +6,10 @@ windows and soft-capped logits."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,6 +18,7 @@ import psutil
 import pytest
 import torch
 
+from contracts.paths import REPO_ROOT
 from models.batched_decoder import BatchedDecoder, Step
 from models.compiled_decode import LENGTH_BUCKET, CompiledDecode
 from models.kv_cache import KVStore
@@ -164,3 +168,33 @@ def test_a_background_compile_waits_its_turn_then_runs_below_serving_and_so_does
     assert ("quart-compile", 19) in threads, threads
     assert all(n == 19 for n in children.values()), children
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0, "the serving thread keeps its priority"
+
+
+
+# A fresh process compiling a stage's decode step, as a replica does after the worker: how often
+# inductor's caches answered (this process's own in-memory ones would answer a test here).
+_COMPILE_AND_COUNT = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from models.compiled_decode import CompiledDecode
+from models.manifest import Manifest
+from models.stage_runner import StageRunner
+torch.set_num_threads(1)
+CompiledDecode(StageRunner(Manifest.load(sys.argv[1]), 0, 1, dtype="float32", prepack=False).batched()).warm()
+print(json.dumps(dict(counters["inductor"])))
+"""
+
+
+def test_a_worker_process_fills_the_caches_that_the_replica_then_compiles_from(home_settings, tmp_path, monkeypatch,
+                                                                               caplog):
+    from models.compile_worker import fill_cache
+
+    manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: nothing compiled yet
+    assert not fill_cache(str(tmp_path / "nowhere"), 0, 1, "float32", 1, False)
+    assert "the compile worker failed" in caplog.text
+    assert fill_cache(str(manifest.directory), 0, 1, "float32", 1, False)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_AND_COUNT, str(manifest.directory)], cwd=REPO_ROOT,
+                          capture_output=True, check=True)
+    counts = json.loads(done.stdout.decode().splitlines()[-1])
+    assert counts.get("fxgraph_cache_hit", 0) >= 2 and not counts.get("fxgraph_cache_miss"), counts

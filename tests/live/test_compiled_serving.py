@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -89,6 +90,9 @@ def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(
         # A step that holds another request's prefill runs eager (the requests' prefills need not
         # share a step); every one after the last prefill is decodes only, and compiled.
         assert all(r and r[-1] for r in _decode_records(store, reply["id"], since)), text
+    # Each cold replica compiled from the caches a worker process filled (models/compile_worker.py).
+    logs = "".join(p.read_text(errors="replace") for p in (Path(settings.home) / "logs").glob("*.log"))
+    assert logs.count("the compile worker filled inductor's caches") >= 2, "a replica compiled without its worker"
 
 
 def test_a_replica_forked_from_the_zygote_runs_compiled_steps_from_its_first(compiled):
