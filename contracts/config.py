@@ -106,6 +106,7 @@ class ComputeConfig:
     compile: bool = True
     compile_nice: int = 19
     compile_defer_s: float = 30.0
+    compile_worker: bool = True
     idle_cores: bool = False
 
     @property
@@ -466,6 +467,11 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_COMPILE_DEFER_S", "compute.compile_defer_s",
         "the longest a replica's background compile waits for the replica to idle (no sequence held, no step "
         "for a second) before it starts anyway; 0: at once", _not_negative),
+    Var("QUART_COMPILE_WORKER", "compute.compile_worker",
+        "a replica's background compile runs first in a process of its own at the same nice value, which fills "
+        "inductor's on-disk caches, and the replica then compiles from them (a fraction of the work, in the "
+        "pauses between its serving turns); the process holds a second copy of the stage's weights while it "
+        "runs; false: the whole compile in the replica"),
     Var("QUART_IDLE_CORES", "compute.idle_cores",
         "a CPU step takes the host's cores that no other replica of the host is computing on (one request in "
         "flight: every core for the stage computing) while no two steps have overlapped for a second, else "

@@ -144,7 +144,7 @@ class StageReplica:
             return not self._draining and compile_may_start(
                 now - since, None if stepped is None else now - stepped, self._holding(), compute.compile_defer_s)
         prepare = functools.partial(fill_cache, str(self.manifest.directory), self.first, self.last, compute.dtype,
-                                    max(1, compute.threads), compute.prepack)
+                                    max(1, compute.threads), compute.prepack) if compute.compile_worker else lambda: None
         compile_in_background(engine, compute.compile_nice, may_start, prepare)
 
     @property
