@@ -84,6 +84,15 @@ def test_a_child_keeps_the_callers_python_path_behind_the_repository(monkeypatch
     assert child_environment(load_settings(environ={}))["PYTHONPATH"] == str(REPO_ROOT)
 
 
+def test_with_idle_cores_children_spin_openmp_briefly_unless_the_user_says_otherwise(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert "GOMP_SPINCOUNT" not in child_environment(load_settings(environ={}))
+    idle = load_settings(environ={}, idle_cores=True)
+    assert child_environment(idle)["GOMP_SPINCOUNT"] == "20000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert child_environment(idle)["GOMP_SPINCOUNT"] == "0"
+
+
 @pytest.mark.parametrize("env,needle", [
     ({"QUART_REDIS_PORT": "seventy"}, "QUART_REDIS_PORT='seventy'"),
     ({"QUART_REDIS_PORT": "70000"}, "port number"),
