@@ -198,3 +198,18 @@ def test_a_worker_process_fills_the_caches_that_the_replica_then_compiles_from(h
                           capture_output=True, check=True)
     counts = json.loads(done.stdout.decode().splitlines()[-1])
     assert counts.get("fxgraph_cache_hit", 0) >= 2 and not counts.get("fxgraph_cache_miss"), counts
+
+
+def test_a_compile_worker_dies_with_its_replica(home_settings, tmp_path):
+    manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
+    replica = subprocess.Popen([sys.executable, "-c", "import sys; from models.compile_worker import fill_cache; "
+                                "fill_cache(sys.argv[1], 0, 1, 'float32', 1, False)", str(manifest.directory)],
+                               cwd=REPO_ROOT, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    deadline = time.monotonic() + 60
+    while not (workers := psutil.Process(replica.pid).children()):
+        assert time.monotonic() < deadline, "no worker started"
+        time.sleep(0.05)
+    replica.kill()
+    replica.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, "the worker outlived its replica"
