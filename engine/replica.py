@@ -125,18 +125,23 @@ class StageReplica:
         # (None: not pinned, every allowed core; a replica at its default count still pins when asked).
         self._wanted_cpus: int | None = None
         self._pinned: int | None = None
+        self._compile_asked: set[int] = set()  # thread counts whose decode step compiles or has compiled
         self._threads: list[threading.Thread] = []
         # Torch steps take the host's idle cores (engine/idle_cores.py); emulated ones have no threads.
         self._board = (CoreBoard(Path(settings.home) / "run" / "cores") if settings.compute.idle_cores
                        and isinstance(runner, StageRunner) and settings.compute.device == "cpu" else None)
 
-    def _compile(self, engine: BatchedDecoder) -> None:
-        """Compiles the decode step in the background, below serving and once this replica idles
-        (engine/compile_policy.py), from caches a worker process fills first (models/compile_worker.py),
-        unless the zygote it was forked from compiled it already."""
-        if engine.compiled is not None:
-            log.info("decode steps compiled by the zygote (in %.1f s)", engine.compiled.compile_s)
+    def _compile(self, engine: BatchedDecoder, threads: list[int]) -> None:
+        """Compiles the decode step for each of `threads` not compiled yet (a zygote compiles its
+        forks' own count) in the background, below serving and once this replica idles
+        (engine/compile_policy.py), from caches a worker process fills first (models/compile_worker.py)."""
+        compiled = engine.compiled
+        if compiled is not None and compiled.compile_s is not None and not self._compile_asked:
+            log.info("decode steps compiled by the zygote (in %.1f s)", compiled.compile_s)
+        threads = [n for n in threads if n not in self._compile_asked and (compiled is None or not compiled.covers(n))]
+        if not threads:
             return
+        self._compile_asked.update(threads)
         compute, since = self.settings.compute, time.monotonic()
 
         def may_start() -> bool:  # never in a replica being removed: it would compile for nothing
@@ -144,8 +149,16 @@ class StageReplica:
             return not self._draining and compile_may_start(
                 now - since, None if stepped is None else now - stepped, self._holding(), compute.compile_defer_s)
         prepare = functools.partial(fill_cache, str(self.manifest.directory), self.first, self.last, compute.dtype,
-                                    max(1, compute.threads), compute.prepack) if compute.compile_worker else lambda: None
-        compile_in_background(engine, compute.compile_nice, may_start, prepare)
+                                    threads, compute.prepack) if compute.compile_worker else lambda: None
+        if compiled is None:
+            compile_in_background(engine, compute.compile_nice, may_start, prepare, threads)
+        else:
+            compiled.warm_in_background(compute.compile_nice, may_start, prepare, threads)
+
+    def _step_threads(self) -> list[int]:
+        """The thread counts this replica's steps run on: its own, and the host's cores where its
+        steps take the idle ones (engine/idle_cores.py)."""
+        return sorted({self.cpus} | ({self._board.cores} if self._board is not None else set()))
 
     @property
     def replica_id(self) -> str:
@@ -173,7 +186,7 @@ class StageReplica:
 
     def start(self) -> None:
         if self.generation is not None and self.settings.compute.compiles:
-            self._compile(self.generation.engine)
+            self._compile(self.generation.engine, self._step_threads())
         self.transport.ensure_streams(self.routes.next_stages)
         self.store.register(self.info, self.settings.data.replica_ttl_s)
         for target in (self._work_loop, self._heartbeat_loop):
@@ -476,6 +489,8 @@ class StageReplica:
                     yield
                 else:
                     threads = self._board.begin(self.cpus)
+                    if not self._compiled_for(threads):  # a compiled step on its own cores beats an eager one on all
+                        threads = self.cpus
                     if threads != torch.get_num_threads():
                         torch.set_num_threads(threads)
                     try:
@@ -484,6 +499,13 @@ class StageReplica:
                         self._board.end()
             finally:
                 self._stepped_at = time.monotonic()  # the compile's turn waits for a pause (_compile)
+
+    def _compiled_for(self, threads: int) -> bool:
+        """Whether steps on `threads` threads run what this replica's others do: compiled decode
+        steps where any count is compiled (a fork of the zygote has its own count's from the
+        first; the idle cores' compile after it), eager ones everywhere otherwise."""
+        compiled = self.generation.engine.compiled if self.generation is not None else None
+        return compiled is None or not compiled.ready or compiled.covers(threads)
 
     def _apply_cpus(self, cpus: int) -> None:
         """Changes this replica's CPUs while it runs: the affinity of every thread of the process
@@ -497,6 +519,8 @@ class StageReplica:
                 pass
         self.runner.use_cpus(len(cores))
         self.cpus = self._pinned = cpus
+        if self.generation is not None and self.settings.compute.compiles:
+            self._compile(self.generation.engine, [len(cores)])  # eager on the new count until then
         self.store.update_replica(self.replica_id, cpus=cpus)
         log.info("%s now uses %d CPUs (cores %s)", self.replica_id, cpus, cores)
 

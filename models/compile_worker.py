@@ -18,7 +18,7 @@ server's disk (a shard only in the prefetcher's memory is not there: the replica
 in-process, as before). It dies with the replica (a replica removed mid-compile leaves no orphan
 holding that copy).
 
-    python -m models.compile_worker MANIFEST_DIR FIRST LAST --dtype D --threads N [--no-prepack] [--parent PID]
+    python -m models.compile_worker MANIFEST_DIR FIRST LAST --dtype D --threads N [N ...] [--no-prepack] [--parent PID]
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 from contracts.paths import REPO_ROOT
 
@@ -41,11 +42,11 @@ TIMEOUT_S = 1800.0
 PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
-def fill_cache(manifest_dir: str, first: int, last: int, dtype: str, threads: int, prepack: bool) -> bool:
-    """Runs the worker for stages [first, last) and waits for it; whether it compiled. Called
-    from the compile's thread: the worker inherits that thread's nice value."""
+def fill_cache(manifest_dir: str, first: int, last: int, dtype: str, threads: Sequence[int], prepack: bool) -> bool:
+    """Runs the worker for stages [first, last) on each of `threads` and waits for it; whether it
+    compiled. Called from the compile's thread: the worker inherits that thread's nice value."""
     argv = [sys.executable, "-m", "models.compile_worker", manifest_dir, str(first), str(last), "--dtype", dtype,
-            "--threads", str(threads), "--parent", str(os.getpid()), *([] if prepack else ["--no-prepack"])]
+            "--threads", *map(str, threads), "--parent", str(os.getpid()), *([] if prepack else ["--no-prepack"])]
     started = time.monotonic()
     try:
         done = subprocess.run(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("first", type=int)
     parser.add_argument("last", type=int)
     parser.add_argument("--dtype", required=True)
-    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--threads", type=int, nargs="+", required=True,
+                        help="the thread counts the replica's steps run on (inductor compiles for each)")
     parser.add_argument("--no-prepack", dest="prepack", action="store_false")
     parser.add_argument("--parent", type=int, help="die with this process (the replica)")
     args = parser.parse_args(argv)
@@ -81,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     from models.manifest import Manifest
     from models.stage_runner import StageRunner
 
-    torch.set_num_threads(args.threads)  # inductor sizes its kernels' parallel regions by it
+    torch.set_num_threads(min(args.threads))  # converting the weights needs no more
     runner = StageRunner(Manifest.load(args.manifest), args.first, args.last, "cpu", args.dtype,
                          prepack=args.prepack)  # int8 weights do not compile (Compute.compiles)
-    return 0 if compile_here(runner.batched()) is not None else 1
+    return 0 if compile_here(runner.batched(), args.threads) is not None else 1
 
 
 def _die_with_parent(parent: int) -> None:

@@ -18,8 +18,10 @@ A KeysManager zygote compiles before it forks (`compile_here`), so its forks ser
 from their first; a replica started otherwise compiles on a thread of its own while eager steps
 serve, at a low priority, once the replica idles (`engine/compile_policy.py`) and only between
 its serving turns (`models/serving_first.py`), from inductor's caches, which a process of its own
-filled first (`models/compile_worker.py`). Only on the CPU (a GPU's counterpart would be CUDA
-graphs: not built).
+filled first (`models/compile_worker.py`). Graphs are per thread count: a replica compiles for
+each count its steps run on (its own, the host's idle cores), and the same way for a count CPU
+compensation gives it later; steps on a count not compiled yet run eager. Only on the CPU (a
+GPU's counterpart would be CUDA graphs: not built).
 
 Prefills, and batches that mix them with decodes, stay eager: their lengths vary too much to
 bucket, and a prompt runs once where its tokens run every step."""
@@ -30,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -63,57 +65,75 @@ class CompiledDecode:
                                 for w in (getattr(layer.self_attn, "sliding_window", None),
                                           getattr(layer.self_attn.config, "sliding_window", None))} | {0})
         self._fn = torch.compile(self._step, fullgraph=True, dynamic=True)
-        # Every instance's graphs are cached under the one code object of `_step`, which torch
-        # limits to 8 (a replica holds one engine; a process that builds several needs more).
-        torch._dynamo.config.recompile_limit += 2
-        self._ready = threading.Event()
+        # The thread counts compiled for: inductor sizes its kernels' parallel regions by the
+        # count it compiles at, and dynamo guards on it, so a step on another count would compile
+        # again, inline, in the serving thread (tens of seconds; the idle-cores collapse at 4
+        # concurrent requests, docs/benchmarks.md). Such a step runs eager instead (`serves`).
+        self._threads: frozenset[int] = frozenset()
         self.compile_s: float | None = None
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set()
+        return bool(self._threads)
+
+    def covers(self, threads: int) -> bool:
+        """Whether steps on `threads` threads have their graphs."""
+        return threads in self._threads
 
     def serves(self, steps: list[Step]) -> bool:
-        """Whether these steps run compiled: all decodes, once compiled, in the dtype compiled for."""
-        return (self.ready and self.engine.dtype == self._dtype and bool(self.engine.layers)
+        """Whether these steps run compiled: all decodes, in the dtype and on a thread count
+        compiled for."""
+        return (self.covers(torch.get_num_threads()) and self.engine.dtype == self._dtype and bool(self.engine.layers)
                 and all(s.tokens == 1 and s.start > 0 for s in steps))
 
-    def warm(self) -> float:
-        """Compiles both graphs (one sequence; several) on a scratch cache; seconds taken."""
-        t0 = time.perf_counter()
+    def warm(self, threads: Sequence[int] = ()) -> float:
+        """Compiles both graphs (one sequence; several) for each thread count of `threads` (the
+        calling thread's count where empty) on a scratch cache; seconds taken."""
+        t0, own = time.perf_counter(), torch.get_num_threads()
         shape = self.engine.kv_shape()
         store = KVStore(shape, 4 * 2 * LENGTH_BUCKET * shape.bytes_per_token)
         with _COMPILING:
-            for batch in (1, 2):
-                seqs = [store.admit(f"warm{i}", 2 * LENGTH_BUCKET) for i in range(batch)]
-                for start in (1, LENGTH_BUCKET + 1):  # two lengths: the length dimension goes dynamic
-                    self._run([Step(seq, self._dummy(), start) for seq in seqs], store)
-        self.compile_s = time.perf_counter() - t0
-        self._ready.set()
-        log.info("decode steps compiled in %.1f s", self.compile_s)
+            for count in threads or (own,):
+                # Every instance's graphs, two a count, are cached under the one code object of
+                # `_step`, which torch limits to 8 (a process may build several engines).
+                torch._dynamo.config.recompile_limit += 2
+                torch.set_num_threads(count)
+                try:
+                    for batch in (1, 2):
+                        seqs = [store.admit(f"warm{count}.{i}", 2 * LENGTH_BUCKET) for i in range(batch)]
+                        for start in (1, LENGTH_BUCKET + 1):  # two lengths: the length dimension goes dynamic
+                            self._run([Step(seq, self._dummy(), start) for seq in seqs], store)
+                        for seq in seqs:
+                            store.free(seq.seq_id)
+                finally:
+                    torch.set_num_threads(own)
+                self._threads |= {count}
+        self.compile_s = (self.compile_s or 0.0) + time.perf_counter() - t0
+        log.info("decode steps compiled for %s threads in %.1f s", "/".join(map(str, sorted(self._threads))),
+                 self.compile_s)
         return self.compile_s
 
     def warm_in_background(self, nice: int = 0, may_start: Callable[[], bool] = lambda: True,
-                           prepare: Callable[[], object] = lambda: None) -> threading.Thread:
-        """Compiles on a thread of its own at `nice`, which the processes it starts inherit, once
-        `may_start()` says so (asked every START_POLL_S), after `prepare()` (a compile in another
-        process that fills inductor's caches: `models/compile_worker.py`); eager steps serve until
-        it is done, and the thread parks while they do (`models/serving_first.py`). A failure to
-        compile leaves eager serving, and says why in the log."""
-        # OpenMP keeps a thread count per thread (a new one sees the host's cores), and inductor
-        # sizes the parallel regions of the kernels it generates by the count it sees: the
-        # compiling thread takes this one's, the replica's.
-        threads = torch.get_num_threads()
+                           prepare: Callable[[], object] = lambda: None,
+                           threads: Sequence[int] = ()) -> threading.Thread:
+        """Compiles for each count of `threads` (the calling thread's where empty) on a thread of
+        its own at `nice`, which the processes it starts inherit, once `may_start()` says so
+        (asked every START_POLL_S), after `prepare()` (a compile in another process that fills
+        inductor's caches: `models/compile_worker.py`); eager steps serve until it is done, and the
+        thread parks while they do (`models/serving_first.py`). A failure to compile leaves eager
+        serving, and says why in the log."""
+        # OpenMP keeps a thread count per thread (a new one sees the host's cores): the compiling
+        # thread takes the counts asked for, this one's by default.
+        threads = tuple(threads) or (torch.get_num_threads(),)
 
         def run() -> None:
             while not may_start():
                 time.sleep(START_POLL_S)
             _lower_this_thread(nice)
-            torch.set_num_threads(threads)
             prepare()  # waits on another process: Python's lock stays free for serving
             SERVING_FIRST.yield_to_serving()
             try:
-                self.warm()
+                self.warm(threads)
             except Exception:  # noqa: BLE001 - any compiler failure must leave eager serving
                 log.exception("compiling the decode step failed; steps stay eager")
             finally:
@@ -130,8 +150,8 @@ class CompiledDecode:
         # all that varies, and torch's skip_guard_eval_unsafe runs only the guards that have told
         # this code's graphs apart (every one that has failed), engines of this process included.
         # It is global, so not while a compile runs: a graph being traced would go unguarded.
-        # What no graph fits yet (a step on more threads, `QUART_IDLE_CORES`) torch refuses
-        # under that stance before the step runs: it runs again with every guard, compiling.
+        # What no graph fits yet torch refuses under that stance before the step runs: it runs
+        # again with every guard, compiling (`serves` keeps other thread counts from here).
         if _COMPILING.acquire(blocking=False):
             try:
                 with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
@@ -197,25 +217,26 @@ def _compiler_found() -> bool:
 
 
 def compile_in_background(engine: BatchedDecoder, nice: int = 0, may_start: Callable[[], bool] = lambda: True,
-                          prepare: Callable[[], object] = lambda: None) -> None:
-    """Attaches a decode step to `engine` that compiles on a thread of its own at `nice` once
-    `may_start()` says so, after `prepare()` (eager steps serve meanwhile); none where this host
-    has no compiler."""
+                          prepare: Callable[[], object] = lambda: None, threads: Sequence[int] = ()) -> None:
+    """Attaches a decode step to `engine` that compiles for `threads` on a thread of its own at
+    `nice` once `may_start()` says so, after `prepare()` (eager steps serve meanwhile); none where
+    this host has no compiler."""
     if _compiler_found():
         engine.compiled = CompiledDecode(engine)
-        engine.compiled.warm_in_background(nice, may_start, prepare)
+        engine.compiled.warm_in_background(nice, may_start, prepare, threads)
 
 
-def compile_here(engine: BatchedDecoder) -> CompiledDecode | None:
-    """Compiles `engine`'s decode step in this thread and attaches it; None, and the reason in the
-    log, where the compiler fails. For a process that forks afterwards (a KeysManager zygote):
-    inductor's pool of compile workers is not started, so no thread of it outlives the compile."""
+def compile_here(engine: BatchedDecoder, threads: Sequence[int] = ()) -> CompiledDecode | None:
+    """Compiles `engine`'s decode step for `threads` in this thread and attaches it; None, and the
+    reason in the log, where the compiler fails. For a process that forks afterwards (a
+    KeysManager zygote): inductor's pool of compile workers is not started, so no thread of it
+    outlives the compile."""
     if not _compiler_found():
         return None
     torch._inductor.config.compile_threads = 1
     compiled = CompiledDecode(engine)
     try:
-        compiled.warm()
+        compiled.warm(threads)
     except Exception:  # noqa: BLE001 - any compiler failure must leave eager serving
         log.exception("compiling the decode step failed; steps stay eager")
         return None

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from contracts.paths import REPO_ROOT
 from models.batched_decoder import BatchedDecoder, Step
@@ -104,23 +105,31 @@ def test_packed_steps_compiled_one_engine_after_another_compute_what_eager_steps
         assert gap <= PACKED_TOLERANCE[dtype] * scale, (batch, gap, scale)
 
 
-def test_a_compiled_step_on_more_threads_than_it_was_compiled_on_compiles_for_them(home_settings, tmp_path):
-    """Compiled steps run with only the guards that told graphs apart; a thread count no graph
-    was compiled for (a step on the host's idle cores) must still get a graph of its own."""
+def test_a_step_runs_compiled_on_the_thread_counts_compiled_for_and_eager_on_others(home_settings, tmp_path):
+    """Dynamo guards on the thread count: a step on a count no graph was compiled for (the host's
+    idle cores, CPU compensation) would compile inline, in the serving thread. It runs eager
+    instead, and once that count is compiled too, each count runs its own graph, compiling nothing."""
     manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
     engine = BatchedDecoder(StageRunner(manifest, 0, 1, dtype="float32", prepack=False).modules)
     store = KVStore(engine.kv_shape(), 1 << 26)
     seq = store.admit("a", 20)
     engine.forward([Step(seq, torch.tensor([1, 2, 3]), 0)])
-    expected = engine.forward([Step(seq, torch.tensor([4]), 3)])[0]
+    step = Step(seq, torch.tensor([4]), 3)
+    expected = engine.forward([step])[0]
     threads = torch.get_num_threads()
     engine.compiled = CompiledDecode(engine)
     engine.compiled.warm()
     try:
+        torch.set_num_threads(threads + 1)
+        assert not engine.runs_compiled([step]), "no graph for this count: the step must run eager"
+        torch.testing.assert_close(engine.forward([step])[0], expected, rtol=1e-4, atol=1e-4)
+        engine.compiled.warm([threads + 1])
+        graphs = counters["stats"]["unique_graphs"]
         for n in (threads, threads + 1, threads):
             torch.set_num_threads(n)
-            got = engine.forward([Step(seq, torch.tensor([4]), 3)])[0]
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            assert engine.runs_compiled([step]), n
+            torch.testing.assert_close(engine.forward([step])[0], expected, rtol=1e-4, atol=1e-4)
+        assert counters["stats"]["unique_graphs"] == graphs, "a serving step compiled"
     finally:
         torch.set_num_threads(threads)
 
@@ -179,8 +188,7 @@ from torch._dynamo.utils import counters
 from models.compiled_decode import CompiledDecode
 from models.manifest import Manifest
 from models.stage_runner import StageRunner
-torch.set_num_threads(1)
-CompiledDecode(StageRunner(Manifest.load(sys.argv[1]), 0, 1, dtype="float32", prepack=False).batched()).warm()
+CompiledDecode(StageRunner(Manifest.load(sys.argv[1]), 0, 1, dtype="float32", prepack=False).batched()).warm([1, 2])
 print(json.dumps(dict(counters["inductor"])))
 """
 
@@ -191,9 +199,9 @@ def test_a_worker_process_fills_the_caches_that_the_replica_then_compiles_from(h
 
     manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: nothing compiled yet
-    assert not fill_cache(str(tmp_path / "nowhere"), 0, 1, "float32", 1, False)
+    assert not fill_cache(str(tmp_path / "nowhere"), 0, 1, "float32", [1], False)
     assert "the compile worker failed" in caplog.text
-    assert fill_cache(str(manifest.directory), 0, 1, "float32", 1, False)
+    assert fill_cache(str(manifest.directory), 0, 1, "float32", [1, 2], False)
     done = subprocess.run([sys.executable, "-c", _COMPILE_AND_COUNT, str(manifest.directory)], cwd=REPO_ROOT,
                           capture_output=True, check=True)
     counts = json.loads(done.stdout.decode().splitlines()[-1])
@@ -203,7 +211,7 @@ def test_a_worker_process_fills_the_caches_that_the_replica_then_compiles_from(h
 def test_a_compile_worker_dies_with_its_replica(home_settings, tmp_path):
     manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
     replica = subprocess.Popen([sys.executable, "-c", "import sys; from models.compile_worker import fill_cache; "
-                                "fill_cache(sys.argv[1], 0, 1, 'float32', 1, False)", str(manifest.directory)],
+                                "fill_cache(sys.argv[1], 0, 1, 'float32', [1], False)", str(manifest.directory)],
                                cwd=REPO_ROOT, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     deadline = time.monotonic() + 60
     while not (workers := psutil.Process(replica.pid).children()):

@@ -1,9 +1,10 @@
 """QUART_COMPILE the way a user turns it on: a user's own decoder (LLaMA-shaped, random weights
 written by transformers' save_pretrained) in two stages on the embedded runtime with decode steps
-compiled. The replicas serve eagerly while they compile, then their records say the decode steps
-ran compiled, and the tokens, alone and batched, are the unsplit model's. A replica forked from the
-KeysManager's zygote, which compiled before it forked, runs its decode steps compiled from the
-first."""
+compiled, their steps on the host's idle cores (QUART_IDLE_CORES). The replicas serve eagerly
+while they compile, for each thread count their steps run on (their own, the host's cores), then
+their records say the decode steps ran compiled, and the tokens, alone and batched, are the
+unsplit model's. A replica forked from the KeysManager's zygote, which compiled for one thread
+before it forked, runs its decode steps compiled from the first."""
 from __future__ import annotations
 
 import time
@@ -15,6 +16,7 @@ from transformers import AutoTokenizer
 
 from contracts.http_client import GatewayClient
 from contracts.stage import StageRef
+from engine.idle_cores import usable_cores
 from keysmanager.client import KeysClient
 from models.architectures import architecture
 from models.random_checkpoint import write_random_checkpoint
@@ -40,7 +42,8 @@ def compiled(home_settings, tmp_path_factory):
     # float32, so the tokens can be compared with transformers' own float32 model exactly.
     settings = home_settings.replace(
         home=str(root / "home"), gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-        stack_file=str(stack), request_timeout_s=120.0, admit_wait_s=0.0, compile=True, dtype="float32")
+        stack_file=str(stack), request_timeout_s=120.0, admit_wait_s=0.0, compile=True, dtype="float32",
+        idle_cores=True)
     try:
         assert control.up(settings, timeout=600) == 0, "the runtime did not come up"
         yield settings, folder
@@ -90,9 +93,15 @@ def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(
         # A step that holds another request's prefill runs eager (the requests' prefills need not
         # share a step); every one after the last prefill is decodes only, and compiled.
         assert all(r and r[-1] for r in _decode_records(store, reply["id"], since)), text
-    # Each cold replica compiled from the caches a worker process filled (models/compile_worker.py).
-    logs = "".join(p.read_text(errors="replace") for p in (Path(settings.home) / "logs").glob("*.log"))
-    assert logs.count("the compile worker filled inductor's caches") >= 2, "a replica compiled without its worker"
+    # Each cold replica compiled for every count its steps run on (steps on a count not compiled
+    # yet run on one that is), from the caches a worker process filled (models/compile_worker.py).
+    counts = sorted({1, usable_cores()})
+    compiled_for = f"decode steps compiled for {'/'.join(map(str, counts))} threads"
+
+    def logs() -> str:
+        return "".join(p.read_text(errors="replace") for p in (Path(settings.home) / "logs").glob("*.log"))
+    wait_until(lambda: logs().count(compiled_for) >= 2, 900, f"each replica compiled for each of {counts} threads")
+    assert logs().count("the compile worker filled inductor's caches") >= 2, "a replica compiled without its worker"
 
 
 def test_a_replica_forked_from_the_zygote_runs_compiled_steps_from_its_first(compiled):
