@@ -56,6 +56,7 @@ from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, scratch, 
 from contracts.config import ComputeConfig, Settings, load_settings
 from contracts.http_client import GatewayClient, Reply
 from contracts.paths import REPO_ROOT
+from engine.idle_cores import usable_cores
 from loadgen.sharegpt import first_prompts
 from models.decoder_attention import kernels
 from models.manifest import Manifest
@@ -270,8 +271,10 @@ def running(model: str, new: int, quantize: str = "", **changes: object) -> Iter
 
 def wait_compiled(settings: Settings, model: str, timeout_s: float = 1200.0) -> float:
     """Sends short requests until one's decode steps ran compiled at every stage (the replicas
-    compile in the background, `models/compiled_decode.py`); seconds it took."""
+    compile in the background, `models/compiled_decode.py`), on the host's cores where steps take
+    the idle ones (each replica compiles for its own count first); seconds it took."""
     client, store = GatewayClient(settings.gateway.url, timeout=600), RedisStore.from_url(settings.redis_url)
+    threads = usable_cores() if settings.compute.idle_cores else None
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         since = time.time() - 1.0
@@ -281,7 +284,7 @@ def wait_compiled(settings: Settings, model: str, timeout_s: float = 1200.0) -> 
             continue
         assert reply.status == 200, reply.body
         steps = decode_steps(store, model, reply.json()["id"], since)
-        if steps and all(s.compiled for step in steps for s in step):
+        if steps and all(s.compiled and threads in (None, s.threads) for step in steps for s in step):
             print(f"  decode steps compiled at every stage after {time.monotonic() - t0:.0f} s", flush=True)
             return time.monotonic() - t0
         time.sleep(5.0)

@@ -452,7 +452,7 @@ class StageReplica:
         header.timings.append(StageTiming(self.first, self.replica_id, round(queue_ms, 3), round(service_ms, 3)))
         QUEUE.labels(**self._labels).observe(queue_ms / 1000.0)
         sample = StageSample(header.request_id, work.received - work.queued_s, queue_ms, service_ms, self.replica_id,
-                             header.kind, batch, compiled=compiled)
+                             header.kind, batch, compiled=compiled, threads=torch.get_num_threads())  # as the step left them
         commit.record(sample)
         if log.isEnabledFor(logging.DEBUG):   # every item of every step passes here: no work unless asked
             log.debug("%s %s at stage %d: queued %.1f ms, computed %.1f ms in a batch of %d", header.kind,

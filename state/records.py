@@ -135,19 +135,21 @@ class StageSample:
     batch: int = 1
     at_ms: int = 0
     compiled: bool = False          # the step ran compiled (models/compiled_decode.py)
+    threads: int = 1                # the torch threads it ran on (engine/idle_cores.py)
 
     # The stream's field names are short: a stage writes one record per work item.
     def encode(self) -> dict[str, str]:
         return {"id": self.request_id, "t": f"{self.arrived_at:.6f}", "q": f"{self.wait_ms:.3f}",
                 "s": f"{self.service_ms:.3f}", "r": self.replica_id, "k": self.kind, "b": str(self.batch),
-                **({"c": "1"} if self.compiled else {})}
+                **({"c": "1"} if self.compiled else {}), **({"n": str(self.threads)} if self.threads != 1 else {})}
 
     @classmethod
     def decode(cls, entry_id: bytes | str, raw: Raw) -> StageSample:
         data = _text(raw)
         return cls(request_id=data.get("id", ""), arrived_at=float(data["t"]), wait_ms=float(data.get("q", "0")),
                    service_ms=float(data.get("s", "0")), replica_id=data.get("r", ""), kind=data.get("k", "pass"),
-                   batch=int(data.get("b", "1")), at_ms=stream_ms(entry_id), compiled=data.get("c") == "1")
+                   batch=int(data.get("b", "1")), at_ms=stream_ms(entry_id), compiled=data.get("c") == "1",
+                   threads=int(data.get("n", "1")))
 
     @property
     def starts_request(self) -> bool:

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from contracts.http_client import GatewayClient
 from contracts.stage import StageRef
-from engine.idle_cores import usable_cores
+from engine.idle_cores import CALM_S, usable_cores
 from keysmanager.client import KeysClient
 from models.architectures import architecture
 from models.random_checkpoint import write_random_checkpoint
@@ -102,6 +102,14 @@ def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(
         return "".join(p.read_text(errors="replace") for p in (Path(settings.home) / "logs").glob("*.log"))
     wait_until(lambda: logs().count(compiled_for) >= 2, 900, f"each replica compiled for each of {counts} threads")
     assert logs().count("the compile worker filled inductor's caches") >= 2, "a replica compiled without its worker"
+    # Alone, after the burst's overlapping steps have calmed, a request's steps take every core, compiled.
+    time.sleep(2 * CALM_S)
+    since = time.time() - 1.0
+    rid = _generate(client, TEXTS[0])["id"]
+    steps = [s for stage in range(2) for s in store.samples(MODEL, stage, since)
+             if s.kind == "decode" and s.request_id.startswith(rid + ".")]
+    assert steps and all(s.compiled and s.threads == counts[-1] for s in steps), \
+        [(s.compiled, s.threads) for s in steps]
 
 
 def test_a_replica_forked_from_the_zygote_runs_compiled_steps_from_its_first(compiled):

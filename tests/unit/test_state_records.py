@@ -50,8 +50,9 @@ def test_a_stage_sample_round_trips_with_its_stream_time():
     got = StageSample.decode(b"1700000000500-3", _as_redis(sample.encode()))
     assert got == StageSample("abc.0.3", 1700000000.123456, 1.25, 40.5, "m-s1.vm.2", "decode", 8, at_ms=1700000000500)
     assert not got.starts_request and StageSample("a", 0, 0, 0, "r", "prefill").starts_request
-    compiled = StageSample("abc.0.4", 1.0, 1.0, 4.0, "m-s1.vm.2", "decode", 2, compiled=True)
-    assert StageSample.decode(b"1000-0", _as_redis(compiled.encode())).compiled and not got.compiled
+    compiled = StageSample("abc.0.4", 1.0, 1.0, 4.0, "m-s1.vm.2", "decode", 2, compiled=True, threads=2)
+    back = StageSample.decode(b"1000-0", _as_redis(compiled.encode()))
+    assert back.compiled and back.threads == 2 and not got.compiled and got.threads == 1
 
 
 def test_cold_starts_failures_and_key_stages_round_trip():
