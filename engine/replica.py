@@ -136,8 +136,6 @@ class StageReplica:
         forks' own count) in the background, below serving and once this replica idles
         (engine/compile_policy.py), from caches a worker process fills first (models/compile_worker.py)."""
         compiled = engine.compiled
-        if compiled is not None and compiled.compile_s is not None and not self._compile_asked:
-            log.info("decode steps compiled by the zygote (in %.1f s)", compiled.compile_s)
         threads = [n for n in threads if n not in self._compile_asked and (compiled is None or not compiled.covers(n))]
         if not threads:
             return
@@ -150,10 +148,7 @@ class StageReplica:
                 now - since, None if stepped is None else now - stepped, self._holding(), compute.compile_defer_s)
         prepare = functools.partial(fill_cache, str(self.manifest.directory), self.first, self.last, compute.dtype,
                                     threads, compute.prepack) if compute.compile_worker else lambda: None
-        if compiled is None:
-            compile_in_background(engine, compute.compile_nice, may_start, prepare, threads)
-        else:
-            compiled.warm_in_background(compute.compile_nice, may_start, prepare, threads)
+        compile_in_background(engine, compute.compile_nice, may_start, prepare, threads)
 
     def _step_threads(self) -> list[int]:
         """The thread counts this replica's steps run on: its own, and the host's cores where its
@@ -186,6 +181,8 @@ class StageReplica:
 
     def start(self) -> None:
         if self.generation is not None and self.settings.compute.compiles:
+            if (zygote := self.generation.engine.compiled) is not None:
+                log.info("decode steps compiled by the zygote (in %.1f s)", zygote.compile_s)
             self._compile(self.generation.engine, self._step_threads())
         self.transport.ensure_streams(self.routes.next_stages)
         self.store.register(self.info, self.settings.data.replica_ttl_s)

@@ -218,11 +218,11 @@ def _compiler_found() -> bool:
 
 def compile_in_background(engine: BatchedDecoder, nice: int = 0, may_start: Callable[[], bool] = lambda: True,
                           prepare: Callable[[], object] = lambda: None, threads: Sequence[int] = ()) -> None:
-    """Attaches a decode step to `engine` that compiles for `threads` on a thread of its own at
-    `nice` once `may_start()` says so, after `prepare()` (eager steps serve meanwhile); none where
-    this host has no compiler."""
+    """Compiles `engine`'s decode step (attached first where it has none) for `threads` on a
+    thread of its own at `nice` once `may_start()` says so, after `prepare()` (eager steps serve
+    meanwhile); nothing where this host has no compiler."""
     if _compiler_found():
-        engine.compiled = CompiledDecode(engine)
+        engine.compiled = engine.compiled or CompiledDecode(engine)
         engine.compiled.warm_in_background(nice, may_start, prepare, threads)
 
 

@@ -21,6 +21,7 @@ from keysmanager.client import KeysClient
 from models.architectures import architecture
 from models.random_checkpoint import write_random_checkpoint
 from runtime.ports import free_port
+from state.records import StageSample
 from state.store import RedisStore
 from tests.live.runtime_helpers import STACK_HEAD, greedy_reference, wait_until
 from tools import stack as stack_tool
@@ -57,11 +58,16 @@ def _generate(client: GatewayClient, text: str) -> dict:
     return reply.json()
 
 
-def _decode_records(store: RedisStore, rid: str, since: float, replica: str = "") -> list[list[bool]]:
-    """Per stage, whether each of the request's decode steps (those of `replica` if given) ran compiled."""
-    return [[s.compiled for s in store.samples(MODEL, stage, since)
+def _decode_samples(store: RedisStore, rid: str, since: float, replica: str = "") -> list[list[StageSample]]:
+    """Per stage, the records of the request's decode steps (those of `replica` if given)."""
+    return [[s for s in store.samples(MODEL, stage, since)
              if s.kind == "decode" and s.request_id.startswith(rid + ".") and s.replica_id.endswith(replica)]
             for stage in range(2)]
+
+
+def _decode_records(store: RedisStore, rid: str, since: float, replica: str = "") -> list[list[bool]]:
+    """Per stage, whether each of the request's decode steps (those of `replica` if given) ran compiled."""
+    return [[s.compiled for s in stage] for stage in _decode_samples(store, rid, since, replica)]
 
 
 def _expected(folder) -> dict[str, list[int]]:
@@ -106,8 +112,7 @@ def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(
     time.sleep(2 * CALM_S)
     since = time.time() - 1.0
     rid = _generate(client, TEXTS[0])["id"]
-    steps = [s for stage in range(2) for s in store.samples(MODEL, stage, since)
-             if s.kind == "decode" and s.request_id.startswith(rid + ".")]
+    steps = [s for stage in _decode_samples(store, rid, since) for s in stage]
     assert steps and all(s.compiled and s.threads == counts[-1] for s in steps), \
         [(s.compiled, s.threads) for s in steps]
 
