@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -150,10 +151,12 @@ def _read_file(path: Path, view: memoryview) -> Iterator[int]:
 def _follow(path: Path, view: memoryview, stall_s: float) -> Iterator[int]:
     """A shard the prefetcher is still writing (`<shard>.part`, renamed `<shard>` once whole and
     checked): read what is there, wait for more, and end once it is renamed; its `.error` file
-    or a stall ends the read."""
+    or a stall ends the read. A stall is the model's whole arrival making no progress, not this
+    shard's: a multicast sends one server its shards in the plan's order, so a shard's `.part`
+    may wait at zero bytes for longer than the stall time while the shards before it arrive."""
     part, error = path.with_name(path.name + PART), path.with_name(path.name + ERROR)
     f = _open_either(path, part)
-    filled, last = 0, time.monotonic()
+    filled, last, arrived = 0, time.monotonic(), _bytes_in(path.parent)
     with f:
         while filled < len(view) or not path.exists():
             n = f.readinto(view[filled:filled + CHUNK]) if filled < len(view) else 0
@@ -169,8 +172,21 @@ def _follow(path: Path, view: memoryview, stall_s: float) -> Iterator[int]:
                     raise FetchError(f"the prefetch of {path.name} failed: {error.read_text().strip()}")
                 raise FetchError(f"the prefetch of {path.name} was cancelled")
             if time.monotonic() - last > stall_s:
-                raise FetchError(f"the prefetch of {path.name} made no progress for {stall_s:g} s")
+                if (now := _bytes_in(path.parent)) == arrived:
+                    raise FetchError(f"the prefetch of {path.name} made no progress for {stall_s:g} s")
+                last, arrived = time.monotonic(), now
             time.sleep(POLL_S)
+
+
+def _bytes_in(folder: Path) -> int:
+    """The bytes of every file in a model's prefetch folder: shards whole and arriving."""
+    total = 0
+    for entry in os.scandir(folder):
+        try:
+            total += entry.stat().st_size
+        except FileNotFoundError:  # a .part renamed as we looked
+            pass
+    return total
 
 
 def record_prefetch_error(target: Path, message: str) -> None:

@@ -206,6 +206,20 @@ class Placer:
         self.store.add_placements([record], self.settings.data.records_maxlen)
 
 
+    def exited(self, fn: FunctionState, reaped: list[ReplicaProcess]) -> None:
+        """Replicas that exited without being asked to (a crash, a start that failed): op "exit"
+        in `quart:placements`, with the exit code, so that the record of what ran where has no
+        gaps (their logs say why)."""
+        records = [Placement("exit", fn.stage_key, f"exited with code {r.proc.returncode}"
+                             + ("" if r.ready else " before it was ready"), r.server, replica=str(r.id),
+                             started_by=r.started_by, t=time.time())
+                   for r in reaped if r.draining_since is None]
+        for record in records:
+            log.info("%s", record)
+        if records:
+            self.store.add_placements(records, self.settings.data.records_maxlen)
+
+
 def _placed(fn: FunctionState, r: ReplicaProcess) -> tuple[PlacedReplica, bool]:
     """A replica as the scheduler sees it, and whether it is not the scheduler's to count or
     remove (it drains, or stands in for a whole replica: either way it holds its slot)."""

@@ -25,7 +25,6 @@ from contracts.loops import every
 from contracts.openai_errors import error_body
 from contracts.requests import BadRequest, load_json
 from contracts.stack import NAME_RE, SOURCE_VAR, StackFunction, ZeroScaling, identity, ttft_slo_s
-from contracts.stage import StageRef
 from keysmanager.client import KeysClient
 from models.families import Unsupported, check_folder
 from models.manifest import Manifest
@@ -253,7 +252,7 @@ class LocalProvider:
         for fn in list(self.functions.values()) + self._draining:
             reaped = self.processes.refresh(fn)
             if reaped and fn.stage is not None:
-                await asyncio.to_thread(self._deregister, fn.stage, reaped)
+                await asyncio.to_thread(self._deregister, fn, reaped)
             await self._probe(fn)
         self._draining = [fn for fn in self._draining if fn.replicas]
         await asyncio.to_thread(self.activator.publish)
@@ -263,15 +262,16 @@ class LocalProvider:
             self._cpus_checked = time.monotonic()
             await asyncio.to_thread(self._apply_cpus)
 
-    def _deregister(self, stage: StageRef, reaped: list[ReplicaProcess]) -> None:
+    def _deregister(self, fn: FunctionState, reaped: list[ReplicaProcess]) -> None:
         """Takes replicas that exited out of the registry, as Kubernetes takes a dead pod out of
         its endpoints once the kubelet reports it: an entry waiting on a step such a replica held
         prefills again at its next liveness check, not once the registration expires
         (QUART_REPLICA_TTL_S, which stays for replicas whose server is gone). A replica that
         drained has deregistered itself; one in a container registers the pid it has there, and
-        is left to expire."""
-        gone = {(r.server, r.pid) for r in reaped}
+        is left to expire. One that exited unasked is recorded (`Placer.exited`)."""
+        gone, stage = {(r.server, r.pid) for r in reaped}, fn.stage
         try:
+            self.placer.exited(fn, reaped)
             for record in self.placer.store.live_replicas(stage.model, stage.first):
                 if (record.server, record.pid) in gone:
                     self.placer.store.deregister(record)

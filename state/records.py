@@ -220,10 +220,12 @@ def decode_key_stages(model: str, raw: bytes | str) -> list[StageRef]:
 @dataclass(frozen=True)
 class Placement:
     """One thing the scheduler did: added a replica (`op` add: where, by which path), removed
-    one (remove), or could not place one (unplaced), with its reason; and how an added replica's
-    start went (ready: when it first answered its health check, beside the prediction). Written by
-    the embedded runtime's placer and by the Kubernetes backend alike."""
-    op: str                         # add | remove | unplaced | ready
+    one (remove), or could not place one (unplaced), with its reason; how an added replica's
+    start went (ready: when it first answered its health check, beside the prediction); and a
+    replica that exited without being asked to (exit, with its code). Written by the embedded
+    runtime's placer and by the Kubernetes backend alike (which records no exits: Kubernetes
+    restarts a pod's container in place)."""
+    op: str                         # add | remove | unplaced | ready | exit
     stage: str                      # the stage function's key, "model:stages"
     reason: str
     server: str = ""

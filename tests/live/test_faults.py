@@ -134,6 +134,9 @@ def test_a_killed_stage_replica_is_taken_out_of_the_registry_and_its_requests_re
     # Taken out by the provider that reaped it, not left to expire (QUART_REPLICA_TTL_S).
     log = (Path(faulty.home) / "logs" / "runtime.log").read_text(errors="replace")
     assert f"{victim.replica_id} exited: taken out of the registry" in log
+    # And the record of what ran where says it exited, killed (a SIGKILL's code).
+    exits = [p for p in store.placements() if p.op == "exit" and p.replica == f"{victim.server}/{victim.pid}"]
+    assert [(p.server, p.reason) for p in exits] == [(victim.server, "exited with code -9")], store.placements()
     # The live set, which routing reads, agrees.
     assert victim.replica_id not in {r.replica_id for r in store.live_replicas(MODEL, 5)}
     # Every request answered with its content: those the dead replica held prefilled again.
