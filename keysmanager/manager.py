@@ -28,7 +28,7 @@ from keysmanager.metrics import KeysManagerMetrics
 from models.fetch import ensure_manifest, ensure_model, partial_path
 from models.manifest import Manifest
 from models.profiles import PROFILES as EMULATION_PROFILES
-from models.shard_reader import PART
+from models.shard_reader import PART, arrival_bytes
 from state.records import CacheEvent, ZygoteRecord
 from state.store import Store
 
@@ -202,16 +202,15 @@ class KeysManager:
     def _arrived(self, path: Path) -> bool:
         """Whether `path` is whole in the prefetch folder, waiting while this server's prefetcher
         or receiver still writes it (its `.part` grows; the runtime's start prefetches a cold
-        replica's shard while the same server caches its stage) for as long as it makes progress
-        within QUART_FETCH_STALL_S."""
+        replica's shard while the same server caches its stage) for as long as the model's arrival
+        makes progress within QUART_FETCH_STALL_S (as `shard_reader` counts it: a multicast may send
+        the shards before this one first)."""
         part = path.with_name(path.name + PART)
         size, progress = -1, time.monotonic()
         while not path.is_file():
-            try:
-                now = part.stat().st_size
-            except FileNotFoundError:  # renamed whole meanwhile, or given up
+            if not part.exists():  # renamed whole meanwhile, or given up
                 return path.is_file()
-            if now != size:
+            if (now := arrival_bytes(path.parent)) != size:
                 size, progress = now, time.monotonic()
             elif time.monotonic() - progress > self.settings.coldstart.stall_s:
                 return False

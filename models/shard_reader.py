@@ -156,7 +156,7 @@ def _follow(path: Path, view: memoryview, stall_s: float) -> Iterator[int]:
     may wait at zero bytes for longer than the stall time while the shards before it arrive."""
     part, error = path.with_name(path.name + PART), path.with_name(path.name + ERROR)
     f = _open_either(path, part)
-    filled, last, arrived = 0, time.monotonic(), _bytes_in(path.parent)
+    filled, last, arrived = 0, time.monotonic(), arrival_bytes(path.parent)
     with f:
         while filled < len(view) or not path.exists():
             n = f.readinto(view[filled:filled + CHUNK]) if filled < len(view) else 0
@@ -172,13 +172,13 @@ def _follow(path: Path, view: memoryview, stall_s: float) -> Iterator[int]:
                     raise FetchError(f"the prefetch of {path.name} failed: {error.read_text().strip()}")
                 raise FetchError(f"the prefetch of {path.name} was cancelled")
             if time.monotonic() - last > stall_s:
-                if (now := _bytes_in(path.parent)) == arrived:
+                if (now := arrival_bytes(path.parent)) == arrived:
                     raise FetchError(f"the prefetch of {path.name} made no progress for {stall_s:g} s")
                 last, arrived = time.monotonic(), now
             time.sleep(POLL_S)
 
 
-def _bytes_in(folder: Path) -> int:
+def arrival_bytes(folder: Path) -> int:
     """The bytes of every file in a model's prefetch folder: shards whole and arriving."""
     total = 0
     for entry in os.scandir(folder):

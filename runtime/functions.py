@@ -257,10 +257,9 @@ class ProcessManager:
                     fn.failed_starts += 1
                     wait = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (fn.failed_starts - 1))
                     fn.retry_at = time.time() + wait
-                    log.warning("%s replica pid %d exited with code %s before it was ready (%d in a row); "
-                                "the next starts in %.0f s", fn.name, replica.pid, code, fn.failed_starts, wait)
-                elif replica.draining_since is None:
-                    log.warning("%s replica pid %d exited with code %s; replacing it", fn.name, replica.pid, code)
+                    # The exit itself is logged with its placement record (`Placer.exited`).
+                    log.warning("%s: %d starts in a row failed; the next starts in %.0f s",
+                                fn.name, fn.failed_starts, wait)
             elif replica.draining_since is not None:
                 if time.time() - replica.draining_since > self.settings.data.drain_timeout_s:
                     _signal(replica, signal.SIGKILL)

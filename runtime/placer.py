@@ -128,10 +128,7 @@ class Placer:
             log.warning("cannot place a replica of %s: %s", stage, why)
             records.append(Placement("unplaced", stage, why))
         self._unplaced = unplaced
-        records = [replace(record, contention=schedule.contention, t=time.time()) for record in records]
-        for record in records:
-            log.info("%s", record)
-        self.store.add_placements(records, self.settings.data.records_maxlen)
+        self._write([replace(record, contention=schedule.contention, t=time.time()) for record in records])
 
     def _send_peers(self, placements: tuple[Place, ...], by_stage: dict[str, FunctionState]) -> list[Place]:
         """Starts one multicast per stage with peer placements (each of its shards from the
@@ -188,10 +185,7 @@ class Placer:
                     why = "mode switch: the whole replica is ready" if target is not None and target.ready \
                         else "the whole replica it stood in for is gone"
                     records.append(Placement("remove", fn.stage_key, why, r.server, replica=str(r.id), t=time.time()))
-        for record in records:
-            log.info("%s", record)
-        if records:
-            self.store.add_placements(records, self.settings.data.records_maxlen)
+        self._write(records)
 
     def started(self, fn: FunctionState, replica: ReplicaProcess) -> None:
         """A replica is ready: how long its start took beside the scheduler's prediction, in
@@ -202,9 +196,7 @@ class Placer:
         took = time.time() - replica.started
         record = Placement("ready", fn.stage_key, f"ready {took:.2f} s after it was placed", p.server, p.path,
                            str(replica.id), replica.started_by, predicted_s=p.predicted_s, took_s=took, t=time.time())
-        log.info("%s", record)
-        self.store.add_placements([record], self.settings.data.records_maxlen)
-
+        self._write([record])
 
     def exited(self, fn: FunctionState, reaped: list[ReplicaProcess]) -> None:
         """Replicas that exited without being asked to (a crash, a start that failed): op "exit"
@@ -214,8 +206,12 @@ class Placer:
                              + ("" if r.ready else " before it was ready"), r.server, replica=str(r.id),
                              started_by=r.started_by, t=time.time())
                    for r in reaped if r.draining_since is None]
+        self._write(records, logging.WARNING)
+
+    def _write(self, records: list[Placement], level: int = logging.INFO) -> None:
+        """Logs each record and adds them to `quart:placements`."""
         for record in records:
-            log.info("%s", record)
+            log.log(level, "%s", record)
         if records:
             self.store.add_placements(records, self.settings.data.records_maxlen)
 

@@ -1,6 +1,7 @@
-"""A replica following a shard as it arrives (models/shard_reader._follow) waits while the model's
-other shards arrive ahead of it, as a multicast sends them in its plan's order, and fails only
-once nothing in the model's prefetch folder moves for the stall time."""
+"""A replica following a shard as it arrives (models/shard_reader._follow), and a KeysManager
+waiting to keep a received shard (`KeysManager._arrived`), wait while the model's other shards
+arrive ahead of it, as a multicast sends them in its plan's order, and give up only once nothing
+in the model's prefetch folder moves for the stall time."""
 from __future__ import annotations
 
 import threading
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from contracts.config import load_settings
+from keysmanager.manager import KeysManager
 from models.fetch import FetchError
 from models.shard_reader import PART, _follow
 
@@ -59,4 +62,29 @@ def test_a_model_whose_arrival_stops_fails_after_the_stall_time(tmp_path):
     started = time.monotonic()
     with pytest.raises(FetchError, match="made no progress"):
         list(_follow(mine, memoryview(bytearray(SIZE)), STALL_S))
+    assert time.monotonic() - started < 5 * STALL_S
+
+
+def _keys_manager(tmp_path: Path) -> KeysManager:
+    settings = load_settings(environ={"QUART_HOME": str(tmp_path / "home"), "QUART_FETCH_STALL_S": str(STALL_S)})
+    return KeysManager(settings, store=None)  # waiting for a shard reads no records
+
+
+def test_the_keys_manager_waits_for_a_received_shard_while_the_shards_before_it_arrive(tmp_path):
+    mine, earlier = tmp_path / "stage-1.safetensors", tmp_path / "stage-0.safetensors"
+    mine.with_name(mine.name + PART).write_bytes(b"")
+    sender = threading.Thread(target=_shard_after, args=(earlier, mine, 4 * STALL_S))
+    sender.start()
+    try:
+        assert _keys_manager(tmp_path)._arrived(mine)
+    finally:
+        sender.join()
+
+
+def test_the_keys_manager_gives_up_on_a_shard_whose_model_stops_arriving(tmp_path):
+    mine, earlier = tmp_path / "stage-1.safetensors", tmp_path / "stage-0.safetensors"
+    mine.with_name(mine.name + PART).write_bytes(b"")
+    _grow(earlier.with_name(earlier.name + PART), STALL_S / 2)
+    started = time.monotonic()
+    assert not _keys_manager(tmp_path)._arrived(mine)
     assert time.monotonic() - started < 5 * STALL_S
