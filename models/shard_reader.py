@@ -127,7 +127,7 @@ def _reader(settings: Settings, model: str, manifest: Manifest, info: StageInfo)
     if local.is_file():
         return ShardReader(info, str(local), lambda view: _read_file(local, view))
     prefetched = settings.prefetch_dir(settings.server) / model / info.shard
-    if prefetched.exists() or prefetched.with_name(prefetched.name + PART).exists():
+    if prefetched.with_name(prefetched.name + PART).exists() or prefetched.exists():  # .part first, as in _follow
         # The prefetcher checks the sha256 and renames the .part only then: its rename is the check.
         return ShardReader(info, f"prefetch {prefetched}", lambda view: _follow(prefetched, view, settings.coldstart.stall_s),
                            verify=False)
@@ -166,7 +166,9 @@ def _follow(path: Path, view: memoryview, stall_s: float) -> Iterator[int]:
                 continue
             if error.exists():
                 raise FetchError(f"the prefetch of {path.name} failed: {error.read_text().strip()}")
-            if not (path.exists() or part.exists()):
+            # The .part first: once it is gone, a rename to the whole shard has already happened
+            # (looking at the shard first could miss it on both sides of a rename in between).
+            if not (part.exists() or path.exists()):
                 time.sleep(10 * POLL_S)  # a failed prefetch removes its .part just before writing its .error
                 if error.exists():
                     raise FetchError(f"the prefetch of {path.name} failed: {error.read_text().strip()}")
