@@ -146,7 +146,10 @@ def test_compare_runs_every_policy_and_writes_one_report(tmp_path, home_settings
          "--policies", "quart,static", "--rate", "6", "--cv", "2", "--duration", "5", "--tail", "2",
          "--out", str(out), "--no-progress", "--home", str(tmp_path / "home"),
          "--models", str(home_settings.models_dir)],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+        # Admission off, as in the runtime fixture: this test asserts every request is answered, and
+        # a loaded CI host refused the last of a burst (429, a queue predicted over 2 s).
+        # tests/live/test_overload.py covers admission.
+        cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, "QUART_ADMIT_WAIT_S": "0"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert list(results["runs"]) == ["quart", "static"]
