@@ -9,9 +9,6 @@ each hold part of the model) before either holds the whole model; once a whole r
 the stand-ins on its server drain (the mode switch), and no request is lost."""
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 from transformers import AutoTokenizer
 
@@ -25,21 +22,22 @@ from tests.live.runtime_helpers import greedy_reference, wait_until
 
 
 @pytest.fixture(scope="module")
-def runtime(home_settings, partitioned):
+def runtime(home_settings, partitioned, tmp_path_factory):
     partitioned(MODEL, 4)
     # 651 MB over 12.5 MB/s links: half the model, what a pipeline across the two new servers
     # needs, arrives after about 26 s; the whole after 52 s. The stand-ins have the time between
     # to start and answer (at 25 MB/s, a loaded CI host's stand-ins first answered 3 s after a
     # server held its whole model).
-    with tempfile.TemporaryDirectory(prefix="quart-ewl-") as home:
-        # A stall time well under the 26 s a server waits for its second half: a replica must
-        # count the model's whole arrival as progress, not only its own shard's.
-        settings = settings_for(home_settings, Path(home), bandwidth=1.25e7).replace(fetch_stall_s=8.0)
-        try:
-            assert control.up(settings, timeout=900) == 0
-            yield settings
-        finally:
-            control.down(settings)
+    # Under pytest's basetemp, which keeps the last runs' folders: a failure's logs stay to read.
+    home = tmp_path_factory.mktemp("ewl")
+    # A stall time well under the 26 s a server waits for its second half: a replica must count
+    # the model's whole arrival as progress, not only its own shard's.
+    settings = settings_for(home_settings, home, bandwidth=1.25e7).replace(fetch_stall_s=8.0)
+    try:
+        assert control.up(settings, timeout=900) == 0
+        yield settings
+    finally:
+        control.down(settings)
 
 
 def test_stand_ins_answer_across_servers_before_the_whole_model_arrives_and_switch_out(runtime):
