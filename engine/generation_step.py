@@ -52,6 +52,9 @@ class Outcome:
     header: Header
     tensors: dict[str, torch.Tensor]
     peer: str = ""
+    # This replica's cache of the sequence left with this outcome (a migration, a gather passing
+    # through): the entry's route may name this replica until the step's answer reaches it.
+    handed_on: bool = False
 
 
 @dataclass
@@ -153,7 +156,7 @@ class GenerationStage:
         h.kind, h.capacity = "adopt", seq.capacity
         tensors = {**w.tensors, **self.store.export(h.seq, self.first_layer)}
         self.store.free(h.seq)
-        return Outcome(w, PEER, h, tensors, peer)
+        return Outcome(w, PEER, h, tensors, peer, handed_on=True)
 
     def _adopt(self, w: Work, steps: list, outcomes: list) -> None:
         """A decode step that brings its sequence's cache: this replica keeps its own layers and
@@ -247,6 +250,7 @@ class GenerationStage:
         if h.kind == "prefill":
             h.route[str(self.first)] = self.replica_id
         h.stage, h.enqueued_at = self.last, time.time()
+        handed_on = bool(h.gather) and h.gather != self.replica_id
         if h.gather:  # this holder's cache leaves with the step
             h.capacity = s.seq.capacity
             w.carried.update(self.store.export(h.seq, self.first_layer))
@@ -255,20 +259,20 @@ class GenerationStage:
             if w.carried and not h.gather:  # the rest of a split cache: the next stage adopts it
                 h.kind = "adopt"
             to = NEXT if h.kind in ("prefill", "adopt") else HOLDER
-            return [Outcome(w, to, h, {"hidden": out.unsqueeze(0), **w.carried})]
+            return [Outcome(w, to, h, {"hidden": out.unsqueeze(0), **w.carried}, handed_on=handed_on)]
         if not bool(torch.isfinite(out).all()):
             return [_error(w, BadRequest("the stage produced NaN or infinity", status=422))]
         sampling = Sampling.from_dict(h.sampling)
         # A prefill that several choices share samples each one's first token.
         reply = Outcome(w, REPLY, h, sample(out, sampling, s.start + s.tokens,
-                                            sampling.choices if h.kind == "prefill" else 1))
+                                            sampling.choices if h.kind == "prefill" else 1), handed_on=handed_on)
         if not h.gather:
             return [reply]
         # The gathered cache first (one transaction, in order): the entry's next step finds it.
         installed = Header(**{**vars(h), "kind": "install", "start": s.start + s.tokens, "timings": []})
         at = min(int(k) for k, v in h.route.items() if v == h.gather)
         h.route = {k: v for k, v in h.route.items() if int(k) <= at}
-        return [Outcome(w, INSTALL, installed, w.carried, h.gather), reply]
+        return [Outcome(w, INSTALL, installed, w.carried, h.gather, handed_on=True), reply]
 
     def evict_idle(self, idle_s: float) -> list[str]:
         return self.store.expire(idle_s)

@@ -405,16 +405,13 @@ class StageReplica:
         holders: list[tuple[int | None, Outcome]] = []
         per_item_ms = result.service_s * 1000.0 / max(1, result.batch)
         for o in result.outcomes:
+            if o.handed_on:  # `stop` lingers while the entry's route may still name this replica
+                self._handed_over_at = time.monotonic()
             if o.to in (PEER, INSTALL):  # a migration (the step runs at the peer, which records it), a gather
                 MIGRATIONS.labels(**self._labels, direction="out").inc()
-                self._handed_over_at = time.monotonic()
             elif o.header.kind != "fork":  # a cache copied, no step run: nothing for the stage's records
                 REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
                 self._record(commit, o.work, per_item_ms, result.batch, result.compiled)
-                if o.header.gather and o.header.gather != self.replica_id:
-                    # A gather passing through hands this holder's cache on; the entry's route
-                    # names this replica until the step's answer reaches it (`stop` lingers).
-                    self._handed_over_at = time.monotonic()
             replica = {PEER: o.peer, INSTALL: o.peer, HOLDER: o.header.route.get(str(self.last))}.get(o.to)
             if replica:
                 # Refused (None) if that replica's stream is gone: checked once the commit has run.

@@ -28,7 +28,7 @@ from keysmanager.metrics import KeysManagerMetrics
 from models.fetch import ensure_manifest, ensure_model, partial_path
 from models.manifest import Manifest
 from models.profiles import PROFILES as EMULATION_PROFILES
-from models.shard_reader import PART, arrival_bytes
+from models.shard_reader import PART, Arrival
 from state.records import CacheEvent, ZygoteRecord
 from state.store import Store
 
@@ -203,16 +203,12 @@ class KeysManager:
         """Whether `path` is whole in the prefetch folder, waiting while this server's prefetcher
         or receiver still writes it (its `.part` grows; the runtime's start prefetches a cold
         replica's shard while the same server caches its stage) for as long as the model's arrival
-        makes progress within QUART_FETCH_STALL_S (as `shard_reader` counts it: a multicast may send
-        the shards before this one first)."""
-        part = path.with_name(path.name + PART)
-        size, progress = -1, time.monotonic()
+        makes progress within QUART_FETCH_STALL_S (`shard_reader.Arrival`)."""
+        part, arrival = path.with_name(path.name + PART), Arrival(path.parent, self.settings.coldstart.stall_s)
         while not path.is_file():
             if not part.exists():  # renamed whole meanwhile, or given up
                 return path.is_file()
-            if (now := arrival_bytes(path.parent)) != size:
-                size, progress = now, time.monotonic()
-            elif time.monotonic() - progress > self.settings.coldstart.stall_s:
+            if arrival.stalled():
                 return False
             time.sleep(ARRIVAL_POLL_S)
         return True

@@ -151,17 +151,16 @@ def _read_file(path: Path, view: memoryview) -> Iterator[int]:
 def _follow(path: Path, view: memoryview, stall_s: float) -> Iterator[int]:
     """A shard the prefetcher is still writing (`<shard>.part`, renamed `<shard>` once whole and
     checked): read what is there, wait for more, and end once it is renamed; its `.error` file
-    or a stall ends the read. A stall is the model's whole arrival making no progress, not this
-    shard's: a multicast sends one server its shards in the plan's order, so a shard's `.part`
-    may wait at zero bytes for longer than the stall time while the shards before it arrive."""
+    or a stall of the model's whole arrival (`Arrival`) ends the read."""
     part, error = path.with_name(path.name + PART), path.with_name(path.name + ERROR)
     f = _open_either(path, part)
-    filled, last, arrived = 0, time.monotonic(), arrival_bytes(path.parent)
+    filled, arrival = 0, Arrival(path.parent, stall_s)
     with f:
         while filled < len(view) or not path.exists():
             n = f.readinto(view[filled:filled + CHUNK]) if filled < len(view) else 0
             if n:
-                filled, last = filled + n, time.monotonic()
+                filled += n
+                arrival.moved()
                 yield n
                 continue
             if error.exists():
@@ -173,11 +172,32 @@ def _follow(path: Path, view: memoryview, stall_s: float) -> Iterator[int]:
                 if error.exists():
                     raise FetchError(f"the prefetch of {path.name} failed: {error.read_text().strip()}")
                 raise FetchError(f"the prefetch of {path.name} was cancelled")
-            if time.monotonic() - last > stall_s:
-                if (now := arrival_bytes(path.parent)) == arrived:
-                    raise FetchError(f"the prefetch of {path.name} made no progress for {stall_s:g} s")
-                last, arrived = time.monotonic(), now
+            if arrival.stalled():
+                raise FetchError(f"the prefetch of {path.name} made no progress for {stall_s:g} s")
             time.sleep(POLL_S)
+
+
+class Arrival:
+    """A model's arrival in its prefetch folder, as a reader waiting for one shard judges it:
+    stalled once no byte of any of its files has arrived for `stall_s` (a multicast sends a
+    server its shards in the plan's order, so one shard may wait at zero bytes while the shards
+    before it arrive). The folder is looked at only once the reader itself has waited that long."""
+
+    def __init__(self, folder: Path, stall_s: float) -> None:
+        self.folder, self.stall_s = folder, stall_s
+        self._bytes, self._since = arrival_bytes(folder), time.monotonic()
+
+    def moved(self) -> None:
+        """The reader got bytes of its own: progress."""
+        self._since = time.monotonic()
+
+    def stalled(self) -> bool:
+        if time.monotonic() - self._since <= self.stall_s:
+            return False
+        if (now := arrival_bytes(self.folder)) == self._bytes:
+            return True
+        self._bytes, self._since = now, time.monotonic()
+        return False
 
 
 def arrival_bytes(folder: Path) -> int:

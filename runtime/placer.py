@@ -124,9 +124,7 @@ class Placer:
             if p.path == "peer":
                 records += self._stand_ins(by_stage[p.stage], replica, list(by_stage.values()))
         unplaced = set(schedule.unplaced)
-        for stage, why in unplaced - self._unplaced:
-            log.warning("cannot place a replica of %s: %s", stage, why)
-            records.append(Placement("unplaced", stage, why))
+        records += [Placement("unplaced", stage, why) for stage, why in unplaced - self._unplaced]
         self._unplaced = unplaced
         self._write([replace(record, contention=schedule.contention, t=time.time()) for record in records])
 
@@ -209,9 +207,10 @@ class Placer:
         self._write(records, logging.WARNING)
 
     def _write(self, records: list[Placement], level: int = logging.INFO) -> None:
-        """Logs each record and adds them to `quart:placements`."""
+        """Logs each record (one the scheduler could not place as a warning) and adds them to
+        `quart:placements`."""
         for record in records:
-            log.log(level, "%s", record)
+            log.log(logging.WARNING if record.op == "unplaced" else level, "%s", record)
         if records:
             self.store.add_placements(records, self.settings.data.records_maxlen)
 
