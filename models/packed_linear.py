@@ -68,10 +68,23 @@ def layout_for(device: torch.device, dtype: torch.dtype, prepack: bool, quantize
     return "packed" if prepack and can_pack(device, dtype) else None
 
 
+# How many row blocks a one-row step reads at once (a divisor of the weight's rows, at most this).
+ROW_STREAMS = 8
+
+
 def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One row times the plain weight as a reduction in float32, which inductor generates as a
-    vectorised loop over the weight's rows: no library call, no per-call set-up."""
-    y = (x.float().unsqueeze(-2) * weight.float()).sum(-1)
+    vectorised loop over the weight's rows: no library call, no per-call set-up.
+
+    The rows are cut into equal blocks, each its own reduction over the same input: inductor fuses
+    them into one loop that reads every block's next row together, so one thread streams several
+    parts of the weight at once and keeps as many sums in flight. One row at a time, a thread waits
+    on each read (measured on a 2-core AMX Xeon, one thread, bfloat16: eleven SmolLM2 layers' linears
+    7.4 ms in one stream, 4.3 in eight). Each row's sum is the same either way."""
+    xs = x.float().unsqueeze(-2)
+    rows = weight.shape[0]
+    streams = next(n for n in range(min(ROW_STREAMS, rows), 0, -1) if rows % n == 0)
+    y = torch.cat([(xs * block.float()).sum(-1) for block in weight.split(rows // streams)], -1)
     return (y + bias.float() if bias is not None else y).to(x.dtype)
 
 

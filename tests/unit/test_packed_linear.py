@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.packed_linear import PackedLinear, can_pack, pack, unpack
+from models import packed_linear
+from models.packed_linear import ROW_STREAMS, PackedLinear, can_pack, pack, unpack
 
 # How far a layer's output may be from `nn.Linear`'s: float32 sums in another order; bfloat16 rounds.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -56,3 +57,22 @@ def test_a_compiled_one_row_step_reads_the_plain_weight_and_computes_what_the_la
             torch.testing.assert_close(out, plain(x), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
             code = "".join(code)
             assert ("packed_linear" in code) == packed_call and "mkl" not in code
+
+
+@pytest.mark.parametrize("rows, loop", [(160, 160 // ROW_STREAMS), (97, 97)])
+def test_a_compiled_one_row_step_streams_several_row_blocks_in_one_loop_and_sums_each_row_alike(rows, loop, monkeypatch):
+    """One row's step reads the weight in ROW_STREAMS equal blocks through one loop (its bound is a
+    block's rows), and each output is the sum that reading one row at a time gives, bit for bit;
+    a row count with no such divisor (a prime) reads in one stream."""
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(96, rows, bias=False).to(torch.bfloat16))
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    outs = {}
+    with torch.inference_mode():
+        for streams in (1, ROW_STREAMS):
+            monkeypatch.setattr(packed_linear, "ROW_STREAMS", streams)
+            torch._dynamo.reset()
+            outs[streams], code = run_and_get_code(torch.compile(packed, fullgraph=True), x)
+    assert f"x0<static_cast<int64_t>({loop}L)" in "".join(code)
+    assert torch.equal(outs[1], outs[ROW_STREAMS])
