@@ -18,7 +18,8 @@ in float32 on one thread and on all of this machine's cores (the pipeline's four
 them), and in the served dtype on all cores (TTFT: its prefill, a forward over the prompt; TPOT:
 the rest of `generate` per further token). Ratios are medians over the repetitions' medians with
 a 95 % interval of their mean. The memory-bandwidth limit of a decode step is the bytes it reads
-(every weight a step uses, in the served dtype) over this machine's read bandwidth, measured here.
+(every weight a step uses, in the served dtype) over this machine's read bandwidth, measured here
+before and after the run (the better of the two).
 Then throughput at 1, 4, 8 and 16 concurrent requests, against the unsplit model run sequentially
 and against unsplit `generate()` on a left-padded batch of the same prompts in the served dtype.
 Every stage replica computes with one thread (with QUART_IDLE_CORES, and the cores no other replica
@@ -319,6 +320,9 @@ def main(argv: list[str] | None = None) -> dict:
     spec, new = MODELS[args.model], args.new_tokens
     levels, cores = spec["levels"], len(os.sched_getaffinity(0))
     texts = first_prompts(spec["prompts"] + max(levels), seed=21, max_chars=300)
+    # Read before anything of the run exists and again after all of it: the limit is what the
+    # machine can do, and one reading taken beside a process still exiting (vLLM's) came out at half.
+    bandwidths = [read_bandwidth(cores, load_settings().compute.device)]
     with running(args.model, new, args.quantize or "", **({"compile": False} if args.eager else {})) as settings:
         served = serving_dtype(settings.compute.dtype, Manifest.load(settings.model_dir(args.model)).dtype,
                                settings.compute.device)
@@ -335,8 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
     if settings.compute.device == "cpu" and not args.no_vllm:
         vllm = _with_vllm(unsplit, args.model, texts, spec["prompts"], new, served, reps, throughput)
     step_bytes = unsplit.step_bytes(torch.int8 if args.quantize else served)
-    limit_ms = step_bytes / read_bandwidth(cores, settings.compute.device) * 1000.0
-    return _report(args.model, reps, throughput, new, levels, served, refs, limit_ms, step_bytes, args.quantize, vllm,
+    bandwidths.append(read_bandwidth(cores, settings.compute.device))
+    return _report(args.model, reps, throughput, new, levels, served, refs, bandwidths, step_bytes, args.quantize, vllm,
                    settings.compute)
 
 
@@ -446,8 +450,9 @@ def _ratio(reps: list[dict], path: str, reference: str, index: int) -> tuple[flo
 
 
 def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, served: torch.dtype, refs: References,
-            limit_ms: float, step_bytes: int, quantize: str | None, vllm_conditions: dict | None,
+            bandwidths: list[float], step_bytes: int, quantize: str | None, vllm_conditions: dict | None,
             compute: ComputeConfig) -> dict:
+    limit_ms = step_bytes / max(bandwidths) * 1000.0
     paths = list(reps[0]["medians"])
     same, fp32_all, gpu = refs.served, refs.fp32, refs.device.startswith("cuda")
     median = {k: [float(np.median([r["medians"][k][i] for r in reps])) for i in (0, 1)] for k in paths}
@@ -471,7 +476,8 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                     f"{bandwidth[1] - bandwidth[2]:.3f}..{bandwidth[1] + bandwidth[2]:.3f}", 2.0,
                     verdict(bandwidth[1], bandwidth[2], 2.0)]]))
     print(f"decode step reads {step_bytes / 1e6:.0f} MB in {quantize or _name(served)}: limit {limit_ms:.2f} ms a token on "
-          f"the measured bandwidth of {refs.device}")
+          f"the measured bandwidth of {refs.device} (before and after the run: "
+          f"{' and '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s; the best counts)")
     agree = sum(r["same_dtype"] for r in reps), sum(r["same_fp32"] for r in reps), sum(r["prompts"] for r in reps)
     print(f"pipeline tokens equal to unsplit {_name(served)}: {agree[0]}/{agree[2]} prompts; to float32: "
           f"{agree[1]}/{agree[2]}")
@@ -495,6 +501,8 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                         round(mean + half, 3)], "target": target, "verdict": verdict(mean, half, target) if target else None})
     figures += [
         {"name": "decode step bytes", "value": step_bytes, "unit": "bytes"},
+        *({"name": f"read bandwidth, {when}", "value": round(b / 1e9, 2), "unit": "GB/s"}
+          for when, b in zip(("before the run", "after the run"), bandwidths)),
         {"name": "memory-bandwidth limit per token", "value": round(limit_ms, 3), "unit": "ms"},
         {"name": "TPOT pipeline / bandwidth limit", "value": round(bandwidth[0] / limit_ms, 3), "unit": "x",
          "ci95": [round(bandwidth[1] - bandwidth[2], 3), round(bandwidth[1] + bandwidth[2], 3)], "target": 2.0,
