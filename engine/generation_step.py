@@ -14,7 +14,7 @@ from engine.batch_policy import MIGRATE
 from engine.step_profile import StepProfile
 from models.batched_decoder import Step
 from models.kv_cache import KVStore, NoRoom, split_cache
-from models.sampling import Sampling, sample
+from models.sampling import Sampling, all_finite, sample
 from models.stage_runner import StageRunner
 
 
@@ -260,7 +260,7 @@ class GenerationStage:
                 h.kind = "adopt"
             to = NEXT if h.kind in ("prefill", "adopt") else HOLDER
             return [Outcome(w, to, h, {"hidden": out.unsqueeze(0), **w.carried}, handed_on=handed_on)]
-        if not bool(torch.isfinite(out).all()):
+        if not all_finite(out):
             return [_error(w, BadRequest("the stage produced NaN or infinity", status=422))]
         sampling = Sampling.from_dict(h.sampling)
         # A prefill that several choices share samples each one's first token.

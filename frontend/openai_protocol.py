@@ -63,7 +63,8 @@ class _Generation(OpenAIBody):
     max_tokens: StrictInt | None = Field(None, ge=1, description="at most the model's context less the prompt")
     temperature: Temperature | None = Field(None, description="default 1; 0 is greedy")
     top_p: TopP | None = None
-    seed: StrictInt | None = Field(None, ge=0, description="the same seed samples the same tokens")
+    # At most a signed 64-bit integer, as vLLM's: the seed travels in every step's JSON header.
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1, description="the same seed samples the same tokens")
     stop: StrictStr | list[StrictStr] | None = Field(None, description="up to 4 non-empty strings")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None

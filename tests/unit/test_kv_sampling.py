@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models.kv_cache import BLOCK, KVShape, KVStore, NoRoom, Sequence, split_cache
-from models.sampling import Sampling, next_token
+from models.sampling import Sampling, all_finite, next_token
 
 SHAPE = KVShape(layers=2, kv_heads=3, head_dim=4, dtype=torch.float32)
 
@@ -147,9 +147,21 @@ def test_caches_named_by_model_layer_gather_into_a_wider_store_and_split_back():
 def test_greedy_is_the_argmax_and_sampling_is_reproducible():
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert next_token(logits, Sampling(), 5) == 1
+    tied = torch.tensor([0.5, 2.0, -1.0, 2.0, 2.0]).to(torch.bfloat16)
+    assert next_token(tied, Sampling(), 5) == 1   # the first of equal maxima, as torch.argmax
     hot = Sampling(temperature=1.0, top_p=1.0, seed=42)
     draws = [next_token(logits, hot, p) for p in range(50)]
     assert draws == [next_token(logits, hot, p) for p in range(50)]
     assert len(set(draws)) > 1
     nucleus = Sampling(temperature=1.0, top_p=0.5, seed=1)
     assert {next_token(logits, nucleus, p) for p in range(50)} == {1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_are_finite_only_without_nan_or_infinity(dtype):
+    logits = torch.randn(49152).to(dtype)
+    assert all_finite(logits)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = logits.clone()
+        broken[31000] = bad
+        assert not all_finite(broken)

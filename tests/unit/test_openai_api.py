@@ -40,6 +40,7 @@ def test_parameters_are_read():
     ({"model": "smollm2", "prompt": "hi", "temperature": 3}, 400, "temperature"),
     ({"model": "smollm2", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"model": "smollm2", "prompt": "hi", "seed": -1}, 400, "seed"),
+    ({"model": "smollm2", "prompt": "hi", "seed": 2**63}, 400, "seed"),
     ({"model": "smollm2", "prompt": "hi", "stop": ["a"] * 5}, 400, "stop"),
     ({"model": "smollm2", "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"model": "smollm2", "prompt": ["a", "b"]}, 400, "prompt"),
