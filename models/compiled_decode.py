@@ -9,8 +9,9 @@ compile serves every batch size from 2 up and every length, and a second the sin
 (torch specialises a dimension of size one).
 
 Inductor's freezing is not used: it would pack a second copy of every weight (the eager prefills
-need theirs), and it compiled one SmolLM2 stage in 100 s every time where this takes 23 s with
-inductor's on-disk cache warm (110 with it empty), for the same step time (measured on a 2-core
+need theirs), and it compiled one SmolLM2 stage in 100 s every time where this took 23 s with
+inductor's on-disk cache warm (110 with it empty; 31 and 137 s since one-row steps read their
+weights in row blocks, `models/packed_linear.py`), for the same step time (measured on a 2-core
 Xeon with AMX, one 11-layer stage in bfloat16, one thread: 11.4, 13.3 and 22.2 ms a step at 1, 4
 and 16 sequences, against 11.2, 13.3 and 20.8 frozen and 15.5, 18.7 and 31.4 eager).
 
