@@ -90,7 +90,7 @@ def arm(gated: bool, worker: bool, gap_ms: float, limit_s: float) -> dict:
     while time.monotonic() - t0 < BEFORE_S:
         before.append(step())
     settings = load_settings()
-    prepare = (functools.partial(fill_cache, str(manifest.directory), 0, manifest.num_stages, settings.compute.dtype, 1,
+    prepare = (functools.partial(fill_cache, str(manifest.directory), 0, manifest.num_stages, settings.compute.dtype, (1,),
                                  settings.compute.prepack) if worker else lambda: None)
     compile_in_background(engine, settings.compute.compile_nice, prepare=prepare)
     if engine.compiled is None:
