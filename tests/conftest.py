@@ -2,7 +2,11 @@
 local provider, replica processes) for the HTTP tests."""
 from __future__ import annotations
 
+import contextlib
+import getpass
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -70,3 +74,63 @@ def runtime(home_settings: Settings, partitioned):
         yield settings
     finally:
         control.down(settings)
+
+
+# A module's folders under pytest's basetemp outlive it: to the session's end, and past it where a
+# test failed (the last three runs' are kept). Their logs are worth keeping for that; the weights,
+# prefetches and environments they hold (2.5 GB for test_execute_while_load's servers) are not.
+BULKY_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shed_module_folders(tmp_path_factory):
+    """After a module (its other fixtures torn down first: this one was set up first), every file
+    over BULKY_BYTES in the folders it made is removed, but for logs."""
+    basetemp = tmp_path_factory.getbasetemp()
+    before = set(basetemp.iterdir())
+    yield
+    for folder in set(basetemp.iterdir()) - before:
+        for root, _, files in os.walk(folder):
+            if "logs" in Path(root).relative_to(basetemp).parts:
+                continue
+            for name in files:
+                path = os.path.join(root, name)
+                with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
+                    if os.lstat(path).st_size > BULKY_BYTES and not name.endswith(".log"):
+                        os.unlink(path)
+
+
+# What the suite writes that can fill a disk: CI once ran out of space part-way (every test after
+# failed making its temporary folder); said at the start and the end, where the bytes went.
+def _free() -> list[str]:
+    lines = []
+    for where in {os.stat(p).st_dev: p for p in (tempfile.gettempdir(), str(REPO))}.values():  # a file system once
+        usage = shutil.disk_usage(where)
+        lines.append(f"disk at {where}: {usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB")
+    return lines
+
+
+def _held(config) -> list[str]:
+    held = {"pytest's basetemp": config._tmp_path_factory.getbasetemp(), "the test home": TEST_HOME,
+            "the image build folder": REPO / "build", "podman's storage": Path("/var/lib/containers/storage"),
+            "inductor's cache": Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"}
+    return [f"  {what} ({path}): {_bytes_under(path) / 2**30:.2f} GiB" for what, path in held.items() if path.exists()]
+
+
+def _bytes_under(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed meanwhile
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def pytest_report_header(config) -> list[str]:
+    return _free()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    terminalreporter.section("disk")
+    for line in _free() + _held(config):
+        terminalreporter.write_line(line)

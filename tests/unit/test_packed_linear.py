@@ -59,15 +59,17 @@ def test_a_compiled_one_row_step_reads_the_plain_weight_and_computes_what_the_la
             assert ("packed_linear" in code) == packed_call and "mkl" not in code
 
 
+@pytest.mark.parametrize("dtype", dtypes())
 @pytest.mark.parametrize("rows, loop", [(160, 160 // ROW_STREAMS), (97, 97)])
-def test_a_compiled_one_row_step_streams_several_row_blocks_in_one_loop_and_sums_each_row_alike(rows, loop, monkeypatch):
+def test_a_compiled_one_row_step_streams_several_row_blocks_in_one_loop_and_sums_each_row_alike(rows, loop, dtype,
+                                                                                                monkeypatch):
     """One row's step reads the weight in ROW_STREAMS equal blocks through one loop (its bound is a
     block's rows), and each output is the sum that reading one row at a time gives, bit for bit;
     a row count with no such divisor (a prime) reads in one stream."""
     from torch._inductor.utils import run_and_get_code
     torch.manual_seed(0)
-    packed = PackedLinear(nn.Linear(96, rows, bias=False).to(torch.bfloat16))
-    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    packed = PackedLinear(nn.Linear(96, rows, bias=False).to(dtype))
+    x = torch.randn(1, 1, 96, dtype=dtype)
     outs = {}
     with torch.inference_mode():
         for streams in (1, ROW_STREAMS):
