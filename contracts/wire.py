@@ -171,11 +171,11 @@ def _tensors(index: dict, data: memoryview) -> dict[str, torch.Tensor]:
     copied out of the message (a tensor over the message's immutable bytes must not be written)."""
     owned = bytearray(data)
     tensors, end = {}, 0
-    for name, spec in sorted(index.items(), key=lambda item: _offsets(item)[0]):
+    # Names are unique, so the sort never compares two specs.
+    for (start, stop), name, spec in sorted((_offsets(name, spec), name, spec) for name, spec in index.items()):
         dtype, shape = _BY_NAME.get(spec.get("dtype")), spec.get("shape")
         if dtype is None or not isinstance(shape, list) or not all(type(n) is int for n in shape):
             raise BadRequest(f"message is not valid safetensors: tensor {name!r} has no known dtype and shape")
-        start, stop = _offsets((name, spec))
         item = dtype.itemsize
         if start != end or stop > len(owned) or min(shape, default=0) < 0 or stop - start != math.prod(shape) * item:
             raise BadRequest(f"message is not valid safetensors: tensor {name!r} does not fit its bytes")
@@ -189,8 +189,7 @@ def _tensors(index: dict, data: memoryview) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _offsets(item: tuple[str, object]) -> tuple[int, int]:
-    name, spec = item
+def _offsets(name: str, spec: object) -> tuple[int, int]:
     try:
         start, stop = spec["data_offsets"]
         if isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop:

@@ -392,9 +392,10 @@ class StageReplica:
         peer = self._handover_peer() if self._draining and self.settings.batching.drain == "migrate" else None
         MIGRATIONS.labels(**self._labels, direction="in").inc(sum(w.header.kind in ("adopt", "install") for w in live))
         try:
-            with self._computing():
-                result = self.generation.run(self.generation.waiting + [w for w in live if w not in self.generation.waiting],
-                                             peer)
+            batch = self.generation.waiting + [w for w in live if w not in self.generation.waiting]
+            # A prefill never runs compiled: its step may take idle cores no compiled graph covers.
+            with self._computing(eager=any(w.header.kind == "prefill" for w in batch)):
+                result = self.generation.run(batch, peer)
         finally:
             INFLIGHT.labels(**self._labels).dec()
         if result.batch:
@@ -478,16 +479,18 @@ class StageReplica:
     # -- CPUs ----------------------------------------------------------------------------------
 
     @contextmanager
-    def _computing(self) -> Iterator[None]:
+    def _computing(self, eager: bool = False) -> Iterator[None]:
         """The compute lock, and the threads of this step: the host's idle cores, at least this
-        replica's own, unless the autoscaler pinned it to cores of its own."""
+        replica's own, unless the autoscaler pinned it to cores of its own. A step that runs
+        compiled keeps its own count where the idle one has no graph; an `eager` one (a prefill)
+        takes them regardless."""
         with self._compute_lock:
             try:
                 if self._board is None or self._pinned is not None:
                     yield
                 else:
                     threads = self._board.begin(self.cpus)
-                    if not self._compiled_for(threads):  # a compiled step on its own cores beats an eager one on all
+                    if not eager and not self._compiled_for(threads):  # a compiled step on its own cores beats an eager one on all
                         threads = self.cpus
                     if threads != torch.get_num_threads():
                         torch.set_num_threads(threads)

@@ -8,7 +8,8 @@ the metrics needs the runtime's internal token (`Authorization: Bearer ...`); 40
     GET  /zygotes                      what is cached
     GET  /stats                        memory use, threshold, counts
     POST /cache   {"model", "stages"}  cache a stage range (waits until its zygote is ready);
-                  507 when it does not fit the server's cache budget
+                  507 when it does not fit the server's cache budget; 502 when its zygote exits
+                  before it answers, 504 when it does not answer within QUART_ZYGOTE_START_S
     POST /fork    {"model", "stages", "function", "cow": true, "env": {"QUART_...": ...}}
                   -> {"pid", "port_file", "started_by"}; 404 not cached, 409 shard changed
     POST /start   {"model", "stages", "function", "env"}
@@ -60,7 +61,7 @@ from contracts.secrets import bearer_ok
 from contracts.stage import StageRef
 from keysmanager.blocks import HOLD_S, MAX_PULL_PIECES, NOT_YET_POLL_S, URL_RE, Gone, NotYet, Pull, Receiver, Turn
 from keysmanager.cache_policy import OverBudget
-from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard
+from keysmanager.manager import KeysManager, NotCached, NotForkedHere, StaleShard, ZygoteExited
 from keysmanager.metrics import Families, replica_families
 from keysmanager.pacing import Link, SendOrder
 from keysmanager.prefetch import NoStore, Prefetcher
@@ -371,6 +372,10 @@ def build_app(manager: KeysManager, token: str, watch_period_s: float = 1.0) -> 
             return web.json_response({"error": str(exc)}, status=404)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        except ZygoteExited as exc:
+            return web.json_response({"error": str(exc)}, status=502)
+        except TimeoutError as exc:  # a zygote not ready within QUART_ZYGOTE_START_S, which the message names
+            return web.json_response({"error": str(exc) or f"{request.method} {request.path} timed out"}, status=504)
 
     async def watch(app: web.Application) -> None:
         app["watcher"] = asyncio.create_task(every(watch_period_s, lambda: run(manager.watch_once), log, "watcher"))

@@ -48,6 +48,10 @@ class NotForkedHere(KeyError):
     pass
 
 
+class ZygoteExited(RuntimeError):
+    """A zygote that ended before it answered; the message names its log."""
+
+
 @dataclass(frozen=True)
 class Fork:
     """A replica this KeysManager forked: where it can be reached from outside (pid and its start
@@ -226,7 +230,7 @@ class KeysManager:
         deadline = time.monotonic() + self.settings.cache.zygote_start_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"zygote {name} exited with {proc.returncode}; see zygote-{name}.log")
+                raise ZygoteExited(f"zygote {name} exited with {proc.returncode}; see zygote-{name}.log")
             if path.exists():
                 try:
                     zygote_call(path, {"op": "ping"}, timeout=5)

@@ -120,25 +120,30 @@ class CompiledDecode:
         """Compiles for each count of `threads` (the calling thread's where empty) on a thread of
         its own at `nice`, which the processes it starts inherit, once `may_start()` says so
         (asked every START_POLL_S), after `prepare()` (a compile in another process that fills
-        inductor's caches: `models/compile_worker.py`); eager steps serve until it is done, and the
-        thread parks while they do (`models/serving_first.py`). A failure to compile leaves eager
-        serving, and says why in the log."""
+        inductor's caches: `models/compile_worker.py`; where it fails, this thread does the whole
+        compile); eager steps serve until it is done, and the thread parks while they do
+        (`models/serving_first.py`). A failure to compile leaves eager serving, and says why in
+        the log."""
         # OpenMP keeps a thread count per thread (a new one sees the host's cores): the compiling
         # thread takes the counts asked for, this one's by default.
         threads = tuple(threads) or (torch.get_num_threads(),)
 
         def run() -> None:
-            while not may_start():
-                time.sleep(START_POLL_S)
-            _lower_this_thread(nice)
-            prepare()  # waits on another process: Python's lock stays free for serving
-            SERVING_FIRST.yield_to_serving()
             try:
-                self.warm(threads)
+                while not may_start():
+                    time.sleep(START_POLL_S)
+                _lower_this_thread(nice)
+                try:
+                    prepare()  # waits on another process: Python's lock stays free for serving
+                except Exception:  # noqa: BLE001 - the caches it fills only save this thread work
+                    log.exception("preparing the compile failed; this replica compiles the whole step")
+                SERVING_FIRST.yield_to_serving()
+                try:
+                    self.warm(threads)
+                finally:
+                    SERVING_FIRST.stop_yielding()
             except Exception:  # noqa: BLE001 - any compiler failure must leave eager serving
                 log.exception("compiling the decode step failed; steps stay eager")
-            finally:
-                SERVING_FIRST.stop_yielding()
         thread = threading.Thread(target=run, name="compile-decode", daemon=True)
         thread.start()
         return thread

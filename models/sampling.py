@@ -28,7 +28,8 @@ class Sampling:
 
 
 def all_finite(logits: torch.Tensor) -> bool:
-    """Whether no logit is NaN or infinite: the extremes are finite (a NaN is both). One
+    """Whether no logit is NaN or infinite: whether the smallest and the largest are finite (a
+    NaN anywhere makes both NaN, an infinity makes one of them infinite). One
     vectorised pass: torch.isfinite(...).all() took 120 µs over a 49,152-token vocabulary in
     bfloat16 on one thread of a Xeon, this 14."""
     return bool(torch.isfinite(torch.stack(torch.aminmax(logits))).all())

@@ -2,10 +2,13 @@
 and a KeysManager of its own for the tests that fork."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -61,31 +64,39 @@ def module_redis_port(tmp_path_factory):
     yield from _own_redis(tmp_path_factory.mktemp("redis"))
 
 
+@contextlib.contextmanager
+def keysmanager(home_settings: Settings, home: Path, redis_port: int, **changes) -> Iterator[tuple[Settings, KeysClient]]:
+    """A KeysManager process over the test models, with its home at `home` and the settings
+    `changes` make; stopped afterwards."""
+    settings = home_settings.replace(home=str(home), models=str(home_settings.models_dir), redis_port=redis_port,
+                                     keysmanager_port=free_port(), server="km-test", **changes)
+    (home / "logs").mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=child_environment(settings), cwd=REPO,
+                            stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
+    client = KeysClient.for_settings(settings, timeout=300)
+    try:
+        wait_until(client.healthy, 60, "the KeysManager")
+        yield settings, client
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def km(home_settings: Settings, partitioned, tmp_path_factory, module_redis_port):
     """A redis-server and a KeysManager process of their own, over the test models."""
     partitioned("smollm2", 4)
     partitioned("minilm", 3)
-    home = tmp_path_factory.mktemp("km")
-    settings = home_settings.replace(home=str(home), models=str(home_settings.models_dir),
-                                     redis_port=module_redis_port, keysmanager_port=free_port(), server="km-test")
-    (home / "logs").mkdir()
-    env = child_environment(settings)
-    proc = subprocess.Popen([sys.executable, "-m", "keysmanager"], env=env, cwd=REPO,
-                            stdout=open(home / "logs" / "keysmanager.log", "ab"), stderr=subprocess.STDOUT)
-    client = KeysClient.for_settings(settings, timeout=300)
-    wait_until(client.healthy, 60, "the KeysManager")
     children: list[int] = []
-    try:
-        yield settings, client, redis.Redis.from_url(settings.redis_url), children
-    finally:
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.terminate()
-        proc.wait(timeout=60)
+    with keysmanager(home_settings, tmp_path_factory.mktemp("km"), module_redis_port) as (settings, client):
+        try:
+            yield settings, client, redis.Redis.from_url(settings.redis_url), children
+        finally:
+            for pid in children:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 @pytest.fixture(scope="session")

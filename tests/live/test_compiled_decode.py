@@ -184,6 +184,17 @@ def test_a_background_compile_waits_its_turn_then_runs_below_serving_and_so_does
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0, "the serving thread keeps its priority"
 
 
+def test_a_failed_compile_worker_leaves_the_whole_compile_to_the_replica(home_settings, tmp_path, caplog):
+    manifest = partition(resolve("random-llama", home_settings.models_dir / "_sources", seed=3), 1, tmp_path / "m")
+    compiled = CompiledDecode(BatchedDecoder(StageRunner(manifest, 0, 1, dtype="float32", prepack=False).modules))
+
+    def prepare() -> None:
+        raise TypeError("a worker's programming error")  # as fill_cache given an int (f85ea7a)
+    compiled.warm_in_background(prepare=prepare).join(timeout=600)
+    assert compiled.ready, "the replica's own compile did not run after the worker failed"
+    assert "preparing the compile failed" in caplog.text and "a worker's programming error" in caplog.text
+
+
 
 # A fresh process compiling a stage's decode step, as a replica does after the worker: how often
 # inductor's caches answered (this process's own in-memory ones would answer a test here).

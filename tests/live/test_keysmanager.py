@@ -25,6 +25,7 @@ from models.stage_runner import StageRunner
 from runtime.functions import start_watchdog
 from state.records import ReplicaRecord
 from state.store import RedisStore
+from tests.live.conftest import keysmanager
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -328,3 +329,12 @@ def test_a_fetch_refuses_a_bad_shard_a_bad_token_and_paths_outside_the_model(km,
     assert client.request("GET", "/models/smollm2/..%2Fminilm%2Fmanifest.json", headers=auth).status == 404
     assert client.request("GET", "/models/smollm2/../minilm/manifest.json", headers=auth).status == 404
     assert client.request("GET", "/models/no-such-model", headers=auth).status == 404
+
+
+def test_a_zygote_not_ready_in_time_is_a_504_naming_the_limit(home_settings, partitioned, tmp_path, redis_port):
+    partitioned("smollm2", 4)
+    # A zygote imports torch and loads its shard: far longer than 0.2 s anywhere.
+    with keysmanager(home_settings, tmp_path, redis_port, zygote_start_s=0.2) as (_, client):
+        with pytest.raises(KeysManagerError) as refused:
+            client.cache(StageRef.parse("smollm2", "0-1"))
+    assert refused.value.status == 504 and "QUART_ZYGOTE_START_S" in str(refused.value), refused.value
