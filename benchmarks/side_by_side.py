@@ -8,9 +8,9 @@ compares the two arms it ran back to back.
 "new" is this working tree as it is (committed or not), "base" the commit REV, checked out in a
 worktree of its own (removed afterwards) and run with this tree's virtual environment and
 partitioned models. Per arm, one runtime (one replica per stage, compiled steps unless --eager):
-the time per output token of single requests (ShareGPT prompts, 96 new tokens, end of text
-ignored, one at a time), then the tokens per second of 4 and 16 concurrent requests (each client
-sends two of 32 tokens). Reported: each figure per arm, and per round the ratio new/base, with the
+the time per output token and to the first token of single requests (ShareGPT prompts, 96 new
+tokens, end of text ignored, one at a time), then the tokens per second of 4 and 16 concurrent
+requests (each client sends two of 32 tokens). Reported: each figure per arm, and per round the ratio new/base, with the
 mean ratio's 95 % interval over the rounds; "gain" only where the whole interval is on the better
 side of 1. With --dtype both arms serve that dtype (QUART_DTYPE), and the result is named
 `side_by_side_<dtype>`. The base must have `benchmarks.generation.running` (the serving harness
@@ -45,6 +45,7 @@ LEVELS = (4, 16)
 ARMS = ("base", "new")
 # Each figure: its label, unit, and whether higher is better.
 FIGURES = {"tpot_ms": ("TPOT, one request at a time", "ms", False),
+           "ttft_ms": ("TTFT, one request at a time", "ms", False),
            **{f"tps_{level}": (f"throughput, {level} concurrent", "tokens/s", True) for level in LEVELS}}
 RESULT = "RESULT "  # the line an arm prints its figures on
 
@@ -58,8 +59,8 @@ def measure(texts: list[str], **changes: object) -> dict[str, float]:
 
     with running(MODEL, NEW, **changes) as settings:
         client = GatewayClient(settings.gateway.url, timeout=600)
-        tpots = [pipeline_request(client, MODEL, text, NEW)["tpot_ms"] for text in texts[:SINGLE]]
-        out = {"tpot_ms": statistics.median(tpots)}
+        single = [pipeline_request(client, MODEL, text, NEW) for text in texts[:SINGLE]]
+        out = {key: statistics.median(a[key] for a in single) for key in ("tpot_ms", "ttft_ms")}
         for level in LEVELS:
             t0 = time.perf_counter()
             with ThreadPoolExecutor(level) as pool:
@@ -137,7 +138,7 @@ def report(name: str, rounds: list[dict[str, dict[str, float]]], arms: tuple[str
 
     figures, rows = [], []
     first, second = arms
-    for key, (label, unit, higher_better) in FIGURES.items():
+    for key, (label, unit, higher_better) in _measured(rounds, arms).items():
         for arm in arms:
             values = [r[arm][key] for r in rounds]
             figures.append({"name": f"{label}, {arm}", "value": round(statistics.median(values), 3),
@@ -161,6 +162,11 @@ def report(name: str, rounds: list[dict[str, dict[str, float]]], arms: tuple[str
     return {"figures": figures, "conditions": recorded}
 
 
+def _measured(rounds: list[dict[str, dict[str, float]]], arms: tuple[str, str]) -> dict:
+    """The FIGURES every arm of every round measured (a base commit's arm may predate one)."""
+    return {k: v for k, v in FIGURES.items() if all(k in r[a] for r in rounds for a in arms)}
+
+
 def _outcome(mean: float, half: float, higher_better: bool) -> str:
     """A gain: TPOT lower (a ratio below 1) or throughput higher (above 1), the whole interval
     strictly past 1; a loss the other way; else no difference shown."""
@@ -176,9 +182,10 @@ def _plot(name: str, rounds: list[dict[str, dict[str, float]]], arms: tuple[str,
     import matplotlib.pyplot as plt
 
     from benchmarks.report import RESULTS
-    fig, axes = plt.subplots(1, len(FIGURES), figsize=(4 * len(FIGURES), 3.6))
+    figures = _measured(rounds, arms)
+    fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 3.6))
     x = range(1, len(rounds) + 1)
-    for ax, (key, (label, unit, _)) in zip(axes, FIGURES.items()):
+    for ax, (key, (label, unit, _)) in zip(axes, figures.items()):
         for arm, style in zip(arms, ("s--", "o-")):
             ax.plot(x, [r[arm][key] for r in rounds], style, label=arm)
         ax.set(xlabel="round", ylabel=unit, title=label, xticks=list(x))

@@ -393,8 +393,12 @@ class StageReplica:
         MIGRATIONS.labels(**self._labels, direction="in").inc(sum(w.header.kind in ("adopt", "install") for w in live))
         try:
             batch = self.generation.waiting + [w for w in live if w not in self.generation.waiting]
+            kinds = {w.header.kind for w in batch}
             # A prefill never runs compiled: its step may take idle cores no compiled graph covers.
-            with self._computing(eager=any(w.header.kind == "prefill" for w in batch)):
+            # Frees compute nothing: the entry sends a sequence's to every holder at once, and on
+            # the board they would look like steps overlapping and keep the next request's
+            # prefill off the idle cores.
+            with self._computing(eager="prefill" in kinds, computes=kinds != {"free"}):
                 result = self.generation.run(batch, peer)
         finally:
             INFLIGHT.labels(**self._labels).dec()
@@ -479,14 +483,14 @@ class StageReplica:
     # -- CPUs ----------------------------------------------------------------------------------
 
     @contextmanager
-    def _computing(self, eager: bool = False) -> Iterator[None]:
+    def _computing(self, eager: bool = False, computes: bool = True) -> Iterator[None]:
         """The compute lock, and the threads of this step: the host's idle cores, at least this
         replica's own, unless the autoscaler pinned it to cores of its own. A step that runs
         compiled keeps its own count where the idle one has no graph; an `eager` one (a prefill)
-        takes them regardless."""
+        takes them regardless; one that `computes` nothing stays off the board."""
         with self._compute_lock:
             try:
-                if self._board is None or self._pinned is not None:
+                if self._board is None or self._pinned is not None or not computes:
                     yield
                 else:
                     threads = self._board.begin(self.cpus)

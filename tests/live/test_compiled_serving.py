@@ -108,13 +108,18 @@ def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(
         return "".join(p.read_text(errors="replace") for p in (Path(settings.home) / "logs").glob("*.log"))
     wait_until(lambda: logs().count(compiled_for) >= 2, 900, f"each replica compiled for each of {counts} threads")
     assert logs().count("the compile worker filled inductor's caches") >= 2, "a replica compiled without its worker"
-    # Alone, after the burst's overlapping steps have calmed, a request's steps take every core, compiled.
+    # Alone, after the burst's overlapping steps have calmed, a request's steps take every core, its
+    # decodes compiled; and so do the next one's, sent as soon as the first is answered: the
+    # first's frees, which reach every holder at once, are not steps that overlap.
     time.sleep(2 * CALM_S)
     since = time.time() - 1.0
-    rid = _generate(client, TEXTS[0])["id"]
-    steps = [s for stage in _decode_samples(store, rid, since) for s in stage]
-    assert steps and all(s.compiled and s.threads == counts[-1] for s in steps), \
-        [(s.compiled, s.threads) for s in steps]
+    for rid in [_generate(client, t)["id"] for t in TEXTS[:2]]:
+        steps = [s for stage in _decode_samples(store, rid, since) for s in stage]
+        assert steps and all(s.compiled and s.threads == counts[-1] for s in steps), \
+            [(s.compiled, s.threads) for s in steps]
+        prefills = [s.threads for stage in range(2) for s in store.samples(MODEL, stage, since)
+                    if s.kind == "prefill" and s.request_id.startswith(rid + ".")]
+        assert prefills == [counts[-1]] * 2, prefills
 
 
 def test_a_replica_forked_from_the_zygote_runs_compiled_steps_from_its_first(compiled):

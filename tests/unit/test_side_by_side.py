@@ -23,7 +23,7 @@ def running(model, new, **changes):
     yield SimpleNamespace(gateway=SimpleNamespace(url="unused"))
 
 def pipeline_request(client, model, text, new):
-    return {"tpot_ms": 42.0, "token_ids": [1] * new}
+    return {"tpot_ms": 42.0, "ttft_ms": 120.0, "token_ids": [1] * new}
 """,
     "contracts/__init__.py": "",
     "contracts/http_client.py": "class GatewayClient:\n    def __init__(self, url, timeout):\n        pass\n",
@@ -37,7 +37,7 @@ def test_an_arm_measures_the_tree_it_runs_in(tmp_path, capsys):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     figures = side_by_side._run_arm(tmp_path, str(tmp_path / "models"), {"compile": False}, "an arm")
-    assert figures["tpot_ms"] == 42.0
+    assert figures["tpot_ms"] == 42.0 and figures["ttft_ms"] == 120.0
     assert set(figures) == set(side_by_side.FIGURES)
 
 
@@ -64,3 +64,13 @@ def test_the_report_calls_a_gain_only_past_the_interval(tmp_path, monkeypatch):
     assert figures["throughput, 4 concurrent, new/base"]["verdict"] == "no difference shown"
     assert figures["throughput, 16 concurrent, new/base"]["verdict"] == "no difference shown"
     assert (tmp_path / "cmp.png").is_file() and out["conditions"]["rounds"] == 3
+
+
+def test_a_figure_that_the_base_commit_did_not_measure_is_left_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_report, "RESULTS", tmp_path)
+    rounds = _rounds([(100, 90), (110, 98), (105, 95)])
+    for r in rounds:
+        r["new"]["ttft_ms"] = 300.0  # measured by this tree's arm only
+    side_by_side.report("cmp", rounds, ("base", "new"), "a test")
+    names = {f["name"] for f in json.loads((tmp_path / "cmp.json").read_text())["figures"]}
+    assert "TPOT, one request at a time, new/base" in names and not any(n.startswith("TTFT") for n in names)
