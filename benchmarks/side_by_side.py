@@ -10,9 +10,9 @@ worktree of its own (removed afterwards) and run with this tree's virtual enviro
 partitioned models. Per arm, one runtime (one replica per stage, compiled steps unless --eager):
 the time per output token and to the first token of single requests (ShareGPT prompts, 96 new
 tokens, end of text ignored, one at a time), then the tokens per second of 4 and 16 concurrent
-requests (each client sends two of 32 tokens). Reported: each figure per arm, and per round the ratio new/base, with the
-mean ratio's 95 % interval over the rounds; "gain" only where the whole interval is on the better
-side of 1. With --dtype both arms serve that dtype (QUART_DTYPE), and the result is named
+requests (each client sends two of 32 tokens). Reported: each figure per arm, and per round the
+ratio new/base, with the mean ratio's 95 % interval over the rounds; "gain" only where the whole
+interval is on the better side of 1. With --dtype both arms serve that dtype (QUART_DTYPE), and the result is named
 `side_by_side_<dtype>`. The base must have `benchmarks.generation.running` (the serving harness
 this measures with) and read the partitions this tree wrote.
 
