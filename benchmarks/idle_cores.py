@@ -7,8 +7,8 @@ arms alike. Each round compares the two arms it ran back to back.
 
 Per arm, one runtime (one replica per stage, compiled steps as configured): the time per output
 token and to the first token of single requests (ShareGPT prompts, 96 new tokens, end of text
-ignored, one at a time), then the tokens per second of 4 and 16 concurrent requests (each client sends two of 32 tokens).
-Reported: each figure per arm, and per round the ratio on/off, with the mean ratio's 95 % interval
+ignored, one at a time), then the tokens per second of 4 and 16 concurrent requests (each client
+sends two of 32 tokens). Reported: each figure per arm, and per round the ratio on/off, with the mean ratio's 95 % interval
 over the rounds; "gain" only where the whole interval is on the better side of 1."""
 from __future__ import annotations
 
