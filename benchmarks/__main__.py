@@ -68,6 +68,7 @@ BENCHMARKS = {"hop": hop.main, "pipeline_overhead": pipeline_overhead.main, "sca
               "data_plane_cpu": lambda: data_plane_cpu.main([]), "bursts": lambda: bursts.main([]),
               "execute_while_load": lambda: execute_while_load.main([]), "token_anatomy": token_anatomy.main,
               "idle_cores": lambda: idle_cores.main([]),
+              "idle_cores_prefill": lambda: idle_cores.main(["--mode", "prefill"]),
               "compile_beside_serving": lambda: compile_beside_serving.main([]),
               **{f"generation_{m}": lambda m=m: generation.main(["--model", m]) for m in generation.FAMILY_SHAPES}}
 # Those that take options of their own: `python -m benchmarks NAME --option ...`.

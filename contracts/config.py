@@ -107,7 +107,17 @@ class ComputeConfig:
     compile_nice: int = 19
     compile_defer_s: float = 30.0
     compile_worker: bool = True
-    idle_cores: bool = False
+    idle_cores: str = "prefill"
+
+    @property
+    def idle_prefills(self) -> bool:
+        """Whether a step that holds a prefill may take the host's idle cores (engine/idle_cores.py)."""
+        return self.idle_cores != "off"
+
+    @property
+    def idle_decodes(self) -> bool:
+        """Whether decode steps may take them too."""
+        return self.idle_cores == "all"
 
     @property
     def compiles(self) -> bool:
@@ -473,11 +483,13 @@ VARIABLES: tuple[Var, ...] = (
         "pauses between its serving turns); the process holds a second copy of the stage's weights while it "
         "runs; false: the whole compile in the replica"),
     Var("QUART_IDLE_CORES", "compute.idle_cores",
-        "a CPU step takes the host's cores that no other replica of the host is computing on (one request in "
-        "flight: every core for the stage computing) while no two steps have overlapped for a second, else "
-        "`QUART_THREADS`; off by default: it gains on a quiet host, but sees only the replicas' steps, not a "
-        "compile or other processes (`python -m benchmarks idle_cores`, docs/benchmarks.md); on, the processes "
-        "the runtime starts spin OpenMP's idle threads for 20,000 rounds (`GOMP_SPINCOUNT`, unless set)"),
+        "which CPU steps take the host's cores that no other replica of the host is computing on, while no two "
+        "steps have overlapped for a second (else `QUART_THREADS`): `prefill` (the default) a step that holds a "
+        "prefill, so one request's prompt runs on every core at every stage; `all` decode steps too (one request's "
+        "TPOT 0.85x side by side, no difference at 4 and 16 concurrent; `python -m benchmarks idle_cores`); `off` "
+        "none. The board sees only the replicas' steps, not other processes. Unless `off`, the processes the "
+        "runtime starts spin OpenMP's idle threads for 20,000 rounds (`GOMP_SPINCOUNT`, unless set)",
+        _one_of("off", "prefill", "all")),
     Var("QUART_QUANTIZE", "compute.quantize",
         "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "
         "half bfloat16's bytes; empty: none", lambda v: None if v in ("", "int8") else "must be int8 or empty"),
@@ -772,7 +784,7 @@ def child_environment(settings: Settings, **extra: str) -> dict[str, str]:
     from contracts.paths import REPO_ROOT
     entries = [str(REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     path = os.pathsep.join(dict.fromkeys(e for e in entries if e))  # once each, in order: children of children
-    omp = IDLE_CORES_OMP if settings.compute.idle_cores else {}
+    omp = IDLE_CORES_OMP if settings.compute.idle_prefills else {}
     return {**omp, **os.environ, **settings_environment(settings), "PYTHONPATH": path, **extra}
 
 

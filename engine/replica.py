@@ -128,7 +128,7 @@ class StageReplica:
         self._compile_asked: set[int] = set()  # thread counts whose decode step compiles or has compiled
         self._threads: list[threading.Thread] = []
         # Torch steps take the host's idle cores (engine/idle_cores.py); emulated ones have no threads.
-        self._board = (CoreBoard(Path(settings.home) / "run" / "cores") if settings.compute.idle_cores
+        self._board = (CoreBoard(Path(settings.home) / "run" / "cores") if settings.compute.idle_prefills
                        and isinstance(runner, StageRunner) and settings.compute.device == "cpu" else None)
 
     def _compile(self, engine: BatchedDecoder, threads: list[int]) -> None:
@@ -151,9 +151,10 @@ class StageReplica:
         compile_in_background(engine, compute.compile_nice, may_start, prepare, threads)
 
     def _step_threads(self) -> list[int]:
-        """The thread counts this replica's steps run on: its own, and the host's cores where its
-        steps take the idle ones (engine/idle_cores.py)."""
-        return sorted({self.cpus} | ({self._board.cores} if self._board is not None else set()))
+        """The thread counts this replica's decode steps run on, which it compiles: its own, and
+        the host's cores where they take the idle ones (engine/idle_cores.py)."""
+        idle = self._board is not None and self.settings.compute.idle_decodes
+        return sorted({self.cpus} | ({self._board.cores} if idle else set()))
 
     @property
     def replica_id(self) -> str:
@@ -465,7 +466,7 @@ class StageReplica:
         INFLIGHT.labels(**self._labels).inc()
         started = time.time()
         try:
-            with self._computing():
+            with self._computing(eager=True):  # a whole pass, as a prefill is
                 out = self.runner.checked_run(tensors, self.settings.limits)
             REQUESTS.labels(**self._labels, outcome="ok").inc()
             return out
@@ -485,16 +486,19 @@ class StageReplica:
     @contextmanager
     def _computing(self, eager: bool = False, computes: bool = True) -> Iterator[None]:
         """The compute lock, and the threads of this step: the host's idle cores, at least this
-        replica's own, unless the autoscaler pinned it to cores of its own. A step that runs
-        compiled keeps its own count where the idle one has no graph; an `eager` one (a prefill)
-        takes them regardless; one that `computes` nothing stays off the board."""
+        replica's own, unless the autoscaler pinned it to cores of its own. An `eager` step (a
+        prefill) takes them; a decode step only where QUART_IDLE_CORES=all, and keeps its own
+        count where the idle one has no compiled graph; one that `computes` nothing stays off the
+        board. A step that takes only its own still marks the board: another's that starts beside
+        it must not take every core."""
         with self._compute_lock:
             try:
                 if self._board is None or self._pinned is not None or not computes:
                     yield
                 else:
                     threads = self._board.begin(self.cpus)
-                    if not eager and not self._compiled_for(threads):  # a compiled step on its own cores beats an eager one on all
+                    # A compiled step on its own cores beats an eager one on all.
+                    if not eager and not (self.settings.compute.idle_decodes and self._compiled_for(threads)):
                         threads = self.cpus
                     if threads != torch.get_num_threads():
                         torch.set_num_threads(threads)

@@ -20,6 +20,7 @@ import redis
 import torch
 
 from contracts.http_client import GatewayClient
+from engine.idle_cores import CALM_S, usable_cores
 from loadgen.sharegpt import first_prompts
 from state.store import RedisStore
 from tests.live.runtime_helpers import available, reference_greedy, scale_and_wait, wait_until
@@ -83,6 +84,21 @@ def test_greedy_tokens_equal_unsplit_generate_alone_and_batched(client, sources,
     metrics = client.request("GET", "/function/smollm2-s1/metrics", auth=False).body.decode()
     sizes = _histogram_sum_count(metrics, "quart_stage_batch_size")
     assert sizes[0] > sizes[1], "every batch held one item: nothing was batched"
+
+
+def test_alone_a_prefill_takes_every_core_and_decode_steps_their_own(client, r):
+    """QUART_IDLE_CORES's default (`prefill`): with nothing else computing, each stage's prefill
+    runs on the host's cores, one after another, and the decode steps on the replica's one thread
+    (a decode step taking them too is `all`)."""
+    time.sleep(2 * CALM_S)  # the earlier tests' overlapping steps calmed
+    since = time.time() - 1.0
+    reply = generate(client, "Name three rivers of Europe.", 4)
+    assert reply.status == 200, reply.body
+    rid = reply.json()["id"]
+    mine = [s for stage in range(4) for s in RedisStore(r).samples("smollm2", stage, since)
+            if s.request_id.startswith(rid + ".")]
+    threads = {kind: [s.threads for s in mine if s.kind == kind] for kind in ("prefill", "decode")}
+    assert threads == {"prefill": [usable_cores()] * 4, "decode": [1] * 12}, threads
 
 
 def _histogram_sum_count(text: str, name: str) -> tuple[float, float]:

@@ -84,13 +84,25 @@ def test_a_child_keeps_the_callers_python_path_behind_the_repository(monkeypatch
     assert child_environment(load_settings(environ={}))["PYTHONPATH"] == str(REPO_ROOT)
 
 
-def test_with_idle_cores_children_spin_openmp_briefly_unless_the_user_says_otherwise(monkeypatch):
+@pytest.mark.parametrize("mode", ["prefill", "all"])
+def test_with_idle_cores_children_spin_openmp_briefly_unless_the_user_says_otherwise(monkeypatch, mode):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    assert "GOMP_SPINCOUNT" not in child_environment(load_settings(environ={}))
-    idle = load_settings(environ={}, idle_cores=True)
+    assert "GOMP_SPINCOUNT" not in child_environment(load_settings(environ={"QUART_IDLE_CORES": "off"}))
+    idle = load_settings(environ={"QUART_IDLE_CORES": mode})
     assert child_environment(idle)["GOMP_SPINCOUNT"] == "20000"
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
     assert child_environment(idle)["GOMP_SPINCOUNT"] == "0"
+
+
+def test_idle_cores_default_to_prefills_only_and_refuse_a_boolean():
+    compute = load_settings(environ={}).compute
+    assert (compute.idle_prefills, compute.idle_decodes) == (True, False)
+    compute = load_settings(environ={"QUART_IDLE_CORES": "all"}).compute
+    assert (compute.idle_prefills, compute.idle_decodes) == (True, True)
+    compute = load_settings(environ={"QUART_IDLE_CORES": "off"}).compute
+    assert (compute.idle_prefills, compute.idle_decodes) == (False, False)
+    with pytest.raises(ConfigError, match="QUART_IDLE_CORES='true': must be one of off, prefill, all"):
+        load_settings(environ={"QUART_IDLE_CORES": "true"})
 
 
 @pytest.mark.parametrize("env,needle", [
