@@ -7,6 +7,7 @@ import getpass
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -90,14 +91,22 @@ def shed_module_folders(tmp_path_factory):
     before = set(basetemp.iterdir())
     yield
     for folder in set(basetemp.iterdir()) - before:
-        for root, _, files in os.walk(folder):
-            if "logs" in Path(root).relative_to(basetemp).parts:
-                continue
-            for name in files:
-                path = os.path.join(root, name)
+        for path, size in _files_under(folder):
+            if size > BULKY_BYTES and path.suffix != ".log" and "logs" not in path.relative_to(basetemp).parts:
                 with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove
-                    if os.lstat(path).st_size > BULKY_BYTES and not name.endswith(".log"):
-                        os.unlink(path)
+                    path.unlink()
+
+
+def _files_under(folder: Path) -> Iterator[tuple[Path, int]]:
+    """Every file under `folder` with its size, but those removed while it walks."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = Path(root, name)
+            try:
+                size = path.lstat().st_size
+            except OSError:
+                continue
+            yield path, size
 
 
 # What the suite writes that can fill a disk: CI once ran out of space part-way (every test after
@@ -114,16 +123,8 @@ def _held(config) -> list[str]:
     held = {"pytest's basetemp": config._tmp_path_factory.getbasetemp(), "the test home": TEST_HOME,
             "the image build folder": REPO / "build", "podman's storage": Path("/var/lib/containers/storage"),
             "inductor's cache": Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"}
-    return [f"  {what} ({path}): {_bytes_under(path) / 2**30:.2f} GiB" for what, path in held.items() if path.exists()]
-
-
-def _bytes_under(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):  # removed meanwhile
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
+    return [f"  {what} ({path}): {sum(size for _, size in _files_under(path)) / 2**30:.2f} GiB"
+            for what, path in held.items() if path.exists()]
 
 
 def pytest_report_header(config) -> list[str]:

@@ -41,12 +41,15 @@ functions:
 """
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
+def wait_until(predicate, timeout: float, what: str, every_s: float = 0.25):
+    """What `predicate` returns once that is truthy, asked every `every_s`; AssertionError naming
+    `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.25)
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 

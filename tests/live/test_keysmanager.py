@@ -26,16 +26,7 @@ from runtime.functions import start_watchdog
 from state.records import ReplicaRecord
 from state.store import RedisStore
 from tests.live.conftest import keysmanager
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+from tests.live.runtime_helpers import wait_until
 
 
 def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
