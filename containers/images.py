@@ -170,22 +170,9 @@ def build_images(settings: Settings, stack: Path, only: list[str] | None = None)
 
 def _timed(settings: Settings, context: Path, image: str) -> dict:
     print(f"building {image} ...", flush=True)
-    replaced = _image_id(settings, image)
     start = time.monotonic()
     build(settings, context, image, {"BASE": settings.containers.base})
-    took = round(time.monotonic() - start, 1)
-    if replaced and replaced != _image_id(settings, image):
-        # The tag moved to the new build. The image it named is kept by podman, untagged, with
-        # the layer of the code it was built from: a host that rebuilds after every change (a CI
-        # runner keeps its storage) would gain one such image a build. One a container still runs
-        # stays.
-        podman(settings, "image", "rm", replaced, check=False)
-    return {"image": image, "build_s": took, "bytes": image_size(settings, image)}
-
-
-def _image_id(settings: Settings, image: str) -> str:
-    """The image ID a name refers to, "" where it names none."""
-    return podman(settings, "image", "inspect", "--format", "{{.Id}}", image, check=False).strip()
+    return {"image": image, "build_s": round(time.monotonic() - start, 1), "bytes": image_size(settings, image)}
 
 
 def main(argv: list[str] | None = None) -> int:
