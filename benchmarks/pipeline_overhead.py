@@ -48,10 +48,11 @@ def main(count: int = 40, warmup: int = 5) -> dict:
         # requests measured. Nor do decode steps compile: every request here is a prefill, eager either
         # way, and the replicas' background compiles would take the cores for the first minutes (at
         # 47b8aa5 they overlapped the whole run: 1616 ms against 256 unsplit). Both sides in float32,
-        # whatever the host's default dtype.
+        # whatever the host's default dtype, and on one thread: a prefill on the idle cores (the
+        # default) would hide the overhead this measures behind a second core.
         settings = base.replace(home=str(run_home), models=str(base.models_dir),
                                 gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-                                policy="none", cache_stages="none", dtype="float32", compile=False)
+                                policy="none", cache_stages="none", dtype="float32", compile=False, idle_cores="off")
         torch.set_num_threads(1)
         unsplit = _unsplit(settings)
         if control.up(settings, timeout=600) != 0:
