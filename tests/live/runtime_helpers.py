@@ -41,15 +41,15 @@ functions:
 """
 
 
-def wait_until(predicate, timeout: float, what: str, every_s: float = 0.25):
-    """What `predicate` returns once that is truthy, asked every `every_s`; AssertionError naming
+def wait_until(predicate, timeout: float, what: str):
+    """What `predicate` returns once that is truthy, asked every 0.25 s; AssertionError naming
     `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(every_s)
+        time.sleep(0.25)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
