@@ -2,8 +2,9 @@
 
     python -m benchmarks simulator_generation
 
-1. Calibration: each of SmolLM2's 4 stages alone, one thread, batched steps measured and the cost
-   model fitted (sim.calibrate; writes sim/calibration/smollm2.json, which the simulator ships).
+1. Calibration: each of SmolLM2's 4 stages alone, one thread, batched steps measured as a
+   replica runs them (decode-only batches through the compiled step, the rest eager) and the
+   cost model fitted (sim.calibrate; writes sim/calibration/smollm2.json, which the simulator ships).
 2. Live: the embedded runtime, one replica per stage, no autoscaler; the generation benchmark's
    experiment: prompts one at a time, then 1, 4, 8 and 16 concurrent requests sent at once, 64
    new tokens each (end of text ignored); TTFT and TPOT as the answers report them, tokens/s

@@ -26,20 +26,38 @@ def features(steps: list[Step]) -> list[float]:
     return [1.0, float(tokens), float(len(steps)), attention / 1000.0]
 
 
+def decode_only(steps: list[Step]) -> bool:
+    """Whether every step is one new token after a prefill: the batches a replica runs compiled
+    (models/compiled_decode.py); a prefill, even of one token, starts at position 0."""
+    return all(tokens == 1 and start > 0 for tokens, start in steps)
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds per batch = coefficients · features(steps); the coefficients are non-negative."""
+    """Seconds per batch = coefficients · features(steps), the coefficients non-negative. A replica
+    runs decode-only batches through a compiled step and the rest eager, at different costs a
+    token: `decode`, where set, is the fit of the compiled decode-only batches."""
     coefficients: tuple[float, ...]
+    decode: tuple[float, ...] | None = None
 
     def batch_s(self, steps: list[Step]) -> float:
-        return float(np.dot(self.coefficients, features(steps))) if steps else 0.0
+        if not steps:
+            return 0.0
+        fit = self.decode if self.decode is not None and decode_only(steps) else self.coefficients
+        return float(np.dot(fit, features(steps)))
 
     @classmethod
-    def fit(cls, samples: list[tuple[list[Step], float]]) -> StepCost:
-        """Non-negative least squares on relative error, so short steps weigh as much as long ones."""
-        a = np.array([features(steps) for steps, _ in samples])
-        y = np.array([seconds for _, seconds in samples])
-        return cls(tuple(float(c) for c in _non_negative_lstsq(a / y[:, None], np.ones(len(y)))))
+    def fit(cls, samples: list[tuple[list[Step], float]],
+            compiled_decodes: list[tuple[list[Step], float]] = ()) -> StepCost:
+        """Non-negative least squares on relative error, so short steps weigh as much as long ones;
+        the compiled decode-only batches, where measured, fitted apart."""
+        return cls(_fit(samples), _fit(compiled_decodes) if compiled_decodes else None)
+
+
+def _fit(samples: list[tuple[list[Step], float]]) -> tuple[float, ...]:
+    a = np.array([features(steps) for steps, _ in samples])
+    y = np.array([seconds for _, seconds in samples])
+    return tuple(float(c) for c in _non_negative_lstsq(a / y[:, None], np.ones(len(y))))
 
 
 def _non_negative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -79,13 +97,16 @@ class Calibration:
     def save(self, path: Path) -> None:
         body = asdict(self)
         body["stages"] = [list(s.coefficients) for s in self.stages]
+        body["decode_stages"] = [None if s.decode is None else list(s.decode) for s in self.stages]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in body.items()) + "\n}\n")
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
         body = json.loads(path.read_text())
-        return cls(body["model"], tuple(StepCost(tuple(c)) for c in body["stages"]),
+        decodes = body.get("decode_stages") or [None] * len(body["stages"])  # older files: eager steps only
+        return cls(body["model"], tuple(StepCost(tuple(c), None if d is None else tuple(d))
+                                        for c, d in zip(body["stages"], decodes)),
                    tuple(body["kv_bytes_per_position"]), int(body["hidden_bytes"]), tuple(body["shard_bytes"]),
                    tuple(body["prompt_tokens"]), body.get("conditions", {}), body.get("hop_s"),
                    float(body.get("item_cpu_s", 0.0)))

@@ -4,6 +4,8 @@ when one can never fit); a replica removed mid-generation migrates or finishes i
 and no request is lost; the step-cost fit and the shipped calibration."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -172,6 +174,27 @@ def test_step_cost_fit_recovers_known_coefficients():
     fitted = StepCost.fit([(s, truth.batch_s(s)) for s in shapes])
     assert fitted.coefficients == pytest.approx(truth.coefficients, rel=1e-6)
     assert features([(1, 9)]) == [1.0, 1.0, 1.0, 0.01]
+
+
+def test_compiled_decode_batches_are_priced_by_their_own_fit_and_every_other_batch_eagerly(tmp_path):
+    eager, compiled = StepCost((0.010, 0.001, 0.0, 0.0)), StepCost((0.002, 0.0005, 0.0, 0.0))
+    decodes = [[(1, c)] * b for c in (32, 256) for b in (1, 4, 16)]
+    others = [[(p, 0)] for p in (16, 128)] + [[(64, 0)] + [(1, 128)] * 7]
+    cost = StepCost.fit([(s, eager.batch_s(s)) for s in decodes + others], [(s, compiled.batch_s(s)) for s in decodes])
+    assert cost.coefficients == pytest.approx(eager.coefficients, abs=1e-9)
+    # A decode's tokens are its requests: the two columns are one, so the prices are compared.
+    assert [cost.batch_s(s) for s in decodes] == pytest.approx([compiled.batch_s(s) for s in decodes])
+    assert cost.batch_s([(1, 40)] * 4) == pytest.approx(0.004)
+    assert cost.batch_s([(1, 40), (16, 0)]) == pytest.approx(0.027)   # a prefill joined: the batch runs eager
+    assert cost.batch_s([(1, 0)]) == pytest.approx(0.011)             # a one-token prompt is a prefill
+    assert StepCost.fit([(s, eager.batch_s(s)) for s in decodes]).decode is None
+    cal = Calibration("gen", (cost, eager), (1, 1), 64, (1, 1), (20,), {})
+    cal.save(tmp_path / "gen.json")
+    assert Calibration.load(tmp_path / "gen.json") == cal
+    body = json.loads((tmp_path / "gen.json").read_text())
+    del body["decode_stages"]                                         # a file from before the split
+    (tmp_path / "old.json").write_text(json.dumps(body))
+    assert [s.decode for s in Calibration.load(tmp_path / "old.json").stages] == [None, None]
 
 
 def test_the_shipped_calibration_loads_and_runs_on_the_embedded_preset():
