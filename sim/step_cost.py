@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +27,14 @@ def features(steps: list[Step]) -> list[float]:
     return [1.0, float(tokens), float(len(steps)), attention / 1000.0]
 
 
+def decode_features(steps: list[Step]) -> list[float]:
+    """A compiled decode step's: features() and whether it batches several sequences. A single
+    sequence runs a graph of its own, with other kernels for its linear layers
+    (models/compiled_decode.py); a line through 2-16 sequences missed it by 7-18 % (SmolLM2's
+    stages, float32, one thread)."""
+    return features(steps) + [1.0 if len(steps) > 1 else 0.0]
+
+
 def decode_only(steps: list[Step]) -> bool:
     """Whether every step is one new token after a prefill: the batches a replica runs compiled
     (models/compiled_decode.py); a prefill, even of one token, starts at position 0."""
@@ -36,32 +45,34 @@ def decode_only(steps: list[Step]) -> bool:
 class StepCost:
     """Seconds per batch = coefficients · features(steps), the coefficients non-negative. A replica
     runs decode-only batches through a compiled step and the rest eager, at different costs a
-    token: `decode`, where set, is the fit of the compiled decode-only batches."""
+    token: `decode`, where set, is the fit of the compiled decode-only batches, priced as
+    decode · decode_features(steps)."""
     coefficients: tuple[float, ...]
     decode: tuple[float, ...] | None = None
 
     def batch_s(self, steps: list[Step]) -> float:
         if not steps:
             return 0.0
-        fit = self.decode if self.decode is not None and decode_only(steps) else self.coefficients
-        return float(np.dot(fit, features(steps)))
+        if self.decode is not None and decode_only(steps):
+            return float(np.dot(self.decode, decode_features(steps)))
+        return float(np.dot(self.coefficients, features(steps)))
 
     @classmethod
     def fit(cls, samples: list[tuple[list[Step], float]],
             compiled_decodes: list[tuple[list[Step], float]] = ()) -> StepCost:
         """Non-negative least squares on relative error, so short steps weigh as much as long ones;
         the compiled decode-only batches, where measured, fitted apart."""
-        return cls(_fit(samples), _fit(compiled_decodes) if compiled_decodes else None)
+        return cls(_fit(samples, features), _fit(compiled_decodes, decode_features) if compiled_decodes else None)
 
 
-def _fit(samples: list[tuple[list[Step], float]]) -> tuple[float, ...]:
-    a = np.array([features(steps) for steps, _ in samples])
+def _fit(samples: list[tuple[list[Step], float]], features_of: Callable[[list[Step]], list[float]]) -> tuple[float, ...]:
+    a = np.array([features_of(steps) for steps, _ in samples])
     y = np.array([seconds for _, seconds in samples])
     return tuple(float(c) for c in _non_negative_lstsq(a / y[:, None], np.ones(len(y))))
 
 
 def _non_negative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin |a x - b| over x >= 0, exactly, by trying every set of free columns (a has four)."""
+    """argmin |a x - b| over x >= 0, exactly, by trying every set of free columns (a has four or five)."""
     best, best_residual = np.zeros(a.shape[1]), float(np.sum(b * b))
     for k in range(1, a.shape[1] + 1):
         for cols in itertools.combinations(range(a.shape[1]), k):

@@ -177,14 +177,16 @@ def test_step_cost_fit_recovers_known_coefficients():
 
 
 def test_compiled_decode_batches_are_priced_by_their_own_fit_and_every_other_batch_eagerly(tmp_path):
-    eager, compiled = StepCost((0.010, 0.001, 0.0, 0.0)), StepCost((0.002, 0.0005, 0.0, 0.0))
+    eager = StepCost((0.010, 0.001, 0.0, 0.0))
+    compiled = lambda s: 0.002 + 0.0005 * len(s) + (0.001 if len(s) > 1 else 0.0)  # noqa: E731 - one sequence has its own graph
     decodes = [[(1, c)] * b for c in (32, 256) for b in (1, 4, 16)]
     others = [[(p, 0)] for p in (16, 128)] + [[(64, 0)] + [(1, 128)] * 7]
-    cost = StepCost.fit([(s, eager.batch_s(s)) for s in decodes + others], [(s, compiled.batch_s(s)) for s in decodes])
+    cost = StepCost.fit([(s, eager.batch_s(s)) for s in decodes + others], [(s, compiled(s)) for s in decodes])
     assert cost.coefficients == pytest.approx(eager.coefficients, abs=1e-9)
     # A decode's tokens are its requests: the two columns are one, so the prices are compared.
-    assert [cost.batch_s(s) for s in decodes] == pytest.approx([compiled.batch_s(s) for s in decodes])
-    assert cost.batch_s([(1, 40)] * 4) == pytest.approx(0.004)
+    assert [cost.batch_s(s) for s in decodes] == pytest.approx([compiled(s) for s in decodes])
+    assert cost.batch_s([(1, 40)] * 4) == pytest.approx(0.005)
+    assert cost.batch_s([(1, 40)]) == pytest.approx(0.0025)
     assert cost.batch_s([(1, 40), (16, 0)]) == pytest.approx(0.027)   # a prefill joined: the batch runs eager
     assert cost.batch_s([(1, 0)]) == pytest.approx(0.011)             # a one-token prompt is a prefill
     assert StepCost.fit([(s, eager.batch_s(s)) for s in decodes]).decode is None
