@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import signal
 import sys
 
 from benchmarks import (
@@ -84,7 +85,15 @@ WITH_OPTIONS = {"generation": generation.main, "containers": containers.main, "c
                 "side_by_side": side_by_side.main}
 
 
+def _exit_on_terminate(signum: int, _frame: object) -> None:
+    # A benchmark's runtime runs in a session of its own (runtime.guardian), so it outlives a
+    # benchmark killed outright and goes on taking cores and memory from the next one. SIGTERM
+    # (`timeout`, kill) raises instead, and the benchmark's `finally` stops its runtime.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_terminate)
     if argv[:1] == ["freshness"]:
         return freshness.main(argv[1:])
     if len(argv) > 1 and argv[1].startswith("-"):
