@@ -88,7 +88,7 @@ class GenerationPlane:
         elif kind == "step":
             self.enqueue_step(a, b, now)
         elif kind == "token":
-            self.token(a, now)
+            self.token(a, now, b)
         elif kind == "computed":
             self.computed(a, now)
         else:
@@ -101,23 +101,26 @@ class GenerationPlane:
         self.out.prompt[i] = prompt
         self.sim.schedule(at, "prefill", first, (req, at, PREFILL))
 
+    # An arrival wakes an idle replica through a "poll" at the same instant, which runs after every
+    # arrival already due then: the items one batch hands on arrive in one transaction live, and
+    # the replica that wakes for them reads them all (as the first of several idle ones reads
+    # what they left).
+
     def enqueue_prefill(self, st: Stage, item: tuple, now: float) -> None:
         self.sim.observe_arrival(st, now)
         st.queue.append(item)
-        while st.idle and st.queue:
-            self.form(st.idle.pop(), now)
+        for r in st.idle:
+            self.sim.schedule(now, "poll", r)
 
     def enqueue_step(self, r: SimReplica, item: tuple, now: float) -> None:
         self.sim.observe_arrival(r.stage, now)
         r.private.append(item)
         if r.ready and not r.busy:
-            if r in r.stage.idle:
-                r.stage.idle.remove(r)
-            self.form(r, now)
+            self.sim.schedule(now, "poll", r)
 
-    def token(self, req: Request, now: float) -> None:
+    def token(self, req: Request, now: float, send_at: float) -> None:
         """A token reached the entry: the first sets TTFT; the last answers and frees the caches;
-        any other sends the next decode step to the holder of stage 0."""
+        any other sends the next decode step to the holder of stage 0, at `send_at`."""
         if self._gone(req, now):
             return
         req.produced += 1
@@ -126,7 +129,7 @@ class GenerationPlane:
         req.last_at = now
         if req.produced < req.target:
             hop = self._hop(req, req.route[0].server, 1)
-            self.sim.schedule(now + hop, "step", req.route[0], (req, now, DECODE))
+            self.sim.schedule(send_at + hop, "step", req.route[0], (req, send_at, DECODE))
             return
         i, sent = req.i, self.sim.sent[req.i]
         self.out.ttft[i] = req.first_at - sent
@@ -218,8 +221,8 @@ class GenerationPlane:
         return admitted
 
     def poll(self, r: SimReplica, now: float) -> None:
-        """A replica looks again: room was freed, or a prefill waited kv_wait_s for it (it runs now
-        or its request gets 429)."""
+        """A replica looks again: work arrived, room was freed, or a prefill waited kv_wait_s for
+        it (it runs now or its request gets 429)."""
         if r.ready and not r.busy and r in r.stage.replicas:
             self.form(r, now)
 
@@ -255,21 +258,29 @@ class GenerationPlane:
         r.busy = False
         st.busy -= 1
         per_item = (now - batch.started) / len(batch.items)
+        answered = []
         for req, handed, kind in batch.items:
             st.finish(now, per_item, now - per_item - handed)
             if kind == PREFILL and np.isnan(self.sim.service[req.i, st.index]):
                 self.sim.service[req.i, st.index] = now - batch.started
             if self.sim.status[req.i]:
                 continue
-            self._hand_on(req, r, kind, now)
+            arrive = now + self._hop(req, r.server, req.prompt + req.produced if kind == PREFILL else 1)
+            if st.next is None:
+                answered.append((req, self.sim.entry(arrive)))
+            else:
+                self._hand_on(req, st, kind, arrive, now)
+        # The entry handles a batch's tokens in turn, then sends their next steps in one
+        # transaction (frontend/step_sender.py): they reach stage 0 together and stay one batch.
+        send_at = max((t for _, t in answered), default=now)
+        for req, handled in answered:
+            self.sim.schedule(handled, "token", req, send_at)
         self.form(r, now)
 
-    def _hand_on(self, req: Request, r: SimReplica, kind: str, now: float) -> None:
-        st = r.stage
-        arrive = now + self._hop(req, r.server, req.prompt + req.produced if kind == PREFILL else 1)
-        if st.next is None:
-            self.sim.schedule(self.sim.entry(arrive), "token", req)
-        elif kind == PREFILL:
+    def _hand_on(self, req: Request, st: Stage, kind: str, arrive: float, now: float) -> None:
+        """A request's output goes on to the next stage: a prefill to its shared queue, a
+        decode step to the replica holding its cache there."""
+        if kind == PREFILL:
             self.sim.schedule(arrive, "prefill", st.next, (req, now, PREFILL))
         else:
             self.sim.schedule(arrive, "step", req.route[st.index + 1], (req, now, DECODE))
