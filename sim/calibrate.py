@@ -34,7 +34,7 @@ from models.kv_cache import KVStore
 from models.manifest import Manifest
 from sim.step_cost import CALIBRATIONS, Calibration, Step, StepCost
 
-DECODES = [[(1, ctx)] * b for ctx in (32, 256) for b in (1, 2, 4, 8, 16)]
+DECODES = [[(1, ctx)] * b for ctx in (32, 256) for b in (1, 2, 3, 4, 8, 12, 16)]
 PREFILLS = [[(p, 0)] for p in (16, 64, 128, 256)]
 MIXED = [[(64, 0)] + [(1, 128)] * 7, [(32, 0), (48, 0)] + [(1, 64)] * 4]
 REPEATS = 5
@@ -85,7 +85,7 @@ def calibrate(manifest: Manifest, progress: bool = True, compute: ComputeConfig 
         compiled.append(fast)
         kv.append(engine.kv_shape().bytes_per_token)
         if progress:
-            print(f"  stage {i}: decode 1 at 32: {served[0][1] * 1000:.1f} ms, 16 at 32: {served[4][1] * 1000:.1f} ms"
+            print(f"  stage {i}: decode 1 at 32: {served[0][1] * 1000:.1f} ms, 16 at 32: {served[len(DECODES) // 2 - 1][1] * 1000:.1f} ms"
                   f"{' (compiled)' if fast else ''}, prefill 256: {samples[len(DECODES) + 3][1] * 1000:.1f} ms; "
                   f"fit median error {errors[-1]:.1%}", flush=True)
     width = manifest.config_object().hidden_size

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from models.decode_batches import FEW_ROWS, bucket
+
 CALIBRATIONS = Path(__file__).resolve().parent / "calibration"
 # A step is (new tokens, position of the first): a prefill is (prompt, 0), a decode step (1, context).
 Step = tuple[int, int]
@@ -28,11 +30,14 @@ def features(steps: list[Step]) -> list[float]:
 
 
 def decode_features(steps: list[Step]) -> list[float]:
-    """A compiled decode step's: features() and whether it batches several sequences. A single
-    sequence runs a graph of its own, with other kernels for its linear layers
-    (models/compiled_decode.py); a line through 2-16 sequences missed it by 7-18 % (SmolLM2's
-    stages, float32, one thread)."""
-    return features(steps) + [1.0 if len(steps) > 1 else 0.0]
+    """A compiled decode step's: features() of the batch as it runs, padded to its bucket
+    (models/decode_batches.py), whether it batches several sequences, and whether more than the
+    buckets hold. Each regime runs other kernels for its linear layers (models/packed_linear.py):
+    one sequence's graph of its own, a few rows' reductions, the packed kernel past them; one line
+    through 1-16 sequences missed the single sequence by 7-18 % (SmolLM2's stages, float32, one
+    thread)."""
+    padded = steps + steps[-1:] * (bucket(len(steps)) - len(steps))
+    return features(padded) + [1.0 if len(steps) > 1 else 0.0, 1.0 if len(steps) > FEW_ROWS else 0.0]
 
 
 def decode_only(steps: list[Step]) -> bool:
@@ -54,7 +59,8 @@ class StepCost:
         if not steps:
             return 0.0
         if self.decode is not None and decode_only(steps):
-            return float(np.dot(self.decode, decode_features(steps)))
+            # A file written before a feature was added has no coefficient for it: zero.
+            return float(np.dot(self.decode, decode_features(steps)[:len(self.decode)]))
         return float(np.dot(self.coefficients, features(steps)))
 
     @classmethod

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from models import packed_linear
-from models.packed_linear import ROW_STREAMS, PackedLinear, can_pack, pack, unpack
+from models.packed_linear import FEW_ROWS, ROW_STREAMS, PackedLinear, can_pack, pack, unpack
 
 # How far a layer's output may be from `nn.Linear`'s: float32 sums in another order; bfloat16 rounds.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -41,16 +41,16 @@ def test_pack_and_unpack_swap_every_linear_and_back():
 
 
 @pytest.mark.parametrize("dtype", dtypes())
-def test_a_compiled_one_row_step_reads_the_plain_weight_and_computes_what_the_layer_does(dtype):
-    """A graph compiled for one row computes the layer as inductor's own reduction over the plain
-    weight (no call of a library kernel in the code it generates); a graph for several rows calls
-    the packed kernel."""
+def test_a_compiled_step_of_up_to_few_rows_reads_the_plain_weight_and_computes_what_the_layer_does(dtype):
+    """A graph compiled for one row, or for up to FEW_ROWS, computes the layer as inductor's own
+    reductions over the plain weight (no call of a library kernel in the code it generates); a
+    graph for more rows calls the packed kernel."""
     from torch._inductor.utils import run_and_get_code
     torch.manual_seed(0)
     plain = nn.Linear(96, 160, bias=True).to(dtype)
     packed = PackedLinear(plain)
     with torch.inference_mode():
-        for rows, packed_call in ((1, False), (3, True)):
+        for rows, packed_call in ((1, False), (3, False), (FEW_ROWS, False), (FEW_ROWS + 1, True)):
             torch._dynamo.reset()
             x = torch.randn(rows, 1, 96, dtype=dtype)
             out, code = run_and_get_code(torch.compile(packed, fullgraph=True), x)
@@ -78,3 +78,25 @@ def test_a_compiled_one_row_step_streams_several_row_blocks_in_one_loop_and_sums
             outs[streams], code = run_and_get_code(torch.compile(packed, fullgraph=True), x)
     assert f"x0<static_cast<int64_t>({loop}L)" in "".join(code)
     assert torch.equal(outs[1], outs[ROW_STREAMS])
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+def test_a_compiled_step_of_a_few_rows_reads_each_weight_once_for_all_of_them_on_their_normed_values(dtype):
+    """The rows' reductions over the weight run as one loop with an accumulator per row (each
+    weight element loaded once for all the rows), over the rows as computed before it: the norm
+    that feeds the layer runs once, not again for every weight element (its square root stays out
+    of the reduction). The output is the layer's on the normed rows."""
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    norm, plain = nn.RMSNorm(96).to(dtype), nn.Linear(96, 160, bias=False).to(dtype)
+    model = nn.Sequential(norm, PackedLinear(plain))
+    x = torch.randn(3, 1, 96, dtype=dtype)
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        out, code = run_and_get_code(torch.compile(model, fullgraph=True), x)
+        torch.testing.assert_close(out, plain(norm(x)), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    code = "".join(code)
+    kernel = code[code.index("x0<static_cast<int64_t>(160L)"):]
+    loop = kernel[:kernel.index("\n}\n")]   # to the end of the generated function
+    assert "tmp_acc2_vec" in loop and "tmp_acc3_vec" not in loop   # three rows, one loop over the weight
+    assert "sqrt" not in loop

@@ -187,6 +187,7 @@ def test_compiled_decode_batches_are_priced_by_their_own_fit_and_every_other_bat
     assert [cost.batch_s(s) for s in decodes] == pytest.approx([compiled(s) for s in decodes])
     assert cost.batch_s([(1, 40)] * 4) == pytest.approx(0.005)
     assert cost.batch_s([(1, 40)]) == pytest.approx(0.0025)
+    assert cost.batch_s([(1, 40)] * 3) == cost.batch_s([(1, 40)] * 4)  # run padded to its bucket
     assert cost.batch_s([(1, 40), (16, 0)]) == pytest.approx(0.027)   # a prefill joined: the batch runs eager
     assert cost.batch_s([(1, 0)]) == pytest.approx(0.011)             # a one-token prompt is a prefill
     assert StepCost.fit([(s, eager.batch_s(s)) for s in decodes]).decode is None
@@ -194,6 +195,9 @@ def test_compiled_decode_batches_are_priced_by_their_own_fit_and_every_other_bat
     cal.save(tmp_path / "gen.json")
     assert Calibration.load(tmp_path / "gen.json") == cal
     body = json.loads((tmp_path / "gen.json").read_text())
+    body["decode_stages"][0] = body["decode_stages"][0][:5]           # a file from before the last feature
+    (tmp_path / "five.json").write_text(json.dumps(body))
+    assert Calibration.load(tmp_path / "five.json").stages[0].batch_s([(1, 40)] * 4) == pytest.approx(0.005)
     del body["decode_stages"]                                         # a file from before the split
     (tmp_path / "old.json").write_text(json.dumps(body))
     assert [s.decode for s in Calibration.load(tmp_path / "old.json").stages] == [None, None]
