@@ -16,10 +16,12 @@ weight packed for one row (`_mkl_reorder_linear_weight`, what inductor's freezin
 call through the custom op read 1536×576 at 6.5-7.2 GB/s against the reduction's 14.7-17.2; one
 SmolLM2 stage's compiled step of 11 layers took 10.3 ms against 21.0 (the same EPYC). An eager
 one-row step in float32 multiplies the plain weight through the BLAS; in bfloat16, through oneDNN's
-packed kernel. Steps of several rows, compiled or eager, use the packed weight: in float32 from
-four tokens on it is much faster than the plain one (an AVX2 EPYC, one thread, 2048×5632: 4 tokens
-6.6 ms against 18.0; 16: 14.6 against 25.9; a 70-token prefill: 47 against 64). Either way a layer
-holds its weight twice.
+packed kernel. A compiled step of 2 to FEW_ROWS sequences reads the plain weight too, as one
+reduction per row fused into one loop (`_few_rows`): each weight element is loaded once for all
+the rows. Other steps of several rows (prefills, mixed or eager steps, larger compiled batches) use
+the packed weight: in float32 from four tokens on it is much faster than the plain one through the
+BLAS (an AVX2 EPYC, one thread, 2048×5632: 4 tokens 6.6 ms against 18.0; 16: 14.6 against 25.9; a
+70-token prefill: 47 against 64). Either way a layer holds its weight twice.
 
 Only on the CPU, and only where torch was built with oneDNN; everywhere else layers stay
 `nn.Linear`. `unpack` restores them (a replica moving to another device or dtype).
@@ -102,6 +104,10 @@ def _few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     kernel). One block per row: more streams a row, as `_one_row` reads, were slower from 2 rows on
     there. The rows must be a size the graph was traced at (torch unrolls them)."""
     rows = x.reshape(-1, x.shape[-1]).float()
+    # Computed once, into a buffer of its own. Each row is read by only a few reductions, so
+    # inductor would inline what produces it (the layer's norm: a square root and two products)
+    # into every reduction's loop, once per weight element and row: a SmolLM2 stage's step of 8
+    # sequences took 29.8 ms that way, 20.7 with the rows realized (the AVX2 EPYC, one thread).
     rows = torch.ops.prims.inductor_force_stride_order(rows, rows.stride())
     y = torch.stack([(row * weight.float()).sum(-1) for row in rows.unbind(0)])
     y = y + bias.float() if bias is not None else y
