@@ -45,7 +45,7 @@ import torch
 import torch._inductor.config  # noqa: F401 - set before compiling (_configure)
 
 from models.batched_decoder import BatchedDecoder, Step
-from models.decode_batches import WARM_BATCHES, bucket
+from models.decode_batches import WARM_BATCHES, padded
 from models.decoder_attention import PagedCall
 from models.kv_cache import KVStore
 from models.serving_first import SERVING_FIRST
@@ -181,8 +181,7 @@ class CompiledDecode:
         _configure()
         device = self.engine.kv_shape().device
         given = len(steps)
-        # Padding repeats the last step: it writes what that step writes, where it does.
-        steps = steps + steps[-1:] * (bucket(given) - given)
+        steps = padded(steps)
         inputs = torch.cat([s.inputs for s in steps])
         inputs = inputs.long() if self.engine.embed is not None else inputs.to(self.engine.dtype)
         positions = torch.tensor([s.start for s in steps])

@@ -85,8 +85,9 @@ def calibrate(manifest: Manifest, progress: bool = True, compute: ComputeConfig 
         compiled.append(fast)
         kv.append(engine.kv_shape().bytes_per_token)
         if progress:
-            print(f"  stage {i}: decode 1 at 32: {served[0][1] * 1000:.1f} ms, 16 at 32: {served[len(DECODES) // 2 - 1][1] * 1000:.1f} ms"
-                  f"{' (compiled)' if fast else ''}, prefill 256: {samples[len(DECODES) + 3][1] * 1000:.1f} ms; "
+            sixteen, prompt = served[DECODES.index([(1, 32)] * 16)][1], samples[len(DECODES) + PREFILLS.index([(256, 0)])][1]
+            print(f"  stage {i}: decode 1 at 32: {served[0][1] * 1000:.1f} ms, 16 at 32: {sixteen * 1000:.1f} ms"
+                  f"{' (compiled)' if fast else ''}, prefill 256: {prompt * 1000:.1f} ms; "
                   f"fit median error {errors[-1]:.1%}", flush=True)
     width = manifest.config_object().hidden_size
     return Calibration(manifest.model, tuple(costs), tuple(kv), width * dtype.itemsize, tuple(s.bytes for s in manifest.stages),

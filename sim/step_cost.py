@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.decode_batches import FEW_ROWS, bucket
+from models.decode_batches import FEW_ROWS, padded
 
 CALIBRATIONS = Path(__file__).resolve().parent / "calibration"
 # A step is (new tokens, position of the first): a prefill is (prompt, 0), a decode step (1, context).
@@ -36,8 +36,7 @@ def decode_features(steps: list[Step]) -> list[float]:
     one sequence's graph of its own, a few rows' reductions, the packed kernel past them; one line
     through 1-16 sequences missed the single sequence by 7-18 % (SmolLM2's stages, float32, one
     thread)."""
-    padded = steps + steps[-1:] * (bucket(len(steps)) - len(steps))
-    return features(padded) + [1.0 if len(steps) > 1 else 0.0, 1.0 if len(steps) > FEW_ROWS else 0.0]
+    return features(padded(steps)) + [1.0 if len(steps) > 1 else 0.0, 1.0 if len(steps) > FEW_ROWS else 0.0]
 
 
 def decode_only(steps: list[Step]) -> bool:
