@@ -447,7 +447,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("QUART_MAX_PASS_TOKENS", "limits.max_pass_tokens",
         "most tokens (inputs × length) in one stage pass; a direct stage invoke above gets 413", _positive),
     Var("QUART_MAX_BATCH", "batching.max_batch",
-        "most work items (decode steps and prefills of different requests) a stage replica runs as one batch", _positive),
+        "most work items (decode steps and prefills of different requests) a stage replica runs as one batch; at most 8 "
+        "where its decode steps compile with packed weights (two steps of 8 cost less there than one of more)", _positive),
     Var("QUART_KV_BYTES", "batching.kv_bytes",
         "each stage replica's KV-cache budget; a request that does not fit waits, then gets 429", _positive),
     Var("QUART_KV_WAIT_S", "batching.kv_wait_s", "how long a prefill waits for KV room before its request gets 429",

@@ -29,7 +29,7 @@ from contracts.proc_stat import started_at
 from contracts.stage import StageRef
 from contracts.stage_graph import Edges, chain
 from contracts.wire import BadRequest, Header, StageTiming, decode_tensors, encode_tensors
-from engine.batch_policy import handover_peer, new_item_slots, still_fed
+from engine.batch_policy import batch_limit, handover_peer, new_item_slots, still_fed
 from engine.compile_policy import compile_may_start
 from engine.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from engine.idle_cores import CoreBoard
@@ -38,6 +38,7 @@ from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
 from models.batched_decoder import BatchedDecoder
 from models.compile_worker import fill_cache
 from models.compiled_decode import compile_in_background
+from models.decode_batches import FEW_ROWS
 from models.emulated import EmulatedRunner
 from models.fetch import ensure_manifest
 from models.profiles import profile as emulation_profile
@@ -335,10 +336,11 @@ class StageReplica:
         return works
 
     def _take_args(self) -> tuple[int, list[int]]:
-        """A turn's take (StageTransport.take): the batch, and the new items that join it beside
-        each number of decode steps (none while prefills wait for room or the replica drains and
-        is not the stage's last reader)."""
-        max_batch = self.settings.batching.max_batch
+        """A turn's take (StageTransport.take): the batch (batch_policy.batch_limit), and the new
+        items that join it beside each number of decode steps (none while prefills wait for room
+        or the replica drains and is not the stage's last reader)."""
+        few_rows = self.settings.compute.compiles and isinstance(self.runner, StageRunner) and self.runner.layout == "packed"
+        max_batch = batch_limit(self.settings.batching.max_batch, FEW_ROWS if few_rows else None)
         take_new = (not self._draining or self._still_fed()) and not self.generation.waiting
         return max_batch, [new_item_slots(max_batch, n, self._steps_without_new) if take_new else 0
                            for n in range(max_batch + 1)]

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from contracts.config import Batching
-from engine.batch_policy import migration_peer, new_item_slots
+from engine.batch_policy import batch_limit, migration_peer, new_item_slots
+from models.decode_batches import FEW_ROWS
 from sim.config import SimConfig
 from sim.models import GenerativeModel
 from sim.stage import SimReplica, Stage
@@ -173,7 +174,7 @@ class GenerationPlane:
         take_new = not r.draining and not r.waiting
         new = []
         if take_new:
-            slots = new_item_slots(self.batching.max_batch, len(decodes), r.steps_without_new)
+            slots = new_item_slots(self._limit(st), len(decodes), r.steps_without_new)
             while st.queue and len(new) < slots:
                 item = st.queue.popleft()
                 if not self._gone(item[0], now):
@@ -193,7 +194,7 @@ class GenerationPlane:
         hands each one, with its cache, to its peer instead."""
         peer = self._peer(r) if r.draining and self.batching.drain == "migrate" else None
         out = []
-        while r.private and len(out) < self.batching.max_batch:
+        while r.private and len(out) < self._limit(r.stage):
             item = r.private.popleft()
             if self._gone(item[0], now):
                 continue
@@ -202,6 +203,11 @@ class GenerationPlane:
             else:
                 out.append(item)
         return out
+
+    def _limit(self, st: Stage) -> int:
+        """A step's most items, as engine.replica's: a few where the stage's decode steps are
+        priced compiled (sim/step_cost.py: a few rows' reductions, then the packed kernel)."""
+        return batch_limit(self.batching.max_batch, FEW_ROWS if st.cost.decode is not None else None)
 
     def _admit(self, r: SimReplica, prefills: list[tuple], taken: dict, now: float) -> list[tuple]:
         admitted = []

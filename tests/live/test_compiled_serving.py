@@ -19,6 +19,7 @@ from contracts.stage import StageRef
 from engine.idle_cores import CALM_S, usable_cores
 from keysmanager.client import KeysClient
 from models.architectures import architecture
+from models.decode_batches import FEW_ROWS
 from models.random_checkpoint import write_random_checkpoint
 from runtime.ports import free_port
 from state.records import StageSample
@@ -76,11 +77,9 @@ def _expected(folder) -> dict[str, list[int]]:
     return {t: greedy_reference(reference, tokenizer(t)["input_ids"], NEW)[0] for t in TEXTS}
 
 
-def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(compiled):
-    settings, folder = compiled
-    client, store = GatewayClient(settings.gateway.url, timeout=120), RedisStore.from_url(settings.redis_url)
-    expected = _expected(folder)
-    # Answered while the replicas compile (eager steps), and after.
+def _until_compiled(client: GatewayClient, store: RedisStore, expected: dict[str, list[int]]) -> None:
+    """Sends a request at a time, each answered as the unsplit model (eager steps while the
+    replicas compile), until one's decode steps all ran compiled."""
     deadline, ran = time.monotonic() + 900, []
     while True:
         since = time.time() - 1.0
@@ -88,9 +87,16 @@ def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(
         assert reply["token_ids"] == expected[TEXTS[0]]
         ran = _decode_records(store, reply["id"], since)
         if all(r and all(r) for r in ran):
-            break
+            return
         assert time.monotonic() < deadline, f"decode steps still eager after 900 s: {ran}"
         time.sleep(2.0)
+
+
+def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(compiled):
+    settings, folder = compiled
+    client, store = GatewayClient(settings.gateway.url, timeout=120), RedisStore.from_url(settings.redis_url)
+    expected = _expected(folder)
+    _until_compiled(client, store, expected)
     since = time.time() - 1.0
     with ThreadPoolExecutor(len(TEXTS)) as pool:
         replies = list(pool.map(lambda t: _generate(client, t), TEXTS))
@@ -120,6 +126,26 @@ def test_decode_steps_compile_in_the_background_and_answer_as_the_unsplit_model(
         prefills = [s.threads for stage in range(2) for s in store.samples(MODEL, stage, since)
                     if s.kind == "prefill" and s.request_id.startswith(rid + ".")]
         assert prefills == [counts[-1]] * 2, prefills
+
+
+def test_compiled_steps_batch_at_most_a_few_sequences_and_the_rest_run_beside_them(compiled):
+    """More requests at once than a compiled step multiplies as a few rows (FEW_ROWS): each
+    compiled step holds at most that many (engine/batch_policy.batch_limit), the others run in
+    steps of their own, and every answer is the unsplit model's."""
+    settings, folder = compiled
+    client, store = GatewayClient(settings.gateway.url, timeout=120), RedisStore.from_url(settings.redis_url)
+    expected = _expected(folder)
+    _until_compiled(client, store, expected)
+    texts = [TEXTS[i % len(TEXTS)] for i in range(FEW_ROWS + 3)]
+    since = time.time() - 1.0
+    with ThreadPoolExecutor(len(texts)) as pool:
+        replies = list(pool.map(lambda t: _generate(client, t), texts))
+    for text, reply in zip(texts, replies):
+        assert reply["token_ids"] == expected[text], text
+    batches = [s.batch for reply in replies for stage in _decode_samples(store, reply["id"], since)
+               for s in stage if s.compiled]
+    assert batches and max(batches) <= FEW_ROWS, sorted(set(batches))
+    assert max(batches) > 1, "the requests never shared a step"
 
 
 def test_a_replica_forked_from_the_zygote_runs_compiled_steps_from_its_first(compiled):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from contracts.config import load_settings
-from engine.batch_policy import GATHER, MIGRATE, PREFILL_EVERY, handover_peer, migration_peer, new_item_slots, still_fed
+from engine.batch_policy import GATHER, MIGRATE, PREFILL_EVERY, batch_limit, handover_peer, migration_peer, new_item_slots, still_fed
+from models.decode_batches import FEW_ROWS
 from sim.config import SimConfig, embedded_runtime
 from sim.models import GenerativeModel, resolve
 from sim.run import report_run, unloaded_generation
@@ -64,6 +65,19 @@ def test_concurrent_requests_batch_within_the_bound_and_raise_throughput():
     tps = lambda t: t.generation.tokens.sum() / np.nanmax(t.latency)   # noqa: E731
     assert tps(many) > 4 * tps(alone)
     assert np.median(many.generation.tpot) > alone.generation.tpot[0]   # a bigger batch is a longer step
+
+
+def test_a_stage_priced_compiled_batches_at_most_a_few_steps_as_the_replica_does():
+    assert batch_limit(16, FEW_ROWS) == FEW_ROWS and batch_limit(4, FEW_ROWS) == 4 and batch_limit(16, None) == 16
+    compiled = StepCost(COST.coefficients, (0.004, 0.001, 0.0, 0.0, 0.002, 0.004))
+    eager, fast = model(stages=2, new=16), GenerativeModel("gen", Calibration(
+        "gen", (compiled,) * 2, (1000,) * 2, 64, (1000,) * 2, (20,), {}), 16)
+    sizes = {}
+    for name, m in (("eager", eager), ("compiled", fast)):
+        _, trace = run(m, np.zeros(16), [20] * 16, max_batch=16)
+        assert (trace.status == 200).all() and (trace.generation.tokens == 16).all()
+        sizes[name] = max(size for key in trace.generation.batches for size in trace.generation.batches[key])
+    assert sizes["eager"] > FEW_ROWS and sizes["compiled"] == FEW_ROWS, sizes
 
 
 def test_max_batch_one_runs_every_step_alone():
