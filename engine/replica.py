@@ -330,7 +330,7 @@ class StageReplica:
         if not works:
             # Prefills waiting for room are retried as soon as a free (or anything) arrives.
             streams = {t.private: ">", t.shared: ">"} if take_new else {t.private: ">"}
-            works = t.wait_for_work(streams, max_batch,
+            works = t.wait_for_work(streams, max_batch, slots,
                                     WAITING_POLL_MS if self.generation.waiting else self.settings.data.block_ms)
         self._steps_without_new = 0 if any(w.stream == t.shared for w in works) else self._steps_without_new + 1
         return works

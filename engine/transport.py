@@ -175,21 +175,24 @@ class StageTransport:
         return [w for stream, entries in ((self.private, private), (self.shared, shared)) for msg_id, flat in entries
                 if (w := self._work(stream, msg_id, dict(zip(flat[::2], flat[1::2])))) is not None]
 
-    def wait_for_work(self, streams: dict[str, str], max_batch: int, block_ms: int) -> list[Work]:
-        """Blocks up to `block_ms` for an item on `streams`; with it, what the private stream
-        holds besides, up to `max_batch` in all (one more where an item of each stream woke it).
+    def wait_for_work(self, streams: dict[str, str], max_batch: int, slots: Sequence[int], block_ms: int) -> list[Work]:
+        """Blocks up to `block_ms` for an item on `streams`; with it, the rest of the turn as `take`
+        reads it (`max_batch` and `slots` as there, the woken item counted as one of the batch).
         What wakes an idle replica is mostly the first of a batch that the stage before (or the
-        entry) handed on in one transaction: taken one by one, the batch would split into a step
-        of one and a step of the rest, and stay split through every later stage, each group
-        reading the stage's weights once a token. Both reads go in one round trip: Redis runs
-        the second as soon as the first returns."""
+        entry) handed on in one transaction: a prefill burst on the shared stream as much as
+        decode steps on the private one. Taken one by one, the batch would split into a step of
+        one and a step of the rest, and stay split through every later stage, each group reading
+        the stage's weights once a token. Both go in one round trip: Redis runs the take as soon
+        as the read returns."""
         if self.private is None or max_batch <= 1:
             return self.read(streams, 1, block_ms)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xreadgroup(keys.GROUP, self.replica_id, streams, count=1, block=block_ms)
-        pipe.xreadgroup(keys.GROUP, self.replica_id, {self.private: ">"}, count=max_batch - 1)
+        # After a woken item of either stream, n of the private one leave the slots that n + 1
+        # decode steps leave (new_item_slots counts the woken prefill as a slot taken).
+        pipe.eval(_TAKE, 2, self.private, self.shared, *self.take_args(max_batch - 1, slots[1:]))
         woken, rest = pipe.execute()
-        return self._works(woken) + self._works(rest)   # what the second read took is taken, woken or not
+        return self._works(woken) + self.taken_works(rest)   # what the take took is taken, woken or not
 
     def pending_again(self, count: int) -> list[Work]:
         """This replica's own unacknowledged items (XREADGROUP from id 0), less those in hand."""

@@ -16,6 +16,7 @@ import torch
 
 from contracts.stage import StageRef
 from contracts.wire import MESSAGE_FIELD, Header, pack
+from engine.batch_policy import new_item_slots
 from engine.transport import StageTransport, ensure_group
 from frontend.step_sender import StepSender
 from runtime.ports import free_port
@@ -107,20 +108,41 @@ def _transport(redis_port: int) -> tuple[StageTransport, redis.Redis]:
     return transport, r
 
 
-def test_an_idle_replica_woken_by_a_batch_takes_all_of_it(redis_port):
+SLOTS_16 = [new_item_slots(16, n, 0) for n in range(17)]
+
+
+@pytest.mark.parametrize("stream", ["private", "shared"])
+def test_an_idle_replica_woken_by_a_batch_takes_all_of_it(redis_port, stream):
+    """Decode steps on its own stream, or a burst of prefills on the stage's: one turn takes them all."""
     transport, r = _transport(redis_port)
     taken: list = []
     waiting = threading.Thread(target=lambda: taken.extend(
-        transport.wait_for_work({transport.private: ">", transport.shared: ">"}, 16, 10_000)))
+        transport.wait_for_work({transport.private: ">", transport.shared: ">"}, 16, SLOTS_16, 10_000)))
     waiting.start()
     time.sleep(0.3)  # the replica blocks on its streams, idle
     pipe = r.pipeline(transaction=True)  # the stage before hands its step's outputs on together
     for i in range(STEPS):
-        pipe.xadd(keys.replica_stream("m-s1.test.1"), {MESSAGE_FIELD: _message(i)})
+        pipe.xadd(getattr(transport, stream), {MESSAGE_FIELD: _message(i)})
     pipe.execute()
     waiting.join(timeout=10)
     assert sorted(w.header.seq for w in taken) == sorted(f"r{i}" for i in range(STEPS))
-    assert transport.wait_for_work({transport.private: ">"}, 4, 1) == []  # nothing left behind
+    assert transport.wait_for_work({transport.private: ">", transport.shared: ">"}, 4, [4, 3, 2, 1, 0], 1) == []
+
+
+def test_a_woken_turn_takes_the_new_items_its_decode_steps_leave_slots_for_and_leaves_the_rest(redis_port):
+    transport, r = _transport(redis_port)
+    pipe = r.pipeline(transaction=True)
+    for i in range(3):
+        pipe.xadd(transport.private, {MESSAGE_FIELD: _message(i)})
+    for i in range(3, 8):
+        pipe.xadd(transport.shared, {MESSAGE_FIELD: _message(i)})
+    pipe.execute()
+    taken = transport.wait_for_work({transport.private: ">", transport.shared: ">"}, 4, [4, 3, 2, 1, 0], 1_000)
+    # The read takes one of each stream (one more than the batch, as before); the take the other
+    # two decode steps and the one new item that three decode steps leave a slot for.
+    assert sorted(w.header.seq for w in taken) == ["r0", "r1", "r2", "r3", "r4"]
+    taken = transport.wait_for_work({transport.private: ">", transport.shared: ">"}, 4, [4, 3, 2, 1, 0], 1_000)
+    assert sorted(w.header.seq for w in taken) == ["r5", "r6", "r7"]
 
 
 def test_a_turn_takes_its_decode_steps_then_the_slots_they_leave_in_one_round_trip(redis_port):
