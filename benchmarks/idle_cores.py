@@ -3,8 +3,8 @@ the 4-stage SmolLM2 pipeline with `off` and with a mode, alternately, in rounds 
 in odd rounds, the mode then off in even ones), so that a VM whose speed drifts within the hour
 weighs on both arms alike. Each round compares the two arms it ran back to back.
 
-    python -m benchmarks idle_cores [--rounds 3]               # off against all (idle_cores.json)
-    python -m benchmarks idle_cores --mode prefill [--rounds 3] # off against the default (idle_cores_prefill.json)
+    python -m benchmarks idle_cores [--rounds 3]               # off against all, the default (idle_cores.json)
+    python -m benchmarks idle_cores --mode prefill [--rounds 3] # off against prefill (idle_cores_prefill.json)
 
 Per arm, one runtime (one replica per stage, compiled steps as configured): the time per output
 token and to the first token of single requests (ShareGPT prompts, 96 new tokens, end of text

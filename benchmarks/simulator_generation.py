@@ -5,7 +5,8 @@
 1. Calibration: each of SmolLM2's 4 stages alone, one thread, batched steps measured as a
    replica runs them (decode-only batches through the compiled step, the rest eager) and the
    cost model fitted (sim.calibrate; writes sim/calibration/smollm2.json, which the simulator ships).
-2. Live: the embedded runtime, one replica per stage, no autoscaler; the generation benchmark's
+2. Live: the embedded runtime, one replica per stage, no autoscaler, decode steps on each
+   replica's own thread (QUART_IDLE_CORES=prefill); the generation benchmark's
    experiment: prompts one at a time, then 1, 4, 8 and 16 concurrent requests sent at once, 64
    new tokens each (end of text ignored); TTFT and TPOT as the answers report them, tokens/s
    over the wall time.
@@ -55,7 +56,9 @@ def main() -> dict:
     tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())
     texts = first_prompts(ALONE + max(LEVELS), seed=21, max_chars=300)
     lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
-    with running(MODEL, NEW) as settings:
+    # Decode steps on the replicas' own thread, as the calibration prices them: alone, a compiled
+    # one would take the host's idle cores (QUART_IDLE_CORES=all), which the simulator does not model.
+    with running(MODEL, NEW, idle_cores="prefill") as settings:
         client = GatewayClient(settings.gateway.url, timeout=900)
         live = [_live(client, texts[:ALONE], 1, "alone")] + \
                [_live(client, texts[ALONE:ALONE + c], c, f"{c} at once") for c in LEVELS]

@@ -33,9 +33,9 @@ MEASURES = SERVING + ("loadgen", "benchmarks/generation.py")  # the code measure
 MODEL, NEW, REQUESTS = "smollm2", 64, 5
 
 
-# Each mode's settings: eager decode steps on one thread each; compiled ones (the default); and
-# compiled ones on the host's idle cores (QUART_IDLE_CORES=all).
-MODES = {"eager": {"compile": False}, "compiled": {"compile": True},
+# Each mode's settings: eager decode steps on one thread each; compiled ones on one thread each;
+# and compiled ones on the host's idle cores (the default, QUART_IDLE_CORES=all).
+MODES = {"eager": {"compile": False}, "compiled": {"compile": True, "idle_cores": "prefill"},
          "compiled, idle cores": {"compile": True, "idle_cores": "all"}}
 
 

@@ -107,7 +107,7 @@ class ComputeConfig:
     compile_nice: int = 19
     compile_defer_s: float = 30.0
     compile_worker: bool = True
-    idle_cores: str = "prefill"
+    idle_cores: str = "all"
 
     @property
     def idle_prefills(self) -> bool:
@@ -116,7 +116,7 @@ class ComputeConfig:
 
     @property
     def idle_decodes(self) -> bool:
-        """Whether decode steps may take them too."""
+        """Whether decode steps may take them too (those that run compiled: engine/replica.py)."""
         return self.idle_cores == "all"
 
     @property
@@ -485,11 +485,14 @@ VARIABLES: tuple[Var, ...] = (
         "runs; false: the whole compile in the replica"),
     Var("QUART_IDLE_CORES", "compute.idle_cores",
         "which CPU steps take the host's cores that no other replica of the host is computing on, while no two "
-        "steps have overlapped for a second (else `QUART_THREADS`): `prefill` (the default) a step that holds a "
-        "prefill, so one request's prompt runs on every core at every stage; `all` decode steps too (one request's "
-        "TPOT 0.85x side by side, no difference at 4 and 16 concurrent; `python -m benchmarks idle_cores`); `off` "
-        "none. The board sees only the replicas' steps, not other processes. Unless `off`, the processes the "
-        "runtime starts spin OpenMP's idle threads for 20,000 rounds (`GOMP_SPINCOUNT`, unless set)",
+        "steps have overlapped for a second (else `QUART_THREADS`): `all` (the default) a step that holds a "
+        "prefill, and a decode step that runs compiled (one request's TPOT 0.81x side by side on the 2-core EPYC, "
+        "no difference at 4 and 16 concurrent; `python -m benchmarks idle_cores`; an eager decode step keeps its "
+        "own: on two threads it was no faster); `prefill` only the prefills, so one request's prompt runs on every "
+        "core at every stage; `off` none. A replica compiles its decode step for both counts (the second in the "
+        "background after the first). The board sees only the replicas' steps, not other processes. Unless "
+        "`off`, the processes the runtime starts spin OpenMP's idle threads for 20,000 rounds (`GOMP_SPINCOUNT`, "
+        "unless set)",
         _one_of("off", "prefill", "all")),
     Var("QUART_QUANTIZE", "compute.quantize",
         "`int8`: weight-only int8 linears (a scale per output channel, torch's `_weight_int8pack_mm`; CPU only), "

@@ -15,12 +15,13 @@ thread that is not scheduled. Without the calm window (each step taking the core
 left) the generation benchmark's pipeline collapsed so at 4 concurrent requests (2.4 tokens/s,
 docs/benchmarks.md); with it that happens at most to the steps that begin a burst.
 
-By default (QUART_IDLE_CORES=prefill) only a step that holds a prefill takes them: one request's
-prompt then runs on every core at every stage, and decode steps, which a compiled graph serves per
-thread count, keep their own. With `all` decode steps take them too: measured side by side
-(`python -m benchmarks idle_cores`) one request's token gains, 4 and 16 concurrent show no
-difference. Either way the board sees only steps, not other processes, and a step that takes cores
-another process uses runs oversubscribed (a background compile runs at nice 19, below it).
+By default (QUART_IDLE_CORES=all) a step that holds a prefill takes them, so one request's prompt
+runs on every core at every stage, and so does a decode step that a compiled graph serves on that
+many threads: measured side by side (`python -m benchmarks idle_cores`) one request's token gains,
+4 and 16 concurrent show no difference. Eager decode steps keep their own (engine/replica.py says
+why). With `prefill` only the prefills take them. Either way the board sees only steps, not other
+processes, and a step that takes cores another process uses runs oversubscribed (a background
+compile runs at nice 19, below it).
 
 Written here because nothing in the standard library or torch shares such flags between
 unrelated processes without a lock per step: each slot has one writer, and an aligned 8-byte

@@ -489,8 +489,8 @@ class StageReplica:
     def _computing(self, eager: bool = False, computes: bool = True) -> Iterator[None]:
         """The compute lock, and the threads of this step: the host's idle cores, at least this
         replica's own, unless the autoscaler pinned it to cores of its own. An `eager` step (a
-        prefill) takes them; a decode step only where QUART_IDLE_CORES=all, and keeps its own
-        count where the idle one has no compiled graph; one that `computes` nothing stays off the
+        prefill) takes them; a decode step only where QUART_IDLE_CORES=all and a compiled graph
+        serves that count (`_compiled_for`); one that `computes` nothing stays off the
         board. A step that takes only its own still marks the board: another's that starts beside
         it must not take every core."""
         with self._compute_lock:
@@ -512,11 +512,12 @@ class StageReplica:
                 self._stepped_at = time.monotonic()  # the compile's turn waits for a pause (_compile)
 
     def _compiled_for(self, threads: int) -> bool:
-        """Whether steps on `threads` threads run what this replica's others do: compiled decode
-        steps where any count is compiled (a fork of the zygote has its own count's from the
-        first; the idle cores' compile after it), eager ones everywhere otherwise."""
+        """Whether a decode step on `threads` threads runs compiled: only then does it take the
+        idle cores. Eager decode steps keep their own (before the compile, or without it): on two
+        threads of the 2-core EPYC they were no faster than on one, and slower while OpenMP's
+        threads spun (SmolLM2 in 4 stages, 69-79 ms a token against 67-69; 2026-12-06)."""
         compiled = self.generation.engine.compiled if self.generation is not None else None
-        return compiled is None or not compiled.ready or compiled.covers(threads)
+        return compiled is not None and compiled.covers(threads)
 
     def _apply_cpus(self, cpus: int) -> None:
         """Changes this replica's CPUs while it runs: the affinity of every thread of the process

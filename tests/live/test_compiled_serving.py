@@ -1,6 +1,6 @@
 """QUART_COMPILE the way a user turns it on: a user's own decoder (LLaMA-shaped, random weights
 written by transformers' save_pretrained) in two stages on the embedded runtime with decode steps
-compiled, their steps on the host's idle cores (QUART_IDLE_CORES=all). The replicas serve eagerly
+compiled, their steps on the host's idle cores (QUART_IDLE_CORES's default). The replicas serve eagerly
 while they compile, for each thread count their steps run on (their own, the host's cores), then
 their records say the decode steps ran compiled, and the tokens, alone and batched, are the
 unsplit model's. A replica forked from the KeysManager's zygote, which compiled for one thread
@@ -44,8 +44,7 @@ def compiled(home_settings, tmp_path_factory):
     # float32, so the tokens can be compared with transformers' own float32 model exactly.
     settings = home_settings.replace(
         home=str(root / "home"), gateway_port=free_port(), redis_port=free_port(), keysmanager_port=free_port(),
-        stack_file=str(stack), request_timeout_s=120.0, admit_wait_s=0.0, compile=True, dtype="float32",
-        idle_cores="all")
+        stack_file=str(stack), request_timeout_s=120.0, admit_wait_s=0.0, compile=True, dtype="float32")
     try:
         assert control.up(settings, timeout=600) == 0, "the runtime did not come up"
         yield settings, folder

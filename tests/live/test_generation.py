@@ -86,10 +86,11 @@ def test_greedy_tokens_equal_unsplit_generate_alone_and_batched(client, sources,
     assert sizes[0] > sizes[1], "every batch held one item: nothing was batched"
 
 
-def test_alone_a_prefill_takes_every_core_and_decode_steps_their_own(client, r):
-    """QUART_IDLE_CORES's default (`prefill`): with nothing else computing, each stage's prefill
-    runs on the host's cores, one after another, and the decode steps on the replica's one thread
-    (a decode step taking them too is `all`)."""
+def test_alone_a_prefill_takes_every_core_and_eager_decode_steps_their_own(client, r):
+    """QUART_IDLE_CORES's default (`all`): with nothing else computing, each stage's prefill runs
+    on the host's cores, one after another; decode steps that run eager (these tests' replicas do
+    not compile) stay on the replica's one thread (tests/live/test_compiled_serving.py has the
+    compiled ones take the cores)."""
     time.sleep(2 * CALM_S)  # the earlier tests' overlapping steps calmed
     since = time.time() - 1.0
     reply = generate(client, "Name three rivers of Europe.", 4)

@@ -94,11 +94,11 @@ def test_with_idle_cores_children_spin_openmp_briefly_unless_the_user_says_other
     assert child_environment(idle)["GOMP_SPINCOUNT"] == "0"
 
 
-def test_idle_cores_default_to_prefills_only_and_refuse_a_boolean():
+def test_idle_cores_default_to_prefills_and_decodes_and_refuse_a_boolean():
     compute = load_settings(environ={}).compute
-    assert (compute.idle_prefills, compute.idle_decodes) == (True, False)
-    compute = load_settings(environ={"QUART_IDLE_CORES": "all"}).compute
     assert (compute.idle_prefills, compute.idle_decodes) == (True, True)
+    compute = load_settings(environ={"QUART_IDLE_CORES": "prefill"}).compute
+    assert (compute.idle_prefills, compute.idle_decodes) == (True, False)
     compute = load_settings(environ={"QUART_IDLE_CORES": "off"}).compute
     assert (compute.idle_prefills, compute.idle_decodes) == (False, False)
     with pytest.raises(ConfigError, match="QUART_IDLE_CORES='true': must be one of off, prefill, all"):
