@@ -53,6 +53,12 @@ class StageTiming:
 KINDS = ("pass", "prefill", "decode", "free", "adopt", "install", "fork", "lost")
 
 
+def step_id(seq: str, start: int) -> str:
+    """A generation step's request id: its sequence and the position of its first token (a
+    prefill's is 0), which no other step of the sequence shares."""
+    return f"{seq}.{start}"
+
+
 @dataclass
 class Header:
     request_id: str
@@ -78,12 +84,24 @@ class Header:
     gather: str = ""
     # A fork's source: the sequence whose first `start` positions (the shared prompt) it copies.
     parent: str = ""
+    # Set by the entry on a generation's steps: the last stage sends the next decode step to the
+    # first stage's holder itself, unless the token sampled is one of `stop_tokens` or the
+    # sequence is full, and names that step in its answer's `next_step`.
+    chain: bool = False
+    stop_tokens: list[int] = field(default_factory=list)
+    next_step: str = ""
 
     @property
     def request(self) -> str:
         """The request (or, of a request of n choices, the choice) this item works for: its id up
         to the first dot (a pass is `<request>.0`, a step `<request>.<recompute>.<step>`)."""
         return self.request_id.split(".", 1)[0]
+
+    def next_decode(self, start: int) -> Header:
+        """The decode step at `start` that follows this one, with its route and sampling."""
+        return Header(**{**vars(self), "request_id": step_id(self.seq, start), "stage": 0, "enqueued_at": time.time(),
+                         "timings": [], "kind": "decode", "start": start, "route": dict(self.route),
+                         "sampling": {**self.sampling, "choices": 1}, "next_step": ""})
 
     def to_json(self) -> bytes:
         # Every field is a JSON value but the timings; asdict's deep copy of them all took half

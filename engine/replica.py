@@ -31,7 +31,7 @@ from contracts.stage_graph import Edges, chain
 from contracts.wire import BadRequest, Header, StageTiming, decode_tensors, encode_tensors
 from engine.batch_policy import batch_limit, handover_peer, new_item_slots, still_fed
 from engine.compile_policy import compile_may_start
-from engine.generation_step import HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
+from engine.generation_step import FIRST, HOLDER, INSTALL, NEXT, PEER, REPLY, GenerationStage, Outcome, Work
 from engine.idle_cores import CoreBoard
 from engine.routes import Routes
 from engine.transport import Commit, Down, Refused, StageTransport, stream_gone
@@ -417,10 +417,12 @@ class StageReplica:
                 self._handed_over_at = time.monotonic()
             if o.to in (PEER, INSTALL):  # a migration (the step runs at the peer, which records it), a gather
                 MIGRATIONS.labels(**self._labels, direction="out").inc()
-            elif o.header.kind != "fork":  # a cache copied, no step run: nothing for the stage's records
+            # Not a fork (a cache copied, no step run) nor the next step (recorded with its answer).
+            elif o.header.kind != "fork" and o.to != FIRST:
                 REQUESTS.labels(**self._labels, outcome="error" if o.header.error else "ok").inc()
                 self._record(commit, o.work, per_item_ms, result.batch, result.compiled)
-            replica = {PEER: o.peer, INSTALL: o.peer, HOLDER: o.header.route.get(str(self.last))}.get(o.to)
+            replica = {PEER: o.peer, INSTALL: o.peer, HOLDER: o.header.route.get(str(self.last)),
+                       FIRST: o.header.route.get("0")}.get(o.to)
             if replica:
                 # Refused (None) if that replica's stream is gone: checked once the commit has run.
                 holders.append((commit.to_replica(replica, o.header, o.tensors), o))

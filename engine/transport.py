@@ -89,7 +89,9 @@ class Commit:
         return index
 
     def reply(self, header: Header, tensors: dict[str, torch.Tensor]) -> None:
-        self._pipe.lpush(header.reply_to, pack(header, tensors))
+        # At the tail: the entry reads from the head, so a sequence's answers reach it in order
+        # (the one that names the next step before that step's own).
+        self._pipe.rpush(header.reply_to, pack(header, tensors))
         self._pipe.pexpire(header.reply_to, self._t.reply_ttl_ms)
 
     def execute(self, works: list[Work], then_take: tuple[int, Sequence[int]] | None = None) -> list:

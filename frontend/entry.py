@@ -88,7 +88,7 @@ class Entry:
             self.tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_path())
             self.chars_per_token = max(len(t) for t in self.tokenizer.get_vocab())
             eos = self.config.eos_token_id
-            self.eos = set(eos) if isinstance(eos, list) else {eos}
+            self.eos = {e for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
         self.client = PipelineClient(settings, model, f"{model}.{settings.server}.{os.getpid()}")
         data = settings.data
         self.gate = GenerationGate(Objectives(data.ttft_objective_s, data.tpot_objective_s, data.request_timeout_s))
@@ -362,7 +362,7 @@ class Entry:
         finish = "length"
         tokens_iter = self.client.generate(choice.rid, ids, max_new, choice.sampling,
                                            started + self.settings.data.request_timeout_s, progress, choice.share,
-                                           choice.index)
+                                           choice.index, () if ignore_eos else self.eos)
         try:
             async for token in tokens_iter:
                 ticket.token(choice.index)

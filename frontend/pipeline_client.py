@@ -4,7 +4,8 @@ answer on its own reply list, and drives a generative request token by token.
 A request's prefill enters stage 0's shared stream (any replica may take it); each stage that runs
 it keeps the request's KV cache and writes its own id into the route, which comes back with the
 first token. Every decode step then goes to the replica holding the cache at stage 0, and each
-stage forwards it to the holder at the next. When a holder is gone (killed, or its cache expired),
+stage forwards it to the holder at the next; the last stage sends the next step itself
+(`Header.chain`, QUART_CHAIN_STEPS) while the entry streams the token. When a holder is gone (killed, or its cache expired),
 the entry prefills again, with the prompt and the tokens it already has, on live replicas
 (recomputation): the request still answers, once, with the same tokens."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 
 import redis
@@ -20,7 +21,7 @@ import redis.asyncio as aioredis
 import torch
 
 from contracts.config import Settings
-from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, unpack
+from contracts.wire import MESSAGE_FIELD, BadRequest, Header, StageTiming, pack, step_id, unpack
 from frontend.admission import Admission
 from frontend.step_sender import StepSender
 from models.sampling import Sampling, TokenLogprob, answers
@@ -120,14 +121,17 @@ class PipelineClient:
 
     async def generate(self, request_id: str, prompt: list[int], max_new: int, sampling: Sampling,
                        deadline: float, progress: Progress, share: SharedPrompt | None = None,
-                       choice: int = 0) -> AsyncIterator[int]:
+                       choice: int = 0, stop_tokens: Collection[int] = ()) -> AsyncIterator[int]:
         """The request's new tokens as they come. Closing the iterator early (end of text, a
         stop sequence, a client that went away) frees the request's caches. With `share`, this
         is choice `choice` of several that share the prompt's prefill: choice 0 runs it, sampling
-        every choice's first token; the others copy its cache (a fork) and decode on their own."""
+        every choice's first token; the others copy its cache (a fork) and decode on their own.
+        `stop_tokens`: those after which the caller closes the iterator (no step follows them)."""
         new: list[int] = []
         route: dict[str, str] = {}
         seq = ""
+        following = ""  # the step the last stage sent on by itself: its answer comes unasked
+        chain = {"chain": self.settings.batching.chain_steps, "stop_tokens": sorted(stop_tokens)}
         lead = share is not None and choice == 0
         try:
             if share is not None and choice > 0 and (shared := await share.done) is not None:
@@ -142,15 +146,19 @@ class PipelineClient:
                 if not route:
                     seq = f"{request_id}.{progress.recomputes}"
                     choices = share.choices if lead and not new else 1
-                    header = self._header(seq, len(new), deadline, kind="prefill", capacity=len(prompt) + max_new,
-                                          sampling={**sampling.to_dict(), "choices": choices})
+                    header = self._header(seq, 0, deadline, kind="prefill", capacity=len(prompt) + max_new,
+                                          sampling={**sampling.to_dict(), "choices": choices}, **chain)
                     reply = await self._send_and_wait(header, {"input_ids": torch.tensor([prompt + new])},
                                                       self.first_stream, {}, deadline)
+                elif following:
+                    reply = await self._wait(following, route, deadline)
                 else:
-                    header = self._header(seq, len(new), deadline, kind="decode", start=len(prompt) + len(new) - 1,
-                                          route=route, sampling=sampling.to_dict())
+                    start = len(prompt) + len(new) - 1
+                    header = self._header(seq, start, deadline, kind="decode", start=start, route=route,
+                                          sampling=sampling.to_dict(), **chain)
                     reply = await self._send_and_wait(header, {"input_ids": torch.tensor([[new[-1]]])},
                                                       keys.replica_stream(route["0"]), route, deadline)
+                following = reply[0].next_step if reply is not None else ""
                 if reply is None:
                     if lead and not share.done.done():
                         share.done.set_result(None)  # the others prefill for themselves
@@ -178,6 +186,7 @@ class PipelineClient:
         finally:
             if lead and not share.done.done():
                 share.done.set_result(None)
+            self._forget(following)
             if route:
                 self._free_later(seq, route)
 
@@ -193,16 +202,15 @@ class PipelineClient:
         return _checked(reply)[0].route
 
     def _header(self, seq: str, step: int | str, deadline: float, **fields) -> Header:
-        return Header(request_id=f"{seq}.{step}", model=self.model, stage=0, reply_to=self.reply_key,
-                      deadline=deadline, seq=seq, **fields)
+        """A step of `seq`: a prefill or decode step named by its start (`step_id`), a fork or
+        free by its kind."""
+        return Header(request_id=step_id(seq, step) if isinstance(step, int) else f"{seq}.{step}", model=self.model,
+                      stage=0, reply_to=self.reply_key, deadline=deadline, seq=seq, **fields)
 
     async def _send_and_wait(self, header: Header, tensors: dict[str, torch.Tensor], stream: str,
                              route: dict[str, str], deadline: float) -> tuple[Header, dict] | None:
-        """Sends one step and waits for its answer: None when it was lost (a stage answered
-        "lost", the holder's stream is gone, or a holder in the route stopped heartbeating)."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending[header.request_id] = future
-        check_s = self.settings.data.reclaim_idle_ms / 1000.0
+        """Sends one step and waits for its answer (`_wait`)."""
+        self._pending[header.request_id] = asyncio.get_running_loop().create_future()
         first_pass = stream == self.first_stream
         if first_pass:
             self.admission.sent(header.request_id, time.time())
@@ -210,8 +218,23 @@ class PipelineClient:
         try:
             message = pack(header, tensors)
             added = await self._while_redis_returns(lambda: self._sender.xadd(stream, message, bool(route)), deadline)
-            if added is None:
-                return None
+            if added is not None:
+                reply = await self._wait(header.request_id, route, deadline, first_pass)
+            return reply
+        finally:
+            self._pending.pop(header.request_id, None)
+            if first_pass:
+                service_s = sum(t.service_ms for t in reply[0].timings) / 1000.0 if reply else None
+                self.admission.answered(header.request_id, service_s, time.time())
+
+    async def _wait(self, step: str, route: dict[str, str], deadline: float,
+                    first_pass: bool = False) -> tuple[Header, dict] | None:
+        """The answer to `step`, sent by this entry or by the last stage (`Header.next_step`):
+        None when it was lost (a stage answered "lost", the holder's stream is gone, or a holder
+        in the route stopped heartbeating)."""
+        future = self._pending.setdefault(step, asyncio.get_running_loop().create_future())
+        check_s = self.settings.data.reclaim_idle_ms / 1000.0
+        try:
             while True:
                 left = deadline - time.time()
                 if left <= 0:
@@ -226,10 +249,13 @@ class PipelineClient:
                     continue
                 return None if reply[0].kind == "lost" else reply
         finally:
-            self._pending.pop(header.request_id, None)
-            if first_pass:
-                service_s = sum(t.service_ms for t in reply[0].timings) / 1000.0 if reply else None
-                self.admission.answered(header.request_id, service_s, time.time())
+            self._pending.pop(step, None)
+
+    def _forget(self, step: str) -> None:
+        """Stops awaiting `step` and the steps the last stage sent on after it, whose answers
+        came already (a generation that ended while they ran)."""
+        while step and (future := self._pending.pop(step, None)) is not None:
+            step = future.result()[0].next_step if future.done() else ""
 
     async def _while_redis_returns(self, call, deadline: float):
         """`call()`'s result, trying again while Redis cannot be reached (down, or loading its
@@ -325,8 +351,10 @@ class PipelineClient:
             log.error("unreadable reply dropped: %s", exc)
             return
         future = self._pending.get(header.request_id)
-        # No one waiting: the request timed out, or this is a duplicate of reclaimed work.
+        # No one waiting: the request timed out or ended, or this is a duplicate of reclaimed work.
         if future is not None and not future.done():
+            if header.next_step:  # sent on by the last stage: answered before the request asks for it
+                self._pending.setdefault(header.next_step, asyncio.get_running_loop().create_future())
             future.set_result((header, tensors))
 
 

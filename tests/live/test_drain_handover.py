@@ -87,7 +87,9 @@ def test_a_prefill_forwarded_to_draining_stages_is_answered_and_gathered_into_th
     expected = reference_greedy(sources, prompt, NEW_TOKENS)
 
     async def generate() -> tuple[list[int], Progress, StageReplica]:
-        client = PipelineClient(settings, "smollm2", "drain-test-entry")
+        # The entry sends each step (not the last stage): the second waits while the test starts
+        # the whole replica and drains stage 0.
+        client = PipelineClient(settings.replace(chain_steps=False), "smollm2", "drain-test-entry")
         progress = Progress()
         tokens = client.generate("r1", prompt, NEW_TOKENS, Sampling(), time.time() + 120, progress)
         # Without a draining replica reading on, the prefill would wait in stage 1's stream.

@@ -1,5 +1,5 @@
 """The token anatomy benchmark's arithmetic: a token's period at stage 0 is each stage's time from
-arrival to hand-on plus the entry's turn, and each stage's time splits into its step and the rest."""
+arrival to hand-on plus the way back to stage 0, and each stage's time splits into its step and the rest."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from state.records import StageSample
 
 STEPS = (2.0, 6.0, 6.0, 4.0)     # ms a stage's step takes
 AROUND = (1.0, 2.0, 1.0, 3.0)    # ms a stage spends around it (whole: record IDs count milliseconds)
-ENTRY = 2.0                      # ms from the last stage's answer to the next step
+ENTRY = 2.0                      # ms from the last stage's hand-on to the next step's arrival
 
 
 def _token(k: int, start_ms: float) -> tuple[list[StageSample], float]:
@@ -32,5 +32,5 @@ def test_the_period_is_the_stages_and_the_entry():
     for i in range(4):
         assert parts[f"stage {i} step"] == STEPS[i]
         assert parts[f"stage {i} around the step"] == pytest.approx(AROUND[i])
-    assert parts["entry turn"] == pytest.approx(ENTRY)
+    assert parts["back to stage 0"] == pytest.approx(ENTRY)
     assert parts["token period"] == pytest.approx(sum(STEPS) + sum(AROUND) + ENTRY)
