@@ -516,12 +516,14 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
               f"max {parting['max gap']:.3f})")
     sequential = float(np.median([r["unsplit_seq_tps"] for r in reps]))
     vllm = all("vllm_tps" in r for r in rows)
+    ratios = [(_throughput_ratio(r, "sequential unsplit", sequential), _throughput_ratio(r, "padded batch", sequential))
+              for r in rows]
     print(table("throughput (tokens/s)", ["concurrent", "pipeline", "vs sequential fp32 unsplit",
                                           f"unsplit padded batch ({_name(served)})", "pipeline/padded",
                                           "pipeline TPOT p50 ms", *([VLLM, f"pipeline/{VLLM}"] if vllm else [])],
-                [[r["concurrency"], r["pipeline_tps"], _throughput_ratio(r, "sequential unsplit", sequential)["value"],
-                  r["unsplit_batch_tps"], _throughput_ratio(r, "padded batch", sequential)["value"], r["pipeline_tpot_p50"],
-                  *([r["vllm_tps"], r["pipeline_tps"] / r["vllm_tps"]] if vllm else [])] for r in rows]))
+                [[r["concurrency"], r["pipeline_tps"], to_sequential["value"], r["unsplit_batch_tps"], to_padded["value"],
+                  r["pipeline_tpot_p50"], *([r["vllm_tps"], r["pipeline_tps"] / r["vllm_tps"]] if vllm else [])]
+                 for r, (to_sequential, to_padded) in zip(rows, ratios)]))
     figures = [{"name": f"{k} TTFT median", "value": round(median[k][0], 3), "unit": "ms"} for k in paths]
     figures += [{"name": f"{k} TPOT median", "value": round(median[k][1], 3), "unit": "ms"} for k in paths]
     for name, (med, mean, half), target in checks:
@@ -545,15 +547,15 @@ def _report(model: str, reps: list[dict], rows: list[dict], new: int, levels, se
             "unit": "logits"}] if parting else []),
         {"name": f"unsplit sequential throughput ({fp32_all})", "value": round(sequential, 3), "unit": "tokens/s"},
     ]
-    for r in rows:
+    for r, (to_sequential, to_padded) in zip(rows, ratios):
         c = r["concurrency"]
         figures += [
             {"name": f"pipeline throughput at {c}", "value": round(r["pipeline_tps"], 3), "unit": "tokens/s",
              "per_run": [round(x["pipeline_tps"], 3) for x in r["runs"]]},
-            _throughput_ratio(r, "sequential unsplit", sequential),
+            to_sequential,
             {"name": f"unsplit padded batch throughput at {c}", "value": round(r["unsplit_batch_tps"], 3),
              "unit": "tokens/s", "per_run": [round(x["unsplit_batch_tps"], 3) for x in r["runs"]]},
-            _throughput_ratio(r, "padded batch", sequential),
+            to_padded,
             {"name": f"pipeline TPOT p50 at {c}", "value": round(r["pipeline_tpot_p50"], 3), "unit": "ms"},
             {"name": f"pipeline TTFT p50 at {c}", "value": round(r["pipeline_ttft_p50"], 3), "unit": "ms"},
         ]
