@@ -459,7 +459,7 @@ VARIABLES: tuple[Var, ...] = (
         _one_of("migrate", "finish")),
     Var("QUART_CHAIN_STEPS", "batching.chain_steps",
         "the last stage sends a generation's next decode step to the first stage itself while the entry streams "
-        "the token (one request's token took 1.6 ms less on the 2-core EPYC; `python -m benchmarks token_anatomy`), "
+        "the token (`python -m benchmarks token_anatomy` measures both), "
         "unless the token is the end of text; a stop sequence or a client gone costs one step more; false: the "
         "entry sends every step"),
     Var("QUART_DEVICE", "compute.device", "where stages compute", _device),
