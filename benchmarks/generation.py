@@ -58,7 +58,7 @@ import torch
 import yaml
 
 from benchmarks import vllm_cpu
-from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, scratch, table, verdict, write
+from benchmarks.report import RESULTS, SERVING, conditions, mean_ci95, read_bandwidth, scratch, table, verdict, write
 from contracts.config import ComputeConfig, Settings, load_settings
 from contracts.http_client import GatewayClient, Reply
 from contracts.paths import REPO_ROOT
@@ -203,23 +203,6 @@ class Unsplit:
         head = model.get_output_embeddings()
         tied = head is not None and head.weight is embed
         return (params + (embed.numel() if tied else 0)) * torch.empty((), dtype=dtype).element_size()
-
-
-def read_bandwidth(threads: int, device: str = "cpu", nbytes: int = 1 << 30) -> float:
-    """The memory read bandwidth of `device` in bytes/s: the best of ten sums over a buffer far
-    larger than its caches (4 GiB on a GPU, where 1 GiB takes a fraction of a millisecond)."""
-    torch.set_num_threads(threads)
-    gpu = device.startswith("cuda")
-    nbytes = 4 << 30 if gpu else nbytes
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(10):
-        t0 = time.perf_counter()
-        buffer.sum()
-        if gpu:
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
 
 
 def _stack(home: Path, model: str) -> str:

@@ -111,14 +111,44 @@ def commit(repo: Path = REPO_ROOT) -> str:
 CPU_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
+def host_read_gb_s() -> float:
+    """This host's memory read bandwidth on all its cores now, in GB/s: how fast the machine was
+    when a result was written. Hosts sold as one kind differ (a 2-core EPYC VM read 29-31 GB/s one
+    day and 20-26 the next, and ran the same Redis hops 1.4-2.9x slower), so absolute figures are
+    compared only where this one is close."""
+    threads = torch.get_num_threads()
+    try:
+        return round(read_bandwidth(len(os.sched_getaffinity(0))) / 1e9, 1)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def conditions(**extra: object) -> dict:
-    return {"machine": platform.node(), "commit": commit(), "cpu": platform.processor() or platform.machine(),
+    return {"machine": platform.node(), "host_read_gb_s": host_read_gb_s(), "commit": commit(),
+            "cpu": platform.processor() or platform.machine(),
             "cpu_model": cpu_field("model name") or platform.machine(),
             "cpu_features": [f for f in CPU_FEATURES if f in cpu_flags()],
             "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
             "cuda": torch.cuda.is_available(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             # Replicas of real generative models compile their decode steps unless QUART_COMPILE is off.
             "compiled_decode_steps": load_settings().compute.compiles, **extra}
+
+
+def read_bandwidth(threads: int, device: str = "cpu", nbytes: int = 1 << 30) -> float:
+    """The memory read bandwidth of `device` in bytes/s: the best of ten sums over a buffer far
+    larger than its caches (4 GiB on a GPU, where 1 GiB takes a fraction of a millisecond)."""
+    torch.set_num_threads(threads)
+    gpu = device.startswith("cuda")
+    nbytes = 4 << 30 if gpu else nbytes
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        buffer.sum()
+        if gpu:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 def table(title: str, header: list[str], rows: list[list[object]]) -> str:

@@ -18,7 +18,8 @@ when. `python -m benchmarks freshness` lists the results older than the code the
 measured with uncommitted changes; a result with none stamped was written before results were
 stamped (`freshness` takes it to have measured the last commit before its date).
 """
-CONDITIONS = ("machine", "cpu", "cpu_model", "cpu_features", "cores", "torch", "cuda", "gpu", "commit_note")
+CONDITIONS = ("machine", "cpu", "cpu_model", "cpu_features", "cores", "host_read_gb_s", "torch", "cuda", "gpu",
+              "commit_note")
 
 
 def _cell(value: object) -> str:
