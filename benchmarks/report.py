@@ -114,7 +114,7 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_t
 def host_read_gb_s() -> float:
     """This host's memory read bandwidth on all its cores now, in GB/s: how fast the machine was
     when a result was written. Hosts sold as one kind differ (a 2-core EPYC VM read 29-31 GB/s one
-    day and 20-26 the next, and ran the same Redis hops 1.4-2.9x slower), so absolute figures are
+    day and 16-26 the next, and ran the same Redis hops 1.4-2.9x slower), so absolute figures are
     compared only where this one is close."""
     threads = torch.get_num_threads()
     try:
