@@ -116,11 +116,7 @@ def host_read_gb_s() -> float:
     when a result was written. Hosts sold as one kind differ (a 2-core EPYC VM read 29-31 GB/s one
     day and 16-26 the next, and ran the same Redis hops 1.4-2.9x slower), so absolute figures are
     compared only where this one is close."""
-    threads = torch.get_num_threads()
-    try:
-        return round(read_bandwidth(len(os.sched_getaffinity(0))) / 1e9, 1)
-    finally:
-        torch.set_num_threads(threads)
+    return round(read_bandwidth(len(os.sched_getaffinity(0))) / 1e9, 1)
 
 
 def conditions(**extra: object) -> dict:
@@ -136,19 +132,24 @@ def conditions(**extra: object) -> dict:
 
 def read_bandwidth(threads: int, device: str = "cpu", nbytes: int = 1 << 30) -> float:
     """The memory read bandwidth of `device` in bytes/s: the best of ten sums over a buffer far
-    larger than its caches (4 GiB on a GPU, where 1 GiB takes a fraction of a millisecond)."""
+    larger than its caches (4 GiB on a GPU, where 1 GiB takes a fraction of a millisecond), on
+    `threads` threads; the caller's thread count is left as it was."""
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
     gpu = device.startswith("cuda")
     nbytes = 4 << 30 if gpu else nbytes
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(10):
-        t0 = time.perf_counter()
-        buffer.sum()
-        if gpu:
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    try:
+        buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        best = float("inf")
+        for _ in range(10):
+            t0 = time.perf_counter()
+            buffer.sum()
+            if gpu:
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best
+    finally:
+        torch.set_num_threads(before)
 
 
 def table(title: str, header: list[str], rows: list[list[object]]) -> str:

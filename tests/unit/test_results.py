@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import __main__ as bench
 from benchmarks.freshness import benchmark_of, declared_paths, freshness, stale
-from benchmarks.report import CPU_FEATURES, commit, conditions, mean_ci95, scratch, t975, verdict
+from benchmarks.report import CPU_FEATURES, commit, conditions, mean_ci95, read_bandwidth, scratch, t975, verdict
 from contracts.paths import REPO_ROOT
 from tools.results_page import results_page
 
@@ -116,6 +116,15 @@ def test_results_say_which_cpu_and_features_measured_them():
     assert stamped["cpu_model"] and set(stamped["cpu_features"]) <= set(CPU_FEATURES) and stamped["extra"] == 1
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     assert ("avx2" in stamped["cpu_features"]) == ("avx2" in flags)
+
+
+def test_the_bandwidth_probe_leaves_the_callers_thread_count_as_it_was():
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    assert read_bandwidth(other, nbytes=1 << 20) > 0
+    assert torch.get_num_threads() == before
+    assert conditions()["host_read_gb_s"] > 0 and torch.get_num_threads() == before
 
 
 def test_a_target_is_met_only_when_the_whole_interval_clears_it():
