@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import __main__ as bench
 from benchmarks.freshness import benchmark_of, declared_paths, freshness, stale
@@ -112,19 +113,18 @@ def test_an_interval_from_runs():
 
 
 def test_results_say_which_cpu_and_features_measured_them():
+    threads = torch.get_num_threads()
     stamped = conditions(extra=1)
+    assert stamped["host_read_gb_s"] > 0 and torch.get_num_threads() == threads
     assert stamped["cpu_model"] and set(stamped["cpu_features"]) <= set(CPU_FEATURES) and stamped["extra"] == 1
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     assert ("avx2" in stamped["cpu_features"]) == ("avx2" in flags)
 
 
 def test_the_bandwidth_probe_leaves_the_callers_thread_count_as_it_was():
-    torch = pytest.importorskip("torch")
     before = torch.get_num_threads()
-    other = 2 if before == 1 else 1
-    assert read_bandwidth(other, nbytes=1 << 20) > 0
+    assert read_bandwidth(2 if before == 1 else 1, nbytes=1 << 20) > 0
     assert torch.get_num_threads() == before
-    assert conditions()["host_read_gb_s"] > 0 and torch.get_num_threads() == before
 
 
 def test_a_target_is_met_only_when_the_whole_interval_clears_it():
