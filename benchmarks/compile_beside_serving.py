@@ -122,7 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
         result = arm(*ARMS[args.arm], args.gap_ms, args.limit_s)
         with open(args.out, "w") as f:
             json.dump(result, f)
-        return result
+        # A compile still running at the limit holds C++ threads that abort the interpreter's
+        # exit (SIGABRT, "terminate called without an active exception"); the result is written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     runs = {}
     for name in ARMS:
         print(f"arm: {name}", flush=True)
