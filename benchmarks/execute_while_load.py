@@ -71,8 +71,7 @@ def ready(client: GatewayClient) -> dict[str, int]:
 
 
 def keys(settings: Settings, server: str) -> KeysClient:
-    """Its default timeout: longer than a zygote's start (KeysManager's own deadline), which for
-    the whole model includes compiling its decode steps."""
+    """Its default timeout: longer than a zygote's start (KeysManager's own deadline)."""
     return KeysClient.for_settings(settings.virtual_server(server))
 
 
@@ -96,6 +95,7 @@ def prepare(settings: Settings) -> tuple[list[str], list[str]]:
     for name in holders:
         wait(lambda name=name: any(z["stages"] == WHOLE_STAGES.stages for z in keys(settings, name).zygotes()), 600,
              f"the whole model cached on {name}")
+        keys(settings, name).settled(WHOLE_STAGES)  # no compile left beside the cold starts measured
     store.publish_key_stages(MODEL, (WHOLE_STAGES,))  # spread its replicas over the servers
     if client.scale(WHOLE, 2).status != 202:
         raise RuntimeError("scaling the whole function to 2 was refused")

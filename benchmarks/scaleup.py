@@ -154,6 +154,7 @@ def main(repeats: int = 5) -> dict:
             for model, stages in CASES:
                 manifest = Manifest.load(settings.model_dir(model))
                 client.cache(StageRef.parse(model, stages))
+                client.settled(StageRef.parse(model, stages))  # forks of the compiled zygote
                 for i in range(repeats):
                     for mode in MODES:
                         samples.setdefault((model, mode), []).append(

@@ -475,8 +475,9 @@ VARIABLES: tuple[Var, ...] = (
         "memory); false: plain `F.linear`"),
     Var("QUART_COMPILE", "compute.compile",
         "decode steps compiled with torch.compile (inductor; needs a C++ compiler, else eager) once per stage "
-        "range: in the KeysManager's zygote before it forks (a fork inherits the compiled step), else in the "
-        "background after a replica starts, eager until then; CPU only, not with int8 weights; false: eager"),
+        "range: in a KeysManager zygote's successor, which takes its place once compiled (a later fork inherits "
+        "the compiled step), else in the background after a replica starts, eager until then; CPU only, not "
+        "with int8 weights; false: eager"),
     Var("QUART_COMPILE_NICE", "compute.compile_nice",
         "the nice value (0-19) of a replica's background compile and the compiler processes it starts: at 19 "
         "a busy host's cores go to serving first; 0: serving's own priority",
@@ -518,8 +519,8 @@ VARIABLES: tuple[Var, ...] = (
         "a zygote cached less than this long ago is not evicted to make room for another key stage (no churn "
         "while key stages flip)", _not_negative),
     Var("QUART_ZYGOTE_START_S", "cache.zygote_start_s",
-        "how long a zygote may take to load its stage range and compile its decode steps before it is killed "
-        "(the whole of SmolLM2 compiled in 284 s on 2 cores with inductor's disk cache cold)", _positive),
+        "how long a zygote may take to load its stage range before it is killed (its decode steps compile "
+        "afterwards, in a successor that takes its place: keysmanager/manager.py)", _positive),
     Var("QUART_POLICY", "autoscaler.policy", "`quart`, a baseline's name, or `none` (no autoscaler)"),
     Var("QUART_BACKEND", "autoscaler.backend",
         "how the autoscaler's decisions take effect: `local` (the embedded runtime: replicas and live CPU changes), "

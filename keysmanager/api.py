@@ -7,9 +7,11 @@ the metrics needs the runtime's internal token (`Authorization: Bearer ...`); 40
     GET  /metrics/replicas             the forked replicas' own metrics, labelled by function and pid
     GET  /zygotes                      what is cached
     GET  /stats                        memory use, threshold, counts
-    POST /cache   {"model", "stages"}  cache a stage range (waits until its zygote is ready);
-                  507 when it does not fit the server's cache budget; 502 when its zygote exits
-                  before it answers, 504 when it does not answer within QUART_ZYGOTE_START_S
+    POST /cache   {"model", "stages"}  cache a stage range (waits until its zygote has loaded;
+                  `compile` in its answer and in /zygotes says whether forks serve compiled steps
+                  yet: "compiling", "done", "failed" or "off"); 507 when it does not fit the
+                  server's cache budget; 502 when its zygote exits before it answers, 504 when it
+                  does not answer within QUART_ZYGOTE_START_S
     POST /fork    {"model", "stages", "function", "cow": true, "env": {"QUART_...": ...}}
                   -> {"pid", "port_file", "started_by"}; 404 not cached, 409 shard changed
     POST /start   {"model", "stages", "function", "env"}

@@ -1,6 +1,8 @@
 """Client of a server's KeysManager API (see keysmanager/api.py)."""
 from __future__ import annotations
 
+import time
+
 from contracts.config import Settings
 from contracts.http_client import HttpClient
 from contracts.stage import StageRef
@@ -66,6 +68,21 @@ class KeysClient(HttpClient):
 
     def zygotes(self) -> list[dict]:
         return self._call("GET", "/zygotes")
+
+    def settled(self, stage: StageRef, timeout_s: float = 1800.0, poll_s: float = 0.5) -> dict:
+        """The stage's zygote once its compile has settled ("done", "failed" or "off": forks from
+        then on are as compiled as they will be); TimeoutError past `timeout_s`, KeyError where the
+        stage is not cached."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            zygote = next((z for z in self.zygotes() if (z["model"], z["stages"]) == (stage.model, stage.stages)), None)
+            if zygote is None:
+                raise KeyError(f"{stage} is not cached")
+            if zygote["compile"] != "compiling":
+                return zygote
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{stage}'s zygote still compiling after {timeout_s:g} s")
+            time.sleep(poll_s)
 
     def stats(self) -> dict:
         return self._call("GET", "/stats")

@@ -1,6 +1,15 @@
 """KeysManager: one per server. Keeps key stages' parameters in host memory, each stage range in
 its own zygote process, and forks replicas from them; evicts the least recently used zygotes
-when host memory use passes a threshold; drops a zygote whose shard changed on disk."""
+when host memory use passes a threshold; drops a zygote whose shard changed on disk.
+
+Where decode steps compile (QUART_COMPILE), a stage is cached as soon as its zygote has loaded,
+and a second zygote, its successor, loads and compiles beside it at QUART_COMPILE_NICE; once the
+successor answers it takes the first one's place and the first one ends (its forks serve on, and
+compile their own steps as any replica not forked from a compiled zygote does). A compile of a
+whole model can take longer than anyone should wait for a cache (minutes on a slow host), and
+forks meanwhile serve eager steps rather than none. The cost, outside the cache's byte budget:
+a second copy of the stage's parameters while the successor compiles, and after it for as long
+as forks of the first zygote (which share its pages) live."""
 from __future__ import annotations
 
 import json
@@ -25,6 +34,7 @@ from contracts.proc_stat import start_time
 from contracts.stage import StageRef
 from keysmanager.cache_policy import Held, OverBudget, evictions
 from keysmanager.metrics import KeysManagerMetrics
+from models.compile_worker import TIMEOUT_S as COMPILE_TIMEOUT_S
 from models.fetch import ensure_manifest, ensure_model, partial_path
 from models.manifest import Manifest
 from models.profiles import PROFILES as EMULATION_PROFILES
@@ -90,6 +100,8 @@ class Zygote:
     last_use: float = field(default_factory=time.time)
     forks: int = 0
     forking: int = 0
+    compile: str = "off"            # "compiling" (a successor compiles), "done", "failed" or "off"
+    successor: subprocess.Popen | None = None
 
     @property
     def key(self) -> str:
@@ -98,10 +110,22 @@ class Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def end(self) -> None:
+        """Ends the process (its forks live on) and any successor still compiling."""
+        for proc in (self.proc, self.successor):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.socket.unlink(missing_ok=True)
+
     def describe(self) -> dict:
         return {"model": self.stage.model, "stages": self.stage.stages, "pid": self.proc.pid, "sha256": self.sha256,
                 "bytes": self.bytes, "started_at": self.started_at, "last_use": self.last_use,
-                "forks": self.forks}
+                "forks": self.forks, "compile": self.compile}
 
 
 def zygote_call(path: Path, request: dict, timeout: float = 30.0) -> dict:
@@ -179,10 +203,56 @@ class KeysManager:
                 self.zygotes[stage] = z
             self._publish(z)
             self._event("cache", z)
+            if self._compiles(stage):
+                z.compile = "compiling"
+                threading.Thread(target=self._succeed, args=(z,), name=f"compile-{z.key}", daemon=True).start()
             return z
         finally:
             with self._lock:
                 self._starting.pop(stage).set()
+
+    def _compiles(self, stage: StageRef) -> bool:
+        """Whether forks of `stage` serve compiled decode steps, so that its zygote has a successor."""
+        return (self.settings.compute.compiles and not self.emulated(stage.model)
+                and Manifest.load(self.settings.model_dir(stage.model)).generative)
+
+    def _succeed(self, z: Zygote) -> None:
+        """Starts a zygote of z's stage that compiles before it answers, and puts it in z's place
+        once it does; z ends once no fork from it is in flight. Nothing changes where z has been
+        evicted meanwhile (which ends the successor) or the compile fails."""
+        try:
+            proc, path = self._spawn(z.stage, ["--compile"])
+            with self._lock:
+                if self.zygotes.get(z.stage) is not z:
+                    proc.kill()
+                    return
+                z.successor = proc
+            self._await(proc, path, f"{z.stage.model}-{z.stage.stages}", COMPILE_TIMEOUT_S)
+        except (ZygoteExited, TimeoutError, OSError) as exc:
+            z.compile = "failed"
+            if self.zygotes.get(z.stage) is not z:
+                return  # evicted meanwhile, which ended the successor
+            log.warning("the compiled successor of %s did not start (forks stay eager, and compile their own): %s",
+                        z.key, exc)
+            return
+        successor = Zygote(z.stage, proc, path, z.sha256, z.bytes, z.started_at, z.last_use, z.forks, compile="done")
+        with self._lock:
+            current = self.zygotes.get(z.stage) is z and z.alive()
+            if current:
+                self.zygotes[z.stage] = successor
+                z.successor = None
+        if not current:
+            successor.end()
+            return
+        self._publish(successor)
+        self._event("compiled", successor, replaced=z.proc.pid)
+        log.info("zygote %s compiled, pid %d in place of %d", z.key, proc.pid, z.proc.pid)
+        while True:
+            with self._lock:
+                if z.forking == 0:
+                    break
+            time.sleep(0.05)
+        z.end()
 
     def _keep_received(self, stage: StageRef) -> None:
         """Where this server fetches from a model store, shards it already holds whole in its
@@ -219,15 +289,29 @@ class KeysManager:
 
     def _start(self, stage: StageRef | None, shas: list[str], size: int) -> Zygote:
         """A zygote of `stage`, or the runtime zygote (None), once it answers."""
+        proc, path = self._spawn(stage)
+        self._await(proc, path, f"{stage.model}-{stage.stages}" if stage else "runtime",
+                    self.settings.cache.zygote_start_s, "QUART_ZYGOTE_START_S")
+        return Zygote(stage, proc, path, shas, size)
+
+    def _spawn(self, stage: StageRef | None, extra: list[str] | None = None) -> tuple[subprocess.Popen, Path]:
+        """Starts a zygote process of `stage` (the runtime zygote for None): the process and its socket."""
         name = f"{stage.model}-{stage.stages}" if stage else "runtime"
         path = self.run_dir / f"{name}.{uuid.uuid4().hex[:8]}.sock"
         what = ["--runtime"] if stage is None else ["--model", stage.model, "--stages", stage.stages] + (
             ["--emulate", stage.model] if self.emulated(stage.model) else [])
         with open(self.log_dir / f"zygote-{name}.log", "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "keysmanager.zygote", "--socket", str(path), *what],
+            proc = subprocess.Popen([sys.executable, "-m", "keysmanager.zygote", "--socket", str(path), *what,
+                                     *(extra or [])],
                                     env=child_environment(self.settings), cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + self.settings.cache.zygote_start_s
+        return proc, path
+
+    @staticmethod
+    def _await(proc: subprocess.Popen, path: Path, name: str, limit_s: float, setting: str = "") -> None:
+        """Returns once the zygote answers; ZygoteExited if it ends first, TimeoutError (it killed)
+        past `limit_s`."""
+        deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise ZygoteExited(f"zygote {name} exited with {proc.returncode}; see zygote-{name}.log")
@@ -235,12 +319,12 @@ class KeysManager:
                 try:
                     zygote_call(path, {"op": "ping"}, timeout=5)
                     log.info("zygote %s ready, pid %d", name, proc.pid)
-                    return Zygote(stage, proc, path, shas, size)
+                    return
                 except OSError:
                     pass
             time.sleep(0.05)
         proc.kill()
-        raise TimeoutError(f"zygote {name} not ready in {self.settings.cache.zygote_start_s:g} s (QUART_ZYGOTE_START_S)")
+        raise TimeoutError(f"zygote {name} not ready in {limit_s:g} s{f' ({setting})' if setting else ''}")
 
     def _make_room_locked(self, size: int) -> None:
         """Within a byte budget, evicts what `cache_policy.evictions` picks (idle zygotes that are
@@ -340,14 +424,7 @@ class KeysManager:
         self.zygotes.pop(z.stage, None)
         # Out of what the scheduler reads first, so that no new fork is sent to it while it ends.
         self.store.withdraw_zygote(self.server, z.stage)
-        if z.alive():
-            z.proc.terminate()
-            try:
-                z.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                z.proc.kill()
-                z.proc.wait()
-        z.socket.unlink(missing_ok=True)
+        z.end()
         self._event("evict", z, reason=reason)
         log.info("evicted %s (%s)", z.key, reason)
 
@@ -414,9 +491,8 @@ class KeysManager:
             for z in list(self.zygotes.values()):
                 self._evict_locked(z, "shutdown")
         with self._runtime_lock:
-            if self._runtime is not None and self._runtime.alive():
-                self._runtime.proc.terminate()
-                self._runtime.proc.wait(timeout=10)
+            if self._runtime is not None:
+                self._runtime.end()
 
     def list(self) -> list[dict]:
         with self._lock:

@@ -8,10 +8,16 @@ It loads its tensors in the dtype the replicas serve and packs their linear weig
 never runs multi-threaded kernels and never initialises CUDA, because a process that has started
 OpenMP's thread pool (or CUDA) can hang its forked children. A child sets its own threads and
 device after the fork. Copy-on-write children share the parent's pages; a non-COW child clones
-the parameters first, for isolation. With QUART_COMPILE it compiles the stage's decode step too
-(on its one thread, without inductor's worker pool) before it forks: every child inherits it.
+the parameters first, for isolation.
 
-Control is a Unix socket that takes one JSON line per connection:
+With `--compile` it compiles the stage's decode step too before it answers (without inductor's
+worker pool, on a thread at QUART_COMPILE_NICE that has ended before the first fork): every child
+inherits the compiled step. The KeysManager starts such a zygote as the *successor* of one that
+answered as soon as it had loaded, and swaps it in once it answers (keysmanager/manager.py), so
+that a compile never keeps a stage from being cached and forked.
+
+Control is a Unix socket (it listens once the zygote is ready) that takes one JSON line per
+connection:
     {"op": "fork", "cow": true, "env": {...}, "handler": "...", "port_file": "...", "log_file": "..."}
     {"op": "ping"}
 and answers one JSON line ({"pid": ...} or {"ok": true, ...}, or {"error": ...}).
@@ -43,7 +49,7 @@ from contracts.config import load_settings
 from contracts.stage import StageRef
 from engine import inherited, watchdog
 from engine import replica as _replica  # noqa: F401
-from models.compiled_decode import compile_here
+from models.compiled_decode import compile_here, lower_this_thread
 from models.emulated import EmulatedRunner
 from models.manifest import Manifest
 from models.profiles import profile as emulation_profile
@@ -116,12 +122,23 @@ def _exit_when_orphaned(period_s: float = 1.0) -> None:
     signal.setitimer(signal.ITIMER_REAL, period_s, period_s)
 
 
-def _compile(runner: StageRunner) -> None:
-    """The decode step compiled once here, before any fork, on this process's one thread: every
-    replica forked afterwards serves compiled steps from its first (models/compiled_decode.py)."""
-    compiled = compile_here(runner.batched())
-    outcome = f"in {compiled.compile_s:.1f} s" if compiled else "failed: forks compile their own"
+def _compile(runner: StageRunner, nice: int) -> bool:
+    """The decode step compiled once here, before any fork, for one thread: every replica forked
+    afterwards serves compiled steps from its first (models/compiled_decode.py). On a thread of its
+    own at `nice` (Linux keeps it per thread, so the forks, from this one, keep serving's), which
+    has ended when this returns. Whether it compiled."""
+    done: list[object] = []
+
+    def run() -> None:
+        lower_this_thread(nice)
+        done.append(compile_here(runner.batched()))
+    thread = threading.Thread(target=run, name="zygote-compile")
+    thread.start()
+    thread.join()
+    compiled = done[0] if done else None
+    outcome = f"in {compiled.compile_s:.1f} s" if compiled else "failed"
     print(f"decode steps compiled {outcome}; threads now {threading.active_count()}", file=sys.stderr, flush=True)
+    return compiled is not None
 
 
 def serve(runner: StageRunner | EmulatedRunner | None, socket_path: Path) -> None:
@@ -163,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--emulate", default="", help="an emulation profile: no shard to hold")
     parser.add_argument("--runtime", action="store_true", help="hold no parameters, only the libraries")
+    parser.add_argument("--compile", action="store_true", help="compile the decode step before answering")
     args = parser.parse_args(argv)
     settings = load_settings()
     if args.runtime:
@@ -180,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         runner = StageRunner(Manifest.load(settings.model_dir(stage.model)), stage.first, stage.last,
                              device="cpu", dtype=settings.compute.dtype, prepack=settings.compute.prepack,
                              quantize=settings.compute.quantize)
-        if settings.compute.compiles and runner.manifest.generative:
-            _compile(runner)
+        if args.compile and settings.compute.compiles and runner.manifest.generative \
+                and not _compile(runner, settings.compute.compile_nice):
+            return 1  # the zygote it was to succeed serves on, uncompiled
     assert not torch.cuda.is_initialized()
     serve(runner, args.socket)
     return 0

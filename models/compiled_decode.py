@@ -20,11 +20,12 @@ weights in row blocks, `models/packed_linear.py`), for the same step time (measu
 Xeon with AMX, one 11-layer stage in bfloat16, one thread: 11.4, 13.3 and 22.2 ms a step at 1, 4
 and 16 sequences, against 11.2, 13.3 and 20.8 frozen and 15.5, 18.7 and 31.4 eager).
 
-A KeysManager zygote compiles before it forks (`compile_here`), so its forks serve compiled steps
-from their first; a replica started otherwise compiles on a thread of its own while eager steps
-serve, at a low priority, once the replica idles (`engine/compile_policy.py`) and only between
-its serving turns (`models/serving_first.py`), from inductor's caches, which a process of its own
-filled first (`models/compile_worker.py`). Graphs are per thread count: a replica compiles for
+A KeysManager zygote's compiled successor compiles before it forks (`compile_here`), so its forks
+serve compiled steps from their first (keysmanager/manager.py); a replica started otherwise
+(forked before the successor took over, included) compiles on a thread of its own while eager
+steps serve, at a low priority, once the replica idles (`engine/compile_policy.py`) and only
+between its serving turns (`models/serving_first.py`), from inductor's caches, which a process
+of its own filled first (`models/compile_worker.py`). Graphs are per thread count: a replica compiles for
 each count its steps run on (its own, the host's idle cores), and the same way for a count CPU
 compensation gives it later; steps on a count not compiled yet run eager. Only on the CPU (a
 GPU's counterpart would be CUDA graphs: not built).
@@ -139,7 +140,7 @@ class CompiledDecode:
             try:
                 while not may_start():
                     time.sleep(START_POLL_S)
-                _lower_this_thread(nice)
+                lower_this_thread(nice)
                 try:
                     prepare()  # waits on another process: Python's lock stays free for serving
                 except Exception:  # noqa: BLE001 - the caches it fills only save this thread work
@@ -259,7 +260,7 @@ def compile_here(engine: BatchedDecoder, threads: Sequence[int] = ()) -> Compile
     return compiled
 
 
-def _lower_this_thread(nice: int) -> None:
+def lower_this_thread(nice: int) -> None:
     """Names the calling thread `quart-compile` where the OS shows threads (top -H, /proc) and
     raises its nice value to `nice`, never lowering it. Linux keeps a nice value per thread, and a
     process started from the thread (inductor's compile workers, the C++ compiler) inherits it: on

@@ -3,21 +3,23 @@ written by transformers' save_pretrained) in two stages on the embedded runtime 
 compiled, their steps on the host's idle cores (QUART_IDLE_CORES's default). The replicas serve eagerly
 while they compile, for each thread count their steps run on (their own, the host's cores), then
 their records say the decode steps ran compiled, and the tokens, alone and batched, are the
-unsplit model's. A replica forked from the KeysManager's zygote, which compiled for one thread
-before it forked, runs its decode steps compiled from the first."""
+unsplit model's. The KeysManager caches a stage before its compile ends; a replica forked once its
+compiled successor took the zygote's place runs its decode steps compiled from the first."""
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 from transformers import AutoTokenizer
 
 from contracts.http_client import GatewayClient
 from contracts.stage import StageRef
 from engine.idle_cores import CALM_S, usable_cores
-from keysmanager.client import KeysClient
+from keysmanager.client import KeysClient, KeysManagerError
 from models.architectures import architecture
 from models.decode_batches import FEW_ROWS
 from models.random_checkpoint import write_random_checkpoint
@@ -147,14 +149,30 @@ def test_compiled_steps_batch_at_most_a_few_sequences_and_the_rest_run_beside_th
     assert max(batches) > 1, "the requests never shared a step"
 
 
-def test_a_replica_forked_from_the_zygote_runs_compiled_steps_from_its_first(compiled):
+def test_a_stage_is_cached_before_it_compiles_and_later_forks_run_compiled_steps_from_their_first(compiled):
+    """The cache answers once the zygote has loaded, and a fork then serves at once; a successor
+    compiles meanwhile and takes the zygote's place, whose forks live on; a fork from it runs its
+    decode steps compiled from the first."""
     settings, folder = compiled
     client, store = GatewayClient(settings.gateway.url, timeout=120), RedisStore.from_url(settings.redis_url)
     keys = KeysClient.for_settings(settings, timeout=900)
     stage = StageRef.parse(MODEL, "1")
-    keys.cache(stage)  # answers once the zygote has compiled and listens
-    pid = keys.fork(stage, f"{MODEL}-s1")["pid"]
+    with contextlib.suppress(KeysManagerError):
+        keys.evict(stage)  # cached already as a key stage: this test caches it afresh
+    first = keys.cache(stage)
+    assert first["compile"] == "compiling", first  # a compile takes seconds at the least
+    early = keys.fork(stage, f"{MODEL}-s1")["pid"]
+    pids = [early]
     try:
+        wait_until(lambda: any(r.replica_id.endswith(f".{early}") for r in store.live_replicas(MODEL, 1)), 120,
+                   "the replica forked before the compile registered")
+        settled = keys.settled(stage, 900)
+        assert settled["compile"] == "done" and settled["pid"] != first["pid"], settled
+        wait_until(lambda: not psutil.pid_exists(first["pid"]), 60, "the first zygote ended")
+        assert psutil.pid_exists(early), "a fork ended with the zygote it was forked from"
+        keys.stop(early)
+        pid = keys.fork(stage, f"{MODEL}-s1")["pid"]
+        pids.append(pid)
         replica = f".{pid}"
         wait_until(lambda: any(r.replica_id.endswith(replica) for r in store.live_replicas(MODEL, 1)), 120,
                    "the forked replica registered")
@@ -168,4 +186,6 @@ def test_a_replica_forked_from_the_zygote_runs_compiled_steps_from_its_first(com
             ran = _decode_records(store, reply["id"], since, replica)
         assert all(ran[1]), ran[1]
     finally:
-        keys.stop(pid)
+        for pid in pids:
+            with contextlib.suppress(KeysManagerError):
+                keys.stop(pid)
