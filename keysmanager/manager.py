@@ -128,6 +128,11 @@ class Zygote:
                 "forks": self.forks, "compile": self.compile}
 
 
+def zygote_name(stage: StageRef | None) -> str:
+    """How a zygote of `stage` (the runtime zygote for None) is named in its socket, log and messages."""
+    return f"{stage.model}-{stage.stages}" if stage else "runtime"
+
+
 def zygote_call(path: Path, request: dict, timeout: float = 30.0) -> dict:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
@@ -227,7 +232,7 @@ class KeysManager:
                     proc.kill()
                     return
                 z.successor = proc
-            self._await(proc, path, f"{z.stage.model}-{z.stage.stages}", COMPILE_TIMEOUT_S)
+            self._await(proc, path, zygote_name(z.stage), COMPILE_TIMEOUT_S)
         except (ZygoteExited, TimeoutError, OSError) as exc:
             z.compile = "failed"
             if self.zygotes.get(z.stage) is not z:
@@ -290,13 +295,12 @@ class KeysManager:
     def _start(self, stage: StageRef | None, shas: list[str], size: int) -> Zygote:
         """A zygote of `stage`, or the runtime zygote (None), once it answers."""
         proc, path = self._spawn(stage)
-        self._await(proc, path, f"{stage.model}-{stage.stages}" if stage else "runtime",
-                    self.settings.cache.zygote_start_s, "QUART_ZYGOTE_START_S")
+        self._await(proc, path, zygote_name(stage), self.settings.cache.zygote_start_s, "QUART_ZYGOTE_START_S")
         return Zygote(stage, proc, path, shas, size)
 
     def _spawn(self, stage: StageRef | None, extra: list[str] | None = None) -> tuple[subprocess.Popen, Path]:
         """Starts a zygote process of `stage` (the runtime zygote for None): the process and its socket."""
-        name = f"{stage.model}-{stage.stages}" if stage else "runtime"
+        name = zygote_name(stage)
         path = self.run_dir / f"{name}.{uuid.uuid4().hex[:8]}.sock"
         what = ["--runtime"] if stage is None else ["--model", stage.model, "--stages", stage.stages] + (
             ["--emulate", stage.model] if self.emulated(stage.model) else [])

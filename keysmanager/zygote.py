@@ -199,12 +199,14 @@ def main(argv: list[str] | None = None) -> int:
                              device="cpu", dtype=settings.compute.dtype, prepack=settings.compute.prepack,
                              quantize=settings.compute.quantize)
         if settings.compute.compiles and runner.manifest.generative:
-            if args.compile and not _compile(runner, settings.compute.compile_nice):
-                return 1  # the zygote it was to succeed serves on, uncompiled
-            # A replica asks for inductor's C++ compiler as it starts (models/compiled_decode.py):
-            # imported here once, not in every fork on its way to its first work (a fork in the
-            # KeysManager's container took 220 ms instead of 55 without it, 2026-12-07).
-            cannot_compile()
+            if args.compile:
+                if not _compile(runner, settings.compute.compile_nice):
+                    return 1  # the zygote it was to succeed serves on, uncompiled
+            else:
+                # A replica asks for inductor's C++ compiler as it starts (models/compiled_decode.py);
+                # a compile asked already. Imported here once, not in every fork on its way to its
+                # first work (a fork in the KeysManager's container: 220 ms without, 80 with it).
+                cannot_compile()
     assert not torch.cuda.is_initialized()
     serve(runner, args.socket)
     return 0
